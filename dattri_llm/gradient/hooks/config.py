@@ -1,0 +1,222 @@
+"""``HookManagerConfig``: which layers to hook, how, and how to interpret them."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
+
+__all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "resolve_layers"]
+
+
+class _RegisterAll:
+    """Sentinel: select every eligible layer."""
+
+    _instance: _RegisterAll | None = None
+
+    def __new__(cls) -> _RegisterAll:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "REGISTER_ALL"
+
+
+#: Select every eligible layer (a supported type with trainable parameters).
+REGISTER_ALL = _RegisterAll()
+
+Selector = Any  # REGISTER_ALL | Sequence[str] (regexes matched against full module names)
+
+
+@dataclass
+class HookManagerConfig:
+    """What the :class:`~dattri_llm.HookManager` hooks and how.
+
+    Attributes:
+        linear_io: Layers captured as per-sample factors (input activations and output
+            gradients): ``REGISTER_ALL`` or a list of regexes matched against full module names.
+        param_grad: Layers captured from their parameters' ``.grad`` (one gradient per
+            backward, so per-sample only with batch size 1). Same selector syntax.
+        hook_types: Exact module names mapped to ``"linear_io"`` or ``"param_grad"``;
+            combined with the selectors.
+        layer_types: Relabel a module as a registered layer type (e.g. ``"nn.RMSNorm"`` for
+            Hugging Face ``LlamaRMSNorm``). Relabelling never selects a layer.
+        module_kwargs: Per-module hyper-parameters overriding what is read off the module
+            (builders in :mod:`dattri_llm.utils.module`).
+        capture_style: ``"factorized"`` keeps factors, ``"materialized"`` contracts them in the
+            backward hook, ``"auto"`` picks the smaller per layer and micro-batch.
+        projection: Optional capture-time random projection (see ``ProjectionConfig``).
+        hash_keys: Input fields hashed to identify samples (default: ``input_ids`` when the
+            model receives it, else every tensor input with the batch's leading size).
+        sample_id_key: Read sample ids from this model input instead of hashing.
+        exclude: Regexes of module names never hooked (applied after selection).
+        shared_parameters: ``"sum"`` (default) treats modules that share a weight (tied
+            embeddings) as one parameter whose gradient is the sum over sites, with exact
+            cross terms; ``"separate"`` keeps each site as its own block.
+
+    With no selector and no ``hook_types`` at all, every eligible layer is captured
+    (``linear_io=REGISTER_ALL``).
+    """
+
+    linear_io: Selector | None = None
+    param_grad: Selector | None = None
+    hook_types: dict[str, str] = field(default_factory=dict)
+    layer_types: dict[str, str] = field(default_factory=dict)
+    module_kwargs: dict[str, dict] = field(default_factory=dict)
+    capture_style: str = "factorized"
+    projection: Any = None
+    hash_keys: Sequence[str] | None = None
+    sample_id_key: str | None = None
+    exclude: Sequence[str] = ()
+    shared_parameters: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.capture_style not in ("factorized", "materialized", "auto"):
+            raise ValueError(
+                "capture_style must be 'factorized', 'materialized' or 'auto', got "
+                f"{self.capture_style!r}"
+            )
+        if self.shared_parameters not in ("sum", "separate"):
+            raise ValueError(
+                f"shared_parameters must be 'sum' or 'separate', got {self.shared_parameters!r}"
+            )
+        for name, kind in self.hook_types.items():
+            if kind not in ("linear_io", "param_grad"):
+                raise ValueError(
+                    f"hook_types[{name!r}] must be 'linear_io' or 'param_grad', got {kind!r}"
+                )
+        for name in ("linear_io", "param_grad"):
+            sel = getattr(self, name)
+            if isinstance(sel, str):
+                setattr(self, name, [sel])
+
+
+@dataclass
+class LayerSpec:
+    """One resolved layer: module, rule, hook type and hyper-parameters."""
+
+    name: str
+    module: nn.Module
+    hook_type: str
+    rule: LayerRule | None
+    module_kwargs: dict
+
+
+def _candidates(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
+    return ", ".join(close) if close else ", ".join(list(names)[:10]) + (
+        " ..." if len(names) > 10 else "")
+
+
+def _trainable(module: nn.Module) -> bool:
+    params = list(module.parameters(recurse=False))
+    return bool(params) and any(p.requires_grad for p in params)
+
+
+def _select(
+    selector: Selector | None, names: Sequence[str], eligible: set[str], kind: str
+) -> list[str]:
+    if selector is None:
+        return []
+    if selector is REGISTER_ALL:
+        return [n for n in names if n in eligible]
+    chosen: list[str] = []
+    for pattern in selector:
+        rx = re.compile(pattern)
+        hits = [n for n in names if rx.fullmatch(n)]
+        if not hits:
+            raise ValueError(
+                f"{kind} pattern {pattern!r} matches no module. Close candidates: "
+                f"{_candidates(pattern, names)}"
+            )
+        chosen += [n for n in hits if n not in chosen]
+    return chosen
+
+
+def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpec]:
+    """Resolve a config against a model into the ordered list of layers to hook.
+
+    Raises:
+        ValueError: unknown module names (with close candidates), unsupported layer types
+            (with the supported ones), or a selection that is empty.
+    """
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    for key, mapping in (("hook_types", config.hook_types), ("layer_types", config.layer_types),
+                         ("module_kwargs", config.module_kwargs)):
+        for n in mapping:
+            if n not in modules:
+                raise ValueError(
+                    f"{key} names module {n!r}, which the model does not have. Close "
+                    f"candidates: {_candidates(n, names)}"
+                )
+
+    def rule_of(name: str) -> LayerRule | None:
+        if name in config.layer_types:
+            return get_rule(config.layer_types[name])
+        return rule_for_module(modules[name])
+
+    eligible = {n for n in names if rule_of(n) is not None and _trainable(modules[n])}
+    kinds: dict[str, str] = {}
+    nothing_given = (config.linear_io is None and config.param_grad is None
+                     and not config.hook_types)
+    linear_sel = REGISTER_ALL if nothing_given else config.linear_io
+    for n in _select(linear_sel, names, eligible, "linear_io"):
+        kinds[n] = "linear_io"
+    params_all = {n for n in names if _trainable(modules[n])}
+    for n in _select(config.param_grad, names, params_all, "param_grad"):
+        kinds[n] = "param_grad"
+    kinds.update(config.hook_types)
+    excluded = [re.compile(p) for p in config.exclude]
+    specs = []
+    for n in names:
+        if n not in kinds or any(rx.fullmatch(n) for rx in excluded):
+            continue
+        kind = kinds[n]
+        module = modules[n]
+        if kind == "param_grad":
+            specs.append(LayerSpec(n, module, kind, None, {}))
+            continue
+        rule = rule_of(n)
+        if rule is None:
+            from dattri_llm.gradient.layers import supported_layer_types
+
+            raise ValueError(
+                f"module {n!r} of type {type(module).__name__} has no layer rule. Supported "
+                f"types: {', '.join(supported_layer_types())}. Declare what it is with "
+                f"layer_types={{{n!r}: ...}} (plus module_kwargs), or hook it with param_grad."
+            )
+        try:
+            kw = rule.module_kwargs(module)
+        except (AttributeError, TypeError):
+            if n not in config.layer_types:
+                raise
+            kw = {}  # a relabelled module: its hyper-parameters come from module_kwargs
+        kw = {**kw, **dict(config.module_kwargs.get(n, {}))}
+        _finalize_kwargs(rule, kw, n)
+        specs.append(LayerSpec(n, module, kind, rule, kw))
+    if not specs:
+        raise ValueError(
+            "the hook selection is empty: no module of the model matched. Eligible layers: "
+            f"{_candidates('', sorted(eligible)) or 'none'}"
+        )
+    return specs
+
+
+def _finalize_kwargs(rule: LayerRule, kw: dict, name: str) -> None:
+    """Add derived entries and check the kwargs are enough for the rule."""
+    try:
+        k, d = rule.matrix_shape(kw)
+        kw["_k"], kw["_d"] = k, d
+    except KeyError as e:
+        raise ValueError(
+            f"module_kwargs for {name!r} ({rule.layer_type}) lack {e.args[0]!r}; build them with "
+            "the helpers in dattri_llm.utils.module."
+        ) from None

@@ -1,0 +1,473 @@
+"""``HookManager``: registers hooks, pairs forwards with backwards, completes steps.
+
+Nothing here is layer-specific: the layer rules turn what the hooks see into factors.
+
+How a step is captured:
+
+1. A forward pre-hook on the model records the batch inputs (for sample hashes) and size.
+2. A forward hook on each selected layer computes the ``a`` factor and registers a tensor hook
+   on the layer output; the closure carries ``a``, so forwards that never see a backward
+   (evaluation with grad enabled, checkpoint recomputation leftovers) leak nothing.
+3. The tensor hook receives the output gradient, computes ``g`` (and materialises or projects
+   it when configured) and queues an end-of-backward callback on the autograd engine.
+4. When the (outermost) backward finishes, the layer buffers become a :class:`Gradient` and
+   callbacks receive a :class:`GradientRecord`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dattri_llm.gradient.callbacks.base import HookCallback
+from dattri_llm.gradient.gradient import (
+    Factorized,
+    Gradient,
+    GradientRecord,
+    LayerGradient,
+    Materialized,
+    Shared,
+)
+from dattri_llm.gradient.hooks.config import HookManagerConfig, LayerSpec, resolve_layers
+from dattri_llm.gradient.layers.embedding import EmbeddingRule
+from dattri_llm.utils.hashing import hash_batch
+
+__all__ = ["HookManager"]
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Emit ``message`` as a UserWarning once per process for ``key``."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+class HookManager:
+    """Capture per-sample gradients from any training loop that calls ``.backward()``.
+
+    Example:
+        >>> hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL),
+        ...                  callbacks=[OffloadCallback(file_manager=store)])
+        >>> with hm.collect():
+        ...     trainer.train()
+        >>> hm.remove()
+
+    Args:
+        model: Any ``nn.Module`` (DDP / FSDP wrappers included).
+        config: Which layers to hook and how; default: every supported trainable layer.
+        callbacks: Receive each completed step (see :class:`HookCallback`).
+        optimizer: The training optimizer; needed by preconditioned capture (LESS) and
+            available to callbacks as ``manager.optimizer``.
+
+    Attributes:
+        step: Number of completed backward passes captured so far.
+        checkpoint: Label stored with each record (set it when capturing at several model
+            states, e.g. for TracIn from a cache).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: HookManagerConfig | None = None,
+        callbacks: Sequence[HookCallback] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or HookManagerConfig()
+        self.callbacks: list[HookCallback] = list(callbacks or [])
+        self.optimizer = optimizer
+        self.layers: list[LayerSpec] = resolve_layers(model, self.config)
+        self.step = 0
+        self.checkpoint = 0
+        #: When True, outputs of hooked layers that do not require grad are made to (used by
+        #: live probes that freeze parameters so no weight gradient is computed).
+        self.force_output_grad = False
+        self._active = False
+        self._handles: list[Any] = []
+        self._buffers: dict[str, list[tuple[int, Any]]] = {}
+        self._param_grads: dict[str, dict[str, torch.Tensor]] = {}
+        self._inputs: dict[str, torch.Tensor] | None = None
+        self._batch_size: int | None = None
+        self._forward_order = 0
+        self._queued_tasks: set[int] = set()
+        self._manual_ids: list[str] | None = None
+        self._transforms: list[Any] = []
+        self._shared_groups = self._find_shared_groups()
+        try:
+            self._signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # pragma: no cover - exotic modules
+            self._signature = None
+        self._register()
+        for cb in self.callbacks:
+            cb.on_register(self)
+
+    # ---- registration -----------------------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of the hooked layers, in model order."""
+        return [s.name for s in self.layers]
+
+    def _find_shared_groups(self) -> dict[str, list[str]]:
+        if self.config.shared_parameters == "separate":
+            return {}
+        by_param: dict[int, list[str]] = {}
+        linear_io = [s for s in self.layers if s.hook_type == "linear_io"]
+        for spec in linear_io:
+            w = getattr(spec.module, "weight", None)
+            if isinstance(w, torch.Tensor):
+                by_param.setdefault(id(w), []).append(spec.name)
+        groups = {names[0]: names for names in by_param.values() if len(names) > 1}
+        hooked = {s.name for s in linear_io}
+        for name, module in self.model.named_modules():
+            w = getattr(module, "weight", None)
+            if name in hooked or not isinstance(w, nn.Parameter) or not w.requires_grad:
+                continue
+            for spec in linear_io:
+                if getattr(spec.module, "weight", None) is w:
+                    warn_once(
+                        f"shared-unhooked:{spec.name}:{name}",
+                        f"layer {spec.name!r} shares its weight with {name!r}, which is not "
+                        "hooked: its gradient covers only the hooked site(s).",
+                    )
+        return groups
+
+    def _register(self) -> None:
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
+        )
+        for spec in self.layers:
+            if spec.hook_type == "linear_io":
+                self._handles.append(spec.module.register_forward_hook(self._layer_hook(spec)))
+            else:
+                for pname, p in spec.module.named_parameters(recurse=False):
+                    if p.requires_grad:
+                        self._handles.append(p.register_hook(self._param_hook(spec, pname)))
+
+    def remove(self) -> None:
+        """Take every hook down (idempotent); the model is left as it was."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        self._reset_step()
+        for cb in self.callbacks:
+            cb.on_remove()
+
+    def add_transform(self, fn: Any) -> None:
+        """Add a per-layer transform ``fn(spec, item) -> item`` applied in the backward hook
+        (projection and preconditioning use it)."""
+        self._transforms.append(fn)
+
+    # ---- collection context -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def collect(self, deregister_on_exit: bool = False) -> Iterator[HookManager]:
+        """Capture while the block runs.
+
+        Args:
+            deregister_on_exit: Call :meth:`remove` when the block ends.
+        """
+        if not self._handles:
+            raise RuntimeError("this HookManager was removed; create a new one to capture again.")
+        self._active = True
+        for cb in self.callbacks:
+            cb.on_context_start()
+        try:
+            yield self
+        finally:
+            self._active = False
+            self._reset_step()
+            for cb in self.callbacks:
+                cb.on_context_end()
+            if deregister_on_exit:
+                self.remove()
+
+    def set_sample_ids(self, ids: Sequence[str]) -> None:
+        """Use these ids for the next captured step instead of content hashes."""
+        self._manual_ids = [str(i) for i in ids]
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._active or not torch.is_grad_enabled() or self._inputs is not None:
+            return
+        fields: dict[str, torch.Tensor] = {}
+        if self._signature is not None:
+            try:
+                bound = self._signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                bound = dict(kwargs)
+        else:
+            bound = dict(kwargs)
+        for k, v in bound.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                fields[k] = v
+            elif k == "kwargs" and isinstance(v, dict):
+                fields.update({kk: vv for kk, vv in v.items() if isinstance(vv, torch.Tensor)
+                               and vv.dim() > 0})
+        if not fields and args and isinstance(args[0], torch.Tensor):
+            fields["input_ids"] = args[0]
+        self._inputs = fields
+        if fields:
+            key = "input_ids" if "input_ids" in fields else next(iter(fields))
+            self._batch_size = int(fields[key].shape[0])
+
+    def _layer_hook(self, spec: LayerSpec) -> Any:
+        rule = spec.rule
+        kw = spec.module_kwargs
+        broadcast_ok = isinstance(rule, EmbeddingRule)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not self._active or not torch.is_grad_enabled():
+                return None
+            out = _first_tensor(output)
+            if out is None or not out.is_floating_point():
+                return None
+            replaced = False
+            if not out.requires_grad:
+                if not self.force_output_grad:
+                    return None  # not on the autograd path
+                out = out.detach().requires_grad_()
+                replaced = True
+            b = self._batch_size
+            if broadcast_ok and b and b > 1 and out.shape[0] == 1 and args[0].shape[0] == 1:
+                # an un-batched index (GPT-2 position ids): expand so each sample gets its own
+                # output gradient instead of the batch sum
+                out = out.expand(b, *out.shape[1:])
+                args = (args[0].expand(b, *args[0].shape[1:]),) + tuple(args[1:])
+                replaced = True
+            a = rule.capture_input(module, args, out, kw)
+            order = self._forward_order
+            self._forward_order += 1
+            for cb in self.callbacks:
+                cb.on_forward(spec.name, module, a)
+            out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad))
+            if not replaced:
+                return None
+            if isinstance(output, torch.Tensor):
+                return out
+            return (out, *output[1:]) if isinstance(output, tuple) else [out, *output[1:]]
+
+        return hook
+
+    def _on_output_grad(self, spec: LayerSpec, order: int, a: torch.Tensor,
+                        grad: torch.Tensor) -> None:
+        if not self._active:
+            return
+        rule, kw = spec.rule, spec.module_kwargs
+        g = rule.capture_output_grad(grad.detach(), kw)
+        if hasattr(rule, "finalize"):
+            g = rule.finalize(a, g, kw)
+        if g.dtype != a.dtype and a.is_floating_point():
+            a = a.to(g.dtype)
+        for cb in self.callbacks:
+            cb.on_backward(spec.name, spec.module, a, g)
+        item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
+        style = self.config.capture_style
+        if style == "materialized" or (
+                style == "auto" and rule.prefer_materialized_capture(g.shape[1], kw)):
+            item = item.materialize()
+        for fn in self._transforms:
+            item = fn(spec, item)
+        self._buffers.setdefault(spec.name, []).append((order, item))
+        self._ensure_end_callback()
+
+    def _param_hook(self, spec: LayerSpec, pname: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._active:
+                return
+            self._param_grads.setdefault(spec.name, {})[pname] = (
+                self._param_grads.get(spec.name, {}).get(pname, 0) + grad.detach()
+            )
+            self._ensure_end_callback()
+
+        return hook
+
+    def _ensure_end_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task in self._queued_tasks:
+            return
+        self._queued_tasks.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_task_end(task))
+
+    def _on_task_end(self, task: int) -> None:
+        self._queued_tasks.discard(task)
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            # a nested backward (reentrant checkpointing) ended inside an enclosing one: finish
+            # the step when the enclosing backward does
+            outer.register_hook(lambda *_: self._ensure_end_callback())
+            return
+        if self._queued_tasks:
+            return
+        self._finish_step()
+
+    # ---- step assembly -----------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._buffers = {}
+        self._param_grads = {}
+        self._inputs = None
+        self._batch_size = None
+        self._forward_order = 0
+        self._queued_tasks = set()
+
+    def _merge_calls(self, items: list[tuple[int, LayerGradient]]) -> LayerGradient:
+        items = sorted(items, key=lambda x: x[0])
+        parts = [it for _, it in items]
+        if len(parts) == 1:
+            return parts[0]
+        if all(isinstance(p, Factorized) for p in parts):
+            rule = parts[0].rule
+            return Factorized(rule.concat_tokens([p.a for p in parts]),
+                              rule.concat_tokens([p.g for p in parts]), parts[0].layer_type,
+                              parts[0].module_kwargs)
+        total = sum(p.materialize().data for p in parts)
+        return Materialized(total, parts[0].layer_type, parts[0].module_kwargs)
+
+    def _zero_like(self, spec: LayerSpec, b: int, ref: torch.Tensor) -> LayerGradient:
+        k, d = spec.rule.matrix_shape(spec.module_kwargs)
+        if isinstance(spec.rule, EmbeddingRule):
+            a = torch.zeros(b, 1, dtype=torch.long, device=ref.device)
+            g = ref.new_zeros(b, 1, d)
+        else:
+            item = Factorized(ref.new_zeros(b, 1, d), ref.new_zeros(b, 1, k),
+                              spec.rule.layer_type, spec.module_kwargs)
+            return self._apply_transforms(spec, item, materialize_ok=True)
+        item = Factorized(a, g, spec.rule.layer_type, spec.module_kwargs)
+        return self._apply_transforms(spec, item, materialize_ok=True)
+
+    def _apply_transforms(self, spec: LayerSpec, item: LayerGradient,
+                          materialize_ok: bool) -> LayerGradient:
+        if self.config.capture_style == "materialized" and materialize_ok:
+            item = item.materialize()
+        for fn in self._transforms:
+            item = fn(spec, item)
+        return item
+
+    def _finish_step(self) -> None:
+        buffers, param_grads = self._buffers, self._param_grads
+        inputs, manual = self._inputs, self._manual_ids
+        self._reset_step()
+        self._manual_ids = None
+        if not buffers and not param_grads:
+            return
+        merged = {n: self._merge_calls(items) for n, items in buffers.items()}
+        sizes = {n: lg.batch_size for n, lg in merged.items()}
+        if len(set(sizes.values())) > 1:
+            raise RuntimeError(
+                f"hooked layers saw different batch sizes in one step: {sizes}. A layer fed an "
+                "un-batched input cannot give per-sample gradients; exclude it "
+                "(HookManagerConfig(exclude=[...]))."
+            )
+        b = next(iter(sizes.values())) if sizes else 1
+        ref = _ref_tensor(merged)
+        layers: dict[str, LayerGradient] = {}
+        for spec in self.layers:
+            if spec.hook_type == "param_grad":
+                item = self._param_item(spec, param_grads.get(spec.name), b, ref)
+                if item is not None:
+                    layers[spec.name] = item
+                continue
+            if spec.name in merged:
+                layers[spec.name] = merged[spec.name]
+            elif ref is not None:
+                layers[spec.name] = self._zero_like(spec, b, ref)
+        layers = self._group_shared(layers)
+        gradient = Gradient(layers)
+        hashes = self._hashes(inputs, manual, gradient.batch_size)
+        record = GradientRecord(self.step, hashes, gradient, self.checkpoint)
+        self.step += 1
+        for cb in self.callbacks:
+            cb.on_step_end(record)
+
+    def _param_item(self, spec: LayerSpec, grads: dict | None, b: int,
+                    ref: torch.Tensor | None) -> LayerGradient | None:
+        params = [(n, p) for n, p in spec.module.named_parameters(recurse=False)
+                  if p.requires_grad]
+        if b != 1:
+            raise RuntimeError(
+                f"layer {spec.name!r} is hooked with param_grad, which sees the batch gradient; "
+                f"per-sample gradients need batch size 1 (got {b}). Use linear_io or batch size 1."
+            )
+        vecs = []
+        for n, p in params:
+            gp = (grads or {}).get(n)
+            vecs.append((gp if gp is not None else torch.zeros_like(p)).reshape(1, -1))
+        data = torch.cat(vecs, dim=1)
+        if ref is not None:
+            data = data.to(ref.dtype)
+        return Materialized(data, "param_grad", {"params": [[n, list(p.shape)] for n, p in
+                                                             params]})
+
+    def _group_shared(self, layers: dict[str, LayerGradient]) -> dict[str, LayerGradient]:
+        if not self._shared_groups:
+            return layers
+        out: dict[str, LayerGradient] = {}
+        member_of = {m: lead for lead, ms in self._shared_groups.items() for m in ms}
+        for name, lg in layers.items():
+            lead = member_of.get(name)
+            if lead is None:
+                out[name] = lg
+                continue
+            if name != lead:
+                continue
+            names = [m for m in self._shared_groups[lead] if m in layers]
+            sites = [layers[m] for m in names]
+            if all(isinstance(s, Materialized) for s in sites):
+                out[name] = Materialized(sum(s.data for s in sites), sites[0].layer_type,
+                                         sites[0].module_kwargs)
+            else:
+                out[name] = Shared(sites, names)
+        return out
+
+    def _hashes(self, inputs: dict | None, manual: list[str] | None, b: int) -> list[str]:
+        if manual is not None:
+            if len(manual) != b:
+                raise ValueError(f"set_sample_ids got {len(manual)} ids for a batch of {b}.")
+            return manual
+        key = self.config.sample_id_key
+        if inputs and key is not None:
+            if key not in inputs:
+                raise KeyError(
+                    f"sample_id_key {key!r} is not among the model inputs {sorted(inputs)}."
+                )
+            return [str(v) for v in inputs[key].reshape(inputs[key].shape[0], -1)[:, 0].tolist()]
+        if inputs:
+            batched = {k: v for k, v in inputs.items() if v.shape[0] == b}
+            if batched:
+                return hash_batch(batched, keys=_keys_for(self.config.hash_keys, batched))
+        warn_once(
+            "no-hash",
+            "could not see the model's batched inputs, so samples are identified by step and "
+            "row; call the model itself (or HookManager.set_sample_ids) for content hashes.",
+        )
+        return [f"step{self.step}:row{i}" for i in range(b)]
+
+
+def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
+    if keys is None:
+        return None
+    present = [k for k in keys if k in batched]
+    return present or None
+
+
+def _ref_tensor(layers: dict[str, LayerGradient]) -> torch.Tensor | None:
+    for lg in layers.values():
+        while isinstance(lg, Shared):
+            lg = lg.sites[0]
+        return lg.g if isinstance(lg, Factorized) else lg.data
+    return None
