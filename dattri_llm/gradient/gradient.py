@@ -75,8 +75,9 @@ class Factorized:
 
     def slice(self, idx: slice | Sequence[int] | torch.Tensor) -> Factorized:
         """Select samples."""
-        return Factorized(_index(self.a, idx), _index(self.g, idx), self.layer_type,
-                          self.module_kwargs)
+        return Factorized(
+            _index(self.a, idx), _index(self.g, idx), self.layer_type, self.module_kwargs
+        )
 
     def apply(self, fn: callable) -> Factorized:
         """Apply ``fn`` to both factors (device / dtype moves, cloning)."""
@@ -86,8 +87,12 @@ class Factorized:
     def pad_tokens(self, length: int) -> Factorized:
         """Pad the token axis to ``length`` with zero contributions."""
         rule = self.rule
-        return Factorized(rule.pad_tokens(self.a, length, True), rule.pad_tokens(self.g, length,
-                          False), self.layer_type, self.module_kwargs)
+        return Factorized(
+            rule.pad_tokens(self.a, length, True),
+            rule.pad_tokens(self.g, length, False),
+            self.layer_type,
+            self.module_kwargs,
+        )
 
 
 def _move_int(x: torch.Tensor, fn: callable) -> torch.Tensor:
@@ -191,7 +196,7 @@ class Shared:
         return Shared([s.apply(fn) for s in self.sites], list(self.site_names))
 
 
-LayerGradient = Union[Factorized, Materialized, Shared]
+LayerGradient = Union[Factorized, Materialized, Shared]  # noqa: UP007 (runtime alias, py3.10)
 
 
 def _concat_layer(parts: Sequence[LayerGradient]) -> LayerGradient:
@@ -202,8 +207,12 @@ def _concat_layer(parts: Sequence[LayerGradient]) -> LayerGradient:
     if all(isinstance(p, Factorized) for p in parts):
         length = max(p.num_tokens for p in parts)
         padded = [p.pad_tokens(length) for p in parts]
-        return Factorized(torch.cat([p.a for p in padded]), torch.cat([p.g for p in padded]),
-                          first.layer_type, first.module_kwargs)
+        return Factorized(
+            torch.cat([p.a for p in padded]),
+            torch.cat([p.g for p in padded]),
+            first.layer_type,
+            first.module_kwargs,
+        )
     dense = [p.materialize().data for p in parts]
     return Materialized(torch.cat(dense), first.layer_type, first.module_kwargs)
 
@@ -310,11 +319,14 @@ class Gradient:
 
     def aggregate(self) -> Gradient:
         """Sum over the batch: the batch gradient as a one-sample dense ``Gradient``."""
-        return Gradient({
-            n: Materialized(lg.materialize().data.sum(0, keepdim=True), lg.layer_type,
-                            lg.module_kwargs)
-            for n, lg in self.layers.items()
-        })
+        return Gradient(
+            {
+                n: Materialized(
+                    lg.materialize().data.sum(0, keepdim=True), lg.layer_type, lg.module_kwargs
+                )
+                for n, lg in self.layers.items()
+            }
+        )
 
     def apply(self, fn: callable) -> Gradient:
         """Apply ``fn`` to every floating tensor (integer index factors only move device)."""
@@ -326,8 +338,9 @@ class Gradient:
 
     def clone(self) -> Gradient:
         """A deep copy of the tensors."""
-        return Gradient({n: copy.copy(lg).apply(lambda t: t.clone()) for n, lg in
-                         self.layers.items()})
+        return Gradient(
+            {n: copy.copy(lg).apply(lambda t: t.clone()) for n, lg in self.layers.items()}
+        )
 
     def detach(self) -> Gradient:
         """Detached tensors."""
@@ -335,6 +348,7 @@ class Gradient:
 
     def scale(self, factor: float | torch.Tensor) -> Gradient:
         """Multiply every per-sample gradient by ``factor`` (a scalar or a ``(B,)`` tensor)."""
+
         def one(lg: LayerGradient) -> LayerGradient:
             if isinstance(lg, Shared):
                 return Shared([one(s) for s in lg.sites], list(lg.site_names))

@@ -14,7 +14,7 @@ def is_distributed() -> bool:
 
 
 def get_rank() -> int:
-    """This process's rank (0 without a process group)."""
+    """Rank of this process (0 without a process group)."""
     return dist.get_rank() if is_distributed() else 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,8 +112,11 @@ class LayerSpec:
 
 def _candidates(name: str, names: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
-    return ", ".join(close) if close else ", ".join(list(names)[:10]) + (
-        " ..." if len(names) > 10 else "")
+    return (
+        ", ".join(close)
+        if close
+        else ", ".join(list(names)[:10]) + (" ..." if len(names) > 10 else "")
+    )
 
 
 def _trainable(module: nn.Module) -> bool:
@@ -149,8 +153,11 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
     """
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
-    for key, mapping in (("hook_types", config.hook_types), ("layer_types", config.layer_types),
-                         ("module_kwargs", config.module_kwargs)):
+    for key, mapping in (
+        ("hook_types", config.hook_types),
+        ("layer_types", config.layer_types),
+        ("module_kwargs", config.module_kwargs),
+    ):
         for n in mapping:
             if n not in modules:
                 raise ValueError(
@@ -164,9 +171,12 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
         return rule_for_module(modules[name])
 
     eligible = {n for n in names if rule_of(n) is not None and _trainable(modules[n])}
+    if config.linear_io is REGISTER_ALL or (
+        config.linear_io is None and config.param_grad is None and not config.hook_types
+    ):
+        _warn_uncovered(modules, names, eligible)
     kinds: dict[str, str] = {}
-    nothing_given = (config.linear_io is None and config.param_grad is None
-                     and not config.hook_types)
+    nothing_given = config.linear_io is None and config.param_grad is None and not config.hook_types
     linear_sel = REGISTER_ALL if nothing_given else config.linear_io
     for n in _select(linear_sel, names, eligible, "linear_io"):
         kinds[n] = "linear_io"
@@ -208,6 +218,29 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
             f"{_candidates('', sorted(eligible)) or 'none'}"
         )
     return specs
+
+
+def _warn_uncovered(
+    modules: Mapping[str, nn.Module], names: Sequence[str], eligible: set[str]
+) -> None:
+    """Warn once when REGISTER_ALL leaves trainable parameters of unknown layer classes out."""
+    left = sorted(
+        {type(modules[n]).__name__ for n in names if n not in eligible and _trainable(modules[n])}
+    )
+    if left:
+        key = ",".join(left)
+        if key not in _WARNED_UNCOVERED:
+            _WARNED_UNCOVERED.add(key)
+            warnings.warn(
+                f"REGISTER_ALL leaves out trainable parameters of modules of type {left}: no layer "
+                "rule recognises them. Declare them with layer_types + module_kwargs (e.g. "
+                "'nn.RMSNorm' for an RMSNorm class) or hook them with param_grad.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+_WARNED_UNCOVERED: set[str] = set()
 
 
 def _finalize_kwargs(rule: LayerRule, kw: dict, name: str) -> None:

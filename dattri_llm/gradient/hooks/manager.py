@@ -170,8 +170,10 @@ class HookManager:
             cb.on_remove()
 
     def add_transform(self, fn: Any) -> None:
-        """Add a per-layer transform ``fn(spec, item) -> item`` applied in the backward hook
-        (projection and preconditioning use it)."""
+        """Add a per-layer transform ``fn(spec, item) -> item`` applied in the backward hook.
+
+        Projection and preconditioning use it.
+        """
         self._transforms.append(fn)
 
     # ---- collection context -------------------------------------------------------------------
@@ -217,8 +219,13 @@ class HookManager:
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 fields[k] = v
             elif k == "kwargs" and isinstance(v, dict):
-                fields.update({kk: vv for kk, vv in v.items() if isinstance(vv, torch.Tensor)
-                               and vv.dim() > 0})
+                fields.update(
+                    {
+                        kk: vv
+                        for kk, vv in v.items()
+                        if isinstance(vv, torch.Tensor) and vv.dim() > 0
+                    }
+                )
         if not fields and args and isinstance(args[0], torch.Tensor):
             fields["input_ids"] = args[0]
         self._inputs = fields
@@ -264,8 +271,9 @@ class HookManager:
 
         return hook
 
-    def _on_output_grad(self, spec: LayerSpec, order: int, a: torch.Tensor,
-                        grad: torch.Tensor) -> None:
+    def _on_output_grad(
+        self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor
+    ) -> None:
         if not self._active:
             return
         rule, kw = spec.rule, spec.module_kwargs
@@ -279,7 +287,8 @@ class HookManager:
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
         style = self.config.capture_style
         if style == "materialized" or (
-                style == "auto" and rule.prefer_materialized_capture(g.shape[1], kw)):
+            style == "auto" and rule.prefer_materialized_capture(g.shape[1], kw)
+        ):
             item = item.materialize()
         for fn in self._transforms:
             item = fn(spec, item)
@@ -332,9 +341,12 @@ class HookManager:
             return parts[0]
         if all(isinstance(p, Factorized) for p in parts):
             rule = parts[0].rule
-            return Factorized(rule.concat_tokens([p.a for p in parts]),
-                              rule.concat_tokens([p.g for p in parts]), parts[0].layer_type,
-                              parts[0].module_kwargs)
+            return Factorized(
+                rule.concat_tokens([p.a for p in parts]),
+                rule.concat_tokens([p.g for p in parts]),
+                parts[0].layer_type,
+                parts[0].module_kwargs,
+            )
         total = sum(p.materialize().data for p in parts)
         return Materialized(total, parts[0].layer_type, parts[0].module_kwargs)
 
@@ -344,14 +356,19 @@ class HookManager:
             a = torch.zeros(b, 1, dtype=torch.long, device=ref.device)
             g = ref.new_zeros(b, 1, d)
         else:
-            item = Factorized(ref.new_zeros(b, 1, d), ref.new_zeros(b, 1, k),
-                              spec.rule.layer_type, spec.module_kwargs)
+            item = Factorized(
+                ref.new_zeros(b, 1, d),
+                ref.new_zeros(b, 1, k),
+                spec.rule.layer_type,
+                spec.module_kwargs,
+            )
             return self._apply_transforms(spec, item, materialize_ok=True)
         item = Factorized(a, g, spec.rule.layer_type, spec.module_kwargs)
         return self._apply_transforms(spec, item, materialize_ok=True)
 
-    def _apply_transforms(self, spec: LayerSpec, item: LayerGradient,
-                          materialize_ok: bool) -> LayerGradient:
+    def _apply_transforms(
+        self, spec: LayerSpec, item: LayerGradient, materialize_ok: bool
+    ) -> LayerGradient:
         if self.config.capture_style == "materialized" and materialize_ok:
             item = item.materialize()
         for fn in self._transforms:
@@ -394,10 +411,10 @@ class HookManager:
         for cb in self.callbacks:
             cb.on_step_end(record)
 
-    def _param_item(self, spec: LayerSpec, grads: dict | None, b: int,
-                    ref: torch.Tensor | None) -> LayerGradient | None:
-        params = [(n, p) for n, p in spec.module.named_parameters(recurse=False)
-                  if p.requires_grad]
+    def _param_item(
+        self, spec: LayerSpec, grads: dict | None, b: int, ref: torch.Tensor | None
+    ) -> LayerGradient | None:
+        params = [(n, p) for n, p in spec.module.named_parameters(recurse=False) if p.requires_grad]
         if b != 1:
             raise RuntimeError(
                 f"layer {spec.name!r} is hooked with param_grad, which sees the batch gradient; "
@@ -410,8 +427,7 @@ class HookManager:
         data = torch.cat(vecs, dim=1)
         if ref is not None:
             data = data.to(ref.dtype)
-        return Materialized(data, "param_grad", {"params": [[n, list(p.shape)] for n, p in
-                                                             params]})
+        return Materialized(data, "param_grad", {"params": [[n, list(p.shape)] for n, p in params]})
 
     def _group_shared(self, layers: dict[str, LayerGradient]) -> dict[str, LayerGradient]:
         if not self._shared_groups:
@@ -428,8 +444,9 @@ class HookManager:
             names = [m for m in self._shared_groups[lead] if m in layers]
             sites = [layers[m] for m in names]
             if all(isinstance(s, Materialized) for s in sites):
-                out[name] = Materialized(sum(s.data for s in sites), sites[0].layer_type,
-                                         sites[0].module_kwargs)
+                out[name] = Materialized(
+                    sum(s.data for s in sites), sites[0].layer_type, sites[0].module_kwargs
+                )
             else:
                 out[name] = Shared(sites, names)
         return out

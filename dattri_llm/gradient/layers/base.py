@@ -107,8 +107,10 @@ class LayerRule:
 
     def norm_sq(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         """Squared norms ``(B,)`` of the per-sample gradients, factorised."""
-        rows = [self.gram(a[i : i + 1], g[i : i + 1], a[i : i + 1], g[i : i + 1], kw) for i in
-                range(a.shape[0])]
+        rows = [
+            self.gram(a[i : i + 1], g[i : i + 1], a[i : i + 1], g[i : i + 1], kw)
+            for i in range(a.shape[0])
+        ]
         return torch.cat([r.reshape(1) for r in rows]) if rows else a.new_zeros(0)
 
     # ---- cost model ------------------------------------------------------------------------
@@ -121,8 +123,10 @@ class LayerRule:
         return True
 
     def prefer_materialized_against_dense(self, b1: int, b2: int, s: int, kw: dict) -> bool:
-        """Against a dense right side: materialise the left (``B1 S P + B1 B2 P`` flops) or
-        contract per token (``B1 S B2 P``)."""
+        """Against a dense right side: materialise the left or contract per token.
+
+        Materialising costs ``B1 S P + B1 B2 P`` flops, the per-token route ``B1 S B2 P``.
+        """
         return b1 * s + b1 * b2 <= b1 * s * b2
 
     def prefer_materialized_capture(self, s: int, kw: dict) -> bool:

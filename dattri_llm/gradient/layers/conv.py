@@ -45,11 +45,14 @@ def im2col(
         )
         return cols.transpose(1, 2)
     spatial = x.shape[2:]
-    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(spatial, kernel_size, dilation, stride)]
+    out = [
+        (n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(spatial, kernel_size, dilation, stride)
+    ]
     pieces = []
     for offs in itertools.product(*[range(k) for k in kernel_size]):
         idx = (slice(None), slice(None)) + tuple(
-            slice(o * d, o * d + (n - 1) * s + 1, s) for o, d, s, n in zip(offs, dilation, stride, out)
+            slice(o * d, o * d + (n - 1) * s + 1, s)
+            for o, d, s, n in zip(offs, dilation, stride, out)
         )
         pieces.append(x[idx])
     cols = torch.stack(pieces, dim=2).reshape(b, c * len(pieces), -1)

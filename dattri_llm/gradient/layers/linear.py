@@ -56,7 +56,7 @@ class LinearRule(OuterProductRule):
 
 
 class HFConv1DRule(LinearRule):
-    """Hugging Face ``transformers.pytorch_utils.Conv1D``: a linear layer with ``W`` of ``(D, K)``."""
+    """Hugging Face ``transformers.pytorch_utils.Conv1D``: a linear layer storing W as (D, K)."""
 
     layer_type = "transformers.Conv1D"
     module_types = ()  # matched by class name, so transformers is never imported here

@@ -87,7 +87,11 @@ class _TrailingShapeRule(_ElementwiseAffineRule):
 
     def _tokens_last(self, x: torch.Tensor, kw: dict) -> torch.Tensor:
         c = self._channels(kw)
-        return x.reshape(x.shape[0], -1, c) if x.dim() > len(kw["normalized_shape"]) else x.reshape(1, -1, c)
+        return (
+            x.reshape(x.shape[0], -1, c)
+            if x.dim() > len(kw["normalized_shape"])
+            else x.reshape(1, -1, c)
+        )
 
     def capture_input(
         self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict

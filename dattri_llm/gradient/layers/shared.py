@@ -75,7 +75,8 @@ def cross_site_per_token(
         return _embedding_x_linear(a1, g1, a2, g2)
     if rule1.num_params(kw1) != rule2.num_params(kw2):
         raise ValueError(
-            f"cannot combine sites of a shared parameter with matrix forms {rule1.matrix_shape(kw1)}"
-            f" ({rule1.layer_type}) and {rule2.matrix_shape(kw2)} ({rule2.layer_type})."
+            "cannot combine sites of a shared parameter with matrix forms "
+            f"{rule1.matrix_shape(kw1)} ({rule1.layer_type}) and {rule2.matrix_shape(kw2)} "
+            f"({rule2.layer_type})."
         )
     return rule1.dense_per_token(a1, g1, rule2.materialize(a2, g2, kw2), kw1)

@@ -43,17 +43,26 @@ def _site_cross(
         return _site_cross(y, x, mode).T
     rule = x.rule
     if isinstance(y, Materialized):
-        if mode == "materialized" or (mode == "auto" and rule.prefer_materialized_against_dense(
-                x.batch_size, y.batch_size, x.num_tokens, x.module_kwargs)):
+        if mode == "materialized" or (
+            mode == "auto"
+            and rule.prefer_materialized_against_dense(
+                x.batch_size, y.batch_size, x.num_tokens, x.module_kwargs
+            )
+        ):
             return x.materialize().data @ y.data.T
         return rule.dense_per_token(x.a, x.g, y.data, x.module_kwargs).sum(1)
     if x.layer_type != y.layer_type:
         if mode == "materialized":
             return x.materialize().data @ y.materialize().data.T
-        return cross_site_per_token(rule, x.a, x.g, x.module_kwargs, y.rule, y.a, y.g,
-                                    y.module_kwargs).sum(1)
-    if mode == "materialized" or (mode == "auto" and rule.prefer_materialized_gram(
-            x.batch_size, y.batch_size, x.num_tokens, y.num_tokens, x.module_kwargs)):
+        return cross_site_per_token(
+            rule, x.a, x.g, x.module_kwargs, y.rule, y.a, y.g, y.module_kwargs
+        ).sum(1)
+    if mode == "materialized" or (
+        mode == "auto"
+        and rule.prefer_materialized_gram(
+            x.batch_size, y.batch_size, x.num_tokens, y.num_tokens, x.module_kwargs
+        )
+    ):
         return x.materialize().data @ y.materialize().data.T
     return rule.gram(x.a, x.g, y.a, y.g, x.module_kwargs)
 
@@ -83,10 +92,15 @@ def _site_cross_per_token(
     if isinstance(y, Materialized):
         return rule.dense_per_token(x.a, x.g, y.data, x.module_kwargs)
     if x.layer_type != y.layer_type:
-        return cross_site_per_token(rule, x.a, x.g, x.module_kwargs, y.rule, y.a, y.g,
-                                    y.module_kwargs)
-    if mode == "materialized" or (mode == "auto" and rule.prefer_materialized_gram(
-            x.batch_size, y.batch_size, x.num_tokens, y.num_tokens, x.module_kwargs)):
+        return cross_site_per_token(
+            rule, x.a, x.g, x.module_kwargs, y.rule, y.a, y.g, y.module_kwargs
+        )
+    if mode == "materialized" or (
+        mode == "auto"
+        and rule.prefer_materialized_gram(
+            x.batch_size, y.batch_size, x.num_tokens, y.num_tokens, x.module_kwargs
+        )
+    ):
         return rule.dense_per_token(x.a, x.g, y.materialize().data, x.module_kwargs)
     return rule.gram_per_token(x.a, x.g, y.a, y.g, x.module_kwargs)
 
@@ -178,8 +192,8 @@ def grad_norm_sq(x: Gradient, mode: str = "auto") -> torch.Tensor:
         else:
             rule = lg.rule
             if mode == "materialized" or (
-                    mode == "auto" and rule.prefer_materialized_norm(lg.num_tokens,
-                                                                     lg.module_kwargs)):
+                mode == "auto" and rule.prefer_materialized_norm(lg.num_tokens, lg.module_kwargs)
+            ):
                 part = lg.materialize().data.pow(2).sum(-1)
             else:
                 part = rule.norm_sq(lg.a, lg.g, lg.module_kwargs)
@@ -192,8 +206,10 @@ def dot(x: Gradient, y: Gradient, mode: str = "auto") -> torch.Tensor:
     """Per-sample inner products ``<x_i, y_i>`` ``(B,)`` of two captures of the same batch."""
     if x.batch_size != y.batch_size:
         raise ValueError(f"dot needs equal batch sizes, got {x.batch_size} and {y.batch_size}")
-    rows = [torch.diagonal(cross_dot(x.slice([i]), y.slice([i]), mode=mode)) for i in
-            range(x.batch_size)]
+    rows = [
+        torch.diagonal(cross_dot(x.slice([i]), y.slice([i]), mode=mode))
+        for i in range(x.batch_size)
+    ]
     return torch.cat(rows)
 
 

@@ -1,0 +1,257 @@
+"""HookManager behaviour: steps, reuse, tied weights, checkpointing, selection and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dattri_llm import REGISTER_ALL, CaptureCallback, HookCallback, HookManager, HookManagerConfig
+from dattri_llm.gradient import Shared, ops
+from dattri_llm.utils.hashing import hash_batch, hash_sample
+from tests.reference import flat, per_sample_grads, rel_err
+
+
+class TinyLM(nn.Module):
+    """Embedding -> linear (used twice) -> norm -> head tied to the embedding."""
+
+    def __init__(self, vocab: int = 17, dim: int = 6, tie: bool = True, ckpt: str | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.unused = nn.Linear(dim, 2)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.ckpt = ckpt
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(torch.tanh(self.fc(h))))  # module reuse
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        if self.ckpt:
+            h = checkpoint(self.block, h, use_reentrant=self.ckpt == "reentrant")
+        else:
+            h = self.block(h)
+        return self.head(self.norm(h))
+
+
+def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids)
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def run(model: nn.Module, batches: list[torch.Tensor], **cfg) -> list:
+    cb = CaptureCallback(keep_all=True)
+    hm = HookManager(model, config=HookManagerConfig(**cfg), callbacks=[cb])
+    with hm.collect(deregister_on_exit=True):
+        for ids in batches:
+            lm_loss(model, {"input_ids": ids}).backward()
+    return cb.records
+
+
+def ref_flat(model: nn.Module, ids: torch.Tensor, exclude: tuple[str, ...] = ("unused",)):
+    g = per_sample_grads(model, lm_loss, {"input_ids": ids})
+    return flat({k: v for k, v in g.items() if not k.startswith(exclude)})
+
+
+@pytest.mark.parametrize("ckpt", [None, "reentrant", "non_reentrant"])
+def test_reuse_tied_and_checkpointing_exact(ckpt: str | None) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(ckpt=ckpt).double()
+    x1, x2 = torch.randint(0, 17, (3, 5)), torch.randint(0, 17, (4, 5))
+    recs = run(model, [x1, x2])
+    assert len(recs) == 2 and [r.step for r in recs] == [0, 1]
+    g1, g2 = recs[0].gradient, recs[1].gradient
+    assert isinstance(g1.layers["emb"], Shared)  # tied emb / head: one parameter
+    assert "head" not in g1.layers
+    assert g1.layers["fc"].num_tokens == 10  # two calls joined along the token axis
+    model.ckpt = None  # the torch.func reference cannot trace a reentrant checkpoint
+    r1, r2 = ref_flat(model, x1), ref_flat(model, x2)
+    for mode in ("auto", "factorized", "materialized"):
+        assert rel_err(ops.cross_dot(g1, g2, mode=mode), r1 @ r2.T) < 1e-10
+        assert rel_err(ops.grad_norm_sq(g1, mode=mode), (r1 * r1).sum(1)) < 1e-10
+    # the unused layer is reported with an exactly zero gradient
+    assert torch.all(g1.layers["unused"].materialize().data == 0)
+
+
+def test_shared_separate_is_block_diagonal() -> None:
+    model = TinyLM().double()
+    x = torch.randint(0, 17, (3, 5))
+    g = run(model, [x], shared_parameters="separate")[0].gradient
+    assert "head" in g.layers and not isinstance(g.layers["emb"], Shared)
+
+
+def test_gradient_accumulation_records_each_backward_and_grad_is_untouched() -> None:
+    model = TinyLM(tie=False).double()
+    xs = [torch.randint(0, 17, (2, 5)) for _ in range(3)]
+    ref_model = TinyLM(tie=False).double()
+    ref_model.load_state_dict(model.state_dict())
+    for x in xs:
+        lm_loss(ref_model, {"input_ids": x}).backward()
+    recs = run(model, xs)
+    assert len(recs) == 3
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad)
+    # per-sample gradients of one step sum to that step's batch gradient
+    total = sum(r.gradient.aggregate().flatten() for r in recs)
+    assert total.shape[0] == 1
+
+
+def test_no_grad_forwards_are_ignored_and_remove_restores_model() -> None:
+    model = TinyLM().double()
+    before = {
+        n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()
+    }
+    cb = CaptureCallback(keep_all=True)
+    hm = HookManager(model, callbacks=[cb])
+    with hm.collect():
+        with torch.no_grad():
+            model(torch.randint(0, 17, (2, 5)))
+        model(torch.randint(0, 17, (2, 5)))  # grad-enabled forward without backward
+        lm_loss(model, {"input_ids": torch.randint(0, 17, (2, 5))}).backward()
+    assert len(cb.records) == 1
+    hm.remove()
+    hm.remove()  # idempotent
+    after = {
+        n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()
+    }
+    assert before == after
+    with pytest.raises(RuntimeError, match="removed"):
+        with hm.collect():
+            pass
+
+
+def test_backward_outside_collect_records_nothing() -> None:
+    model = TinyLM()
+    cb = CaptureCallback(keep_all=True)
+    hm = HookManager(model, callbacks=[cb])
+    lm_loss(model, {"input_ids": torch.randint(0, 17, (2, 5))}).backward()
+    assert cb.records == []
+    hm.remove()
+
+
+def test_hashes_identify_samples_independent_of_position() -> None:
+    model = TinyLM()
+    x = torch.randint(0, 17, (4, 5))
+    perm = torch.tensor([2, 0, 3, 1])
+    r1 = run(model, [x])[0]
+    r2 = run(model, [x[perm]])[0]
+    assert r1.hashes == [hash_sample({"input_ids": row}) for row in x]
+    assert r2.hashes == [r1.hashes[i] for i in perm.tolist()]
+    assert hash_batch({"input_ids": x[1:3]}) == r1.hashes[1:3]
+    # hashes are content-only: dtype and shape matter, position does not
+    assert hash_sample({"input_ids": x[0]}) != hash_sample({"input_ids": x[0].int()})
+
+
+def test_sample_id_key_and_manual_ids() -> None:
+    class WithIds(TinyLM):
+        def forward(self, input_ids: torch.Tensor, sample_id: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids)
+
+    model = WithIds()
+    cb = CaptureCallback()
+    hm = HookManager(model, config=HookManagerConfig(sample_id_key="sample_id"), callbacks=[cb])
+    with hm.collect(deregister_on_exit=True):
+        ids = torch.randint(0, 17, (3, 5))
+        out = model(input_ids=ids, sample_id=torch.tensor([7, 8, 9]))
+        out.sum().backward()
+    assert cb.pop().hashes == ["7", "8", "9"]
+    cb2 = CaptureCallback()
+    hm = HookManager(model, callbacks=[cb2])
+    with hm.collect(deregister_on_exit=True):
+        hm.set_sample_ids(["a", "b", "c"])
+        model(input_ids=ids, sample_id=torch.tensor([7, 8, 9])).sum().backward()
+    assert cb2.pop().hashes == ["a", "b", "c"]
+
+
+def test_selection_errors_are_clear() -> None:
+    model = TinyLM()
+    with pytest.raises(ValueError, match="fc"):
+        HookManager(model, config=HookManagerConfig(hook_types={"fcc": "linear_io"}))
+    with pytest.raises(ValueError, match="matches no module"):
+        HookManager(model, config=HookManagerConfig(linear_io=["nothing.*"]))
+    with pytest.raises(ValueError, match="unsupported layer type"):
+        HookManager(
+            model,
+            config=HookManagerConfig(
+                hook_types={"fc": "linear_io"}, layer_types={"fc": "nn.Bogus"}
+            ),
+        )
+    with pytest.raises(ValueError, match="capture_style"):
+        HookManagerConfig(capture_style="dense")
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+    m = nn.Sequential(Odd())
+    with pytest.raises(ValueError, match="no layer rule"):
+        HookManager(m, config=HookManagerConfig(hook_types={"0": "linear_io"}))
+    with pytest.raises(ValueError, match="empty"):
+        HookManager(m)
+
+
+def test_regex_selection_and_exclude() -> None:
+    model = TinyLM(tie=False)
+    hm = HookManager(model, config=HookManagerConfig(linear_io=["fc|head"]))
+    assert hm.layer_names == ["fc", "head"]
+    hm.remove()
+    hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL, exclude=["unused"]))
+    assert "unused" not in hm.layer_names and "emb" in hm.layer_names
+    hm.remove()
+
+
+def test_frozen_layers_are_not_selected_by_register_all() -> None:
+    model = TinyLM(tie=False)
+    model.fc.requires_grad_(False)
+    hm = HookManager(model)
+    assert "fc" not in hm.layer_names
+    hm.remove()
+
+
+def test_param_grad_layers_batch_one_exact() -> None:
+    model = TinyLM(tie=False).double()
+    x = torch.randint(0, 17, (1, 5))
+    rec = run(model, [x], linear_io=["fc"], param_grad=["norm"])[0]
+    ref = per_sample_grads(model, lm_loss, {"input_ids": x})
+    got = rec.gradient.layers["norm"].data
+    want = torch.cat([ref["norm.weight"].reshape(1, -1), ref["norm.bias"].reshape(1, -1)], 1)
+    assert rel_err(got, want) < 1e-12
+    with pytest.raises(RuntimeError, match="batch size 1"):
+        run(model, [torch.randint(0, 17, (2, 5))], linear_io=["fc"], param_grad=["norm"])
+
+
+def test_callback_hook_points_are_called_in_order() -> None:
+    events: list[str] = []
+
+    class Spy(HookCallback):
+        def on_context_start(self) -> None:
+            events.append("start")
+
+        def on_forward(self, layer, module, a) -> None:
+            events.append(f"f:{layer}")
+
+        def on_backward(self, layer, module, a, g) -> None:
+            events.append(f"b:{layer}")
+
+        def on_step_end(self, record) -> None:
+            events.append("step")
+
+        def on_context_end(self) -> None:
+            events.append("end")
+
+    model = TinyLM(tie=False)
+    hm = HookManager(model, config=HookManagerConfig(linear_io=["norm"]), callbacks=[Spy()])
+    with hm.collect(deregister_on_exit=True):
+        lm_loss(model, {"input_ids": torch.randint(0, 17, (2, 5))}).backward()
+    assert events == ["start", "f:norm", "b:norm", "step", "end"]
