@@ -201,7 +201,9 @@ LayerGradient = Union[Factorized, Materialized, Shared]  # noqa: UP007 (runtime 
 
 def _concat_layer(parts: Sequence[LayerGradient]) -> LayerGradient:
     first = parts[0]
-    if isinstance(first, Shared):
+    if isinstance(first, Shared) and all(
+        isinstance(p, Shared) and len(p.sites) == len(first.sites) for p in parts
+    ):
         sites = [_concat_layer([p.sites[i] for p in parts]) for i in range(len(first.sites))]
         return Shared(sites, list(first.site_names))
     if all(isinstance(p, Factorized) for p in parts):

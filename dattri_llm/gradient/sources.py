@@ -7,12 +7,19 @@ recomputes). Attributors never care where blocks come from.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple, Protocol, runtime_checkable
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+import torch
 
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 
-__all__ = ["GradientBlock", "GradientSource", "InMemoryGradientSource"]
+if TYPE_CHECKING:
+    from dattri_llm.gradient.store import GradientStorageManager
+
+__all__ = ["GradientBlock", "GradientSource", "InMemoryGradientSource", "DiskGradientSource"]
 
 
 class GradientBlock(NamedTuple):
@@ -52,8 +59,7 @@ class InMemoryGradientSource:
         self._blocks: list[GradientBlock] = []
         for r in records:
             if isinstance(r, GradientRecord):
-                self._blocks.append(GradientBlock(r.step, r.gradient, list(r.hashes),
-                                                  r.checkpoint))
+                self._blocks.append(GradientBlock(r.step, r.gradient, list(r.hashes), r.checkpoint))
             else:
                 self._blocks.append(r)
 
@@ -62,3 +68,73 @@ class InMemoryGradientSource:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+class DiskGradientSource:
+    """A source over a gradient store on disk: one block per stored record, in store order.
+
+    Store order is by rank, then step, then write order (see ``docs/STORE_FORMAT.md``).
+
+    Args:
+        store_or_path: A :class:`~dattri_llm.GradientStorageManager` or its directory.
+        layers: Read only these layers (default: every stored layer).
+        device: Where blocks are loaded.
+        dtype: Cast floating tensors (integer index factors keep their dtype).
+
+    Raises:
+        FileNotFoundError: the directory does not exist.
+        StoreFormatError: the directory is not a gradient store (or holds no records).
+        KeyError: ``layers`` names a layer the store does not hold.
+    """
+
+    rereadable = True
+
+    def __init__(
+        self,
+        store_or_path: GradientStorageManager | str | os.PathLike,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        from dattri_llm.gradient.store import GradientStorageManager, StoreFormatError
+        from dattri_llm.gradient.store.format import META_FILE
+
+        if isinstance(store_or_path, GradientStorageManager):
+            store = store_or_path
+        else:
+            path = Path(store_or_path)
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"gradient store directory {path} does not exist; pass the save_dir an "
+                    "OffloadCallback / GradientStorageManager wrote."
+                )
+            if not path.is_dir():
+                raise NotADirectoryError(f"{path} is a file, not a gradient store directory.")
+            store = GradientStorageManager(path)
+            if not (path / META_FILE).is_file() and not store.ranks:
+                raise StoreFormatError(
+                    f"{path} is not a gradient store (no {META_FILE}); pass the save_dir of a "
+                    "GradientStorageManager."
+                )
+        if len(store) == 0:
+            raise StoreFormatError(f"the gradient store {store.save_dir} holds no records.")
+        self.store = store
+        self.layers = store.check_layers(layers)
+        self.device = device
+        self.dtype = dtype
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        return self.store.iter_blocks(self.layers, self.device, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of the layers the blocks hold."""
+        return list(self.layers) if self.layers is not None else self.store.layer_names
+
+    @property
+    def num_samples(self) -> int:
+        """Total rows over all blocks."""
+        return self.store.num_samples

@@ -53,7 +53,12 @@ class HookManagerConfig:
             (builders in :mod:`dattri_llm.utils.module`).
         capture_style: ``"factorized"`` keeps factors, ``"materialized"`` contracts them in the
             backward hook, ``"auto"`` picks the smaller per layer and micro-batch.
-        projection: Optional capture-time random projection (see ``ProjectionConfig``).
+        projection: Optional capture-time random projection: one
+            :class:`~dattri_llm.gradient.ops.projection.ProjectionConfig` for every hooked layer,
+            or ``{layer-name regex: ProjectionConfig | None}`` (full match, first match wins;
+            ``None`` or no match keeps the layer exact). Styles ``"logra"`` (factors projected
+            separately, stays factorised), ``"dense"`` and ``"mask"`` (a ``(B, proj_dim)``
+            vector); norm layers accept ``"dense"`` / ``"mask"`` only.
         hash_keys: Input fields hashed to identify samples (default: ``input_ids`` when the
             model receives it, else every tensor input with the batch's leading size).
         sample_id_key: Read sample ids from this model input instead of hashing.
@@ -79,6 +84,10 @@ class HookManagerConfig:
     shared_parameters: str = "sum"
 
     def __post_init__(self) -> None:
+        if self.projection is not None:
+            from dattri_llm.gradient.ops.projection import resolve_projection
+
+            resolve_projection(self.projection, None)  # types only; patterns are checked per model
         if self.capture_style not in ("factorized", "materialized", "auto"):
             raise ValueError(
                 "capture_style must be 'factorized', 'materialized' or 'auto', got "
@@ -108,6 +117,34 @@ class LayerSpec:
     hook_type: str
     rule: LayerRule | None
     module_kwargs: dict
+
+
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str, data_parallel: bool = False) -> str:
+    """Module name without the segments DDP / FSDP / checkpoint / compile wrappers insert.
+
+    Layer names are then the same whether a model is captured wrapped or not, so stores
+    written under DDP score against stores written on a single device.
+
+    Args:
+        name: A name from ``model.named_modules()``.
+        data_parallel: The model is a ``DistributedDataParallel`` / ``DataParallel`` wrapper,
+            whose ``module.`` prefix is dropped.
+    """
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    if data_parallel:
+        name = "" if name == "module" else name.removeprefix("module.")
+    return name
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is a (Distributed)DataParallel wrapper."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    return isinstance(model, (DataParallel, DistributedDataParallel))
 
 
 def _candidates(name: str, names: Sequence[str]) -> str:
@@ -151,7 +188,8 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
         ValueError: unknown module names (with close candidates), unsupported layer types
             (with the supported ones), or a selection that is empty.
     """
-    modules = dict(model.named_modules())
+    dp = is_data_parallel(model)
+    modules = {canonical_name(n, dp): m for n, m in model.named_modules()}
     names = [n for n in modules if n]
     for key, mapping in (
         ("hook_types", config.hook_types),

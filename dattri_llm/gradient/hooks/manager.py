@@ -10,6 +10,10 @@ How a step is captured:
    (evaluation with grad enabled, checkpoint recomputation leftovers) leak nothing.
 3. The tensor hook receives the output gradient, computes ``g`` (and materialises or projects
    it when configured) and queues an end-of-backward callback on the autograd engine.
+   Capture-time projection (``config.projection``, see ``ops/projection.py``) runs in three
+   stages: the activation factor in the forward hook (logra), the complete factors before the
+   ``on_backward`` callbacks (logra), and the item after the ``add_transform`` maps (dense,
+   mask).
 4. When the (outermost) backward finishes, the layer buffers become a :class:`Gradient` and
    callbacks receive a :class:`GradientRecord`.
 """
@@ -34,7 +38,13 @@ from dattri_llm.gradient.gradient import (
     Materialized,
     Shared,
 )
-from dattri_llm.gradient.hooks.config import HookManagerConfig, LayerSpec, resolve_layers
+from dattri_llm.gradient.hooks.config import (
+    HookManagerConfig,
+    LayerSpec,
+    canonical_name,
+    is_data_parallel,
+    resolve_layers,
+)
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 from dattri_llm.utils.hashing import hash_batch
 
@@ -109,6 +119,14 @@ class HookManager:
         self._manual_ids: list[str] | None = None
         self._transforms: list[Any] = []
         self._shared_groups = self._find_shared_groups()
+        #: Capture-time projection resolved per layer (``None`` without ``config.projection``).
+        self.projection = None
+        if self.config.projection is not None:
+            from dattri_llm.gradient.ops.projection import CaptureProjection
+
+            self.projection = CaptureProjection(
+                self.config.projection, self.layers, self._shared_groups
+            )
         try:
             self._signature = inspect.signature(model.forward)
         except (TypeError, ValueError):  # pragma: no cover - exotic modules
@@ -134,7 +152,9 @@ class HookManager:
                 by_param.setdefault(id(w), []).append(spec.name)
         groups = {names[0]: names for names in by_param.values() if len(names) > 1}
         hooked = {s.name for s in linear_io}
-        for name, module in self.model.named_modules():
+        dp = is_data_parallel(self.model)
+        for raw_name, module in self.model.named_modules():
+            name = canonical_name(raw_name, dp)
             w = getattr(module, "weight", None)
             if name in hooked or not isinstance(w, nn.Parameter) or not w.requires_grad:
                 continue
@@ -258,6 +278,8 @@ class HookManager:
                 args = (args[0].expand(b, *args[0].shape[1:]),) + tuple(args[1:])
                 replaced = True
             a = rule.capture_input(module, args, out, kw)
+            if self.projection is not None:  # logra: the raw activation is never kept
+                a = self.projection.project_input(spec, a)
             order = self._forward_order
             self._forward_order += 1
             for cb in self.callbacks:
@@ -282,16 +304,21 @@ class HookManager:
             g = rule.finalize(a, g, kw)
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
-        for cb in self.callbacks:
-            cb.on_backward(spec.name, spec.module, a, g)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
+        if self.projection is not None:  # logra: project the factors, relabel the layer
+            item = self.projection.project_factors(spec, item)
+        for cb in self.callbacks:
+            cb.on_backward(spec.name, spec.module, item.a, item.g)
         style = self.config.capture_style
         if style == "materialized" or (
-            style == "auto" and rule.prefer_materialized_capture(g.shape[1], kw)
+            style == "auto"
+            and item.rule.prefer_materialized_capture(item.num_tokens, item.module_kwargs)
         ):
             item = item.materialize()
         for fn in self._transforms:
             item = fn(spec, item)
+        if self.projection is not None:  # dense / mask: after the other transforms
+            item = self.projection.project_item(spec, item)
         self._buffers.setdefault(spec.name, []).append((order, item))
         self._ensure_end_callback()
 
@@ -356,14 +383,12 @@ class HookManager:
             a = torch.zeros(b, 1, dtype=torch.long, device=ref.device)
             g = ref.new_zeros(b, 1, d)
         else:
-            item = Factorized(
-                ref.new_zeros(b, 1, d),
-                ref.new_zeros(b, 1, k),
-                spec.rule.layer_type,
-                spec.module_kwargs,
-            )
-            return self._apply_transforms(spec, item, materialize_ok=True)
+            a, g = ref.new_zeros(b, 1, d), ref.new_zeros(b, 1, k)
+        if self.projection is not None:
+            a = self.projection.project_input(spec, a)
         item = Factorized(a, g, spec.rule.layer_type, spec.module_kwargs)
+        if self.projection is not None:
+            item = self.projection.project_factors(spec, item)
         return self._apply_transforms(spec, item, materialize_ok=True)
 
     def _apply_transforms(
@@ -373,6 +398,8 @@ class HookManager:
             item = item.materialize()
         for fn in self._transforms:
             item = fn(spec, item)
+        if self.projection is not None:
+            item = self.projection.project_item(spec, item)
         return item
 
     def _finish_step(self) -> None:

@@ -19,6 +19,11 @@ from dattri_llm.gradient.layers.norm import (
     LayerNormRule,
     RMSNormRule,
 )
+from dattri_llm.gradient.layers.projected import (
+    ProjectedDenseRule,
+    ProjectedMaskRule,
+    ProjectedOuterProductRule,
+)
 
 __all__ = [
     "LayerRule",
@@ -52,6 +57,9 @@ register_rule(LayerNormRule(), ("LayerNorm",))
 register_rule(RMSNormRule(), ("RMSNorm",))
 register_rule(GroupNormRule(), ("GroupNorm",))
 register_rule(InstanceNormRule(), ("nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d"))
+register_rule(ProjectedOuterProductRule())
+register_rule(ProjectedDenseRule())
+register_rule(ProjectedMaskRule())
 
 
 def supported_layer_types() -> list[str]:

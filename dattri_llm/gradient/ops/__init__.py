@@ -1,4 +1,4 @@
-"""Operations on captured gradients: routed inner products and the routing cost model."""
+"""Operations on captured gradients: routed inner products, cost model, projection."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dattri_llm.gradient.ops.inner import (
     materialize,
     pairwise_dot,
 )
+from dattri_llm.gradient.ops.projection import ProjectionConfig, project_gradient
 from dattri_llm.gradient.ops.routing import (
     materialized_gram_cheaper,
     maybe_use_materialized_gram,
@@ -32,4 +33,6 @@ __all__ = [
     "maybe_use_materialized_norm",
     "materialized_gram_cheaper",
     "should_materialize",
+    "ProjectionConfig",
+    "project_gradient",
 ]

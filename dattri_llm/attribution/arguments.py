@@ -1,0 +1,101 @@
+"""``AttributionArguments``: run options of every attributor (usable with ``HfArgumentParser``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttributionArguments"]
+
+_COLLATES = ("stack", "pad")
+
+
+@dataclass
+class AttributionArguments:
+    """Options shared by the attributors.
+
+    Only plain types are used, so ``transformers.HfArgumentParser(AttributionArguments)``
+    builds a command line from it. A custom collate function can be passed to
+    ``attribute(..., collate_fn=...)``.
+
+    Attributes:
+        output_dir: Where :meth:`AttributionScore.save` writes by default (created lazily, only
+            when something is saved).
+        per_device_train_batch_size: Train samples per forward/backward of the live path.
+        per_device_eval_batch_size: Test samples per forward/backward of the live path.
+        use_cpu: Compute on the CPU even when CUDA is available.
+        seed: Seed set before a live run (random layers such as dropout are off anyway: the
+            live probe runs the model in eval mode).
+        dataloader_num_workers: Worker processes of the live path's ``DataLoader``.
+        dataloader_drop_last: Drop the last incomplete batch (off: every sample is scored).
+        dataloader_collate: ``"stack"`` (``torch.utils.data.default_collate``) or ``"pad"``
+            (right-pad the first axis of every tensor field to the longest in the batch with
+            ``dataloader_pad_value``; ``labels`` with ``-100``, ``attention_mask`` with ``0``).
+        dataloader_pad_value: Fill value of the ``"pad"`` collate.
+        learning_rate: Learning rate of the training run (trajectory methods).
+        optimizer: Optimizer name of the training run (trajectory methods).
+        lr_scheduler_type: Learning-rate schedule of the training run (trajectory methods).
+        weight_decay: Weight decay of the training run (trajectory methods).
+        gradient_accumulation_steps: Micro-batches per optimizer step of the training run.
+        bf16: The training run used bfloat16 autocast.
+        fp16: The training run used float16 autocast.
+        fsdp: FSDP options of the training run (as in ``transformers.TrainingArguments``).
+        score_block_size: At most this many train rows and this many test columns are scored
+            in one call of ``score_block``, which bounds the scoring memory for large N x M.
+        show_progress: Show tqdm progress bars.
+    """
+
+    output_dir: str = "attribution_output"
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    use_cpu: bool = False
+    seed: int = 42
+    dataloader_num_workers: int = 0
+    dataloader_drop_last: bool = False
+    dataloader_collate: str = "stack"
+    dataloader_pad_value: int = 0
+    learning_rate: float = 5e-5
+    optimizer: str = "adamw_torch"
+    lr_scheduler_type: str = "linear"
+    weight_decay: float = 0.0
+    gradient_accumulation_steps: int = 1
+    bf16: bool = False
+    fp16: bool = False
+    fsdp: str = ""
+    score_block_size: int = 1024
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "score_block_size",
+            "gradient_accumulation_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"AttributionArguments.{name} must be a positive int, got {value!r}."
+                )
+        if self.dataloader_num_workers < 0:
+            raise ValueError(
+                "AttributionArguments.dataloader_num_workers must be >= 0, got "
+                f"{self.dataloader_num_workers!r}."
+            )
+        if self.dataloader_collate not in _COLLATES:
+            raise ValueError(
+                f"AttributionArguments.dataloader_collate must be one of {_COLLATES}"
+                f", got {self.dataloader_collate!r}; pass a callable as "
+                "attribute(..., collate_fn=...) for anything else."
+            )
+        if self.bf16 and self.fp16:
+            raise ValueError("AttributionArguments: bf16 and fp16 are exclusive; set one.")
+
+    @property
+    def device(self) -> torch.device:
+        """Where scores are computed: CUDA (this process's ``LOCAL_RANK``) unless ``use_cpu``."""
+        if self.use_cpu or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,0 +1,478 @@
+"""``BaseAttributor``: the shared, blocked score loop every attributor runs.
+
+Train blocks (from a store or streamed live) are scored against the test gradients of the
+same checkpoint, ``score_block_size`` train rows by ``score_block_size`` test columns at a
+time, and collected into an :class:`AttributionScore`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.task import AttributionTask
+from dattri_llm.gradient import ops
+from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
+from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.sources import GradientBlock, GradientSource
+
+__all__ = ["BaseAttributor"]
+
+_GRANULARITIES = ("sample", "token")
+_MODES = ("auto", "factorized", "materialized")
+#: Test layers are materialized once when their dense form is at most this many times the
+#: size of their factors (and the router prefers materialized inner products for them).
+_DENSE_TEST_FACTOR = 4
+
+
+class _TestSide:
+    """The prepared test gradients of one checkpoint, cut into column chunks."""
+
+    def __init__(
+        self, chunks: list[tuple[Gradient, torch.Tensor]], layers: list[str], dtype: torch.dtype
+    ) -> None:
+        self.chunks = chunks  # (gradient, global column indices)
+        self.layers = layers
+        self.dtype = dtype
+
+
+class BaseAttributor:
+    """Base of the gradient-based attributors: data handling, pairing and the score loop.
+
+    Entry points: :meth:`attribute` (live: a model, a train set and a test set; nothing is
+    written), :meth:`attribute_from_cache` (two gradient stores; no model) and
+    :meth:`attribute_sources` (any two :class:`GradientSource`).
+
+    Pairing: a train block captured at checkpoint ``c`` is scored against the test gradients
+    captured at checkpoint ``c``; a test side with a single checkpoint pairs with every train
+    block. Live runs stream the test set once per checkpoint, keep its gradients, then stream
+    the train set at that checkpoint (rows get ``step = checkpoint index``).
+
+    Extension points (override in subclasses; each default is the plain gradient dot product):
+
+    * ``fit(train_source, **kwargs)`` — optional pre-pass over the train gradients before any
+      scoring (e.g. K-FAC covariances, keyed by ``block.checkpoint``). ``kwargs`` are the extra
+      keyword arguments of the ``attribute*`` call; the default accepts none. In the live path
+      the source streams every checkpoint (it loads them) and is not re-readable.
+    * ``prepare_test(gradient, checkpoint) -> Gradient`` — applied once to the concatenated test
+      gradients of a checkpoint before scoring (e.g. an inverse-Fisher preconditioner, a
+      normalisation). Default: identity.
+    * ``prepare_train(gradient, checkpoint) -> Gradient`` — applied to every chunk of at most
+      ``score_block_size`` train rows (row-wise maps only: normalisation, weights). Default:
+      identity.
+    * ``score_block(train_grad, test_grad, granularity) -> Tensor`` — scores of a train chunk
+      against a test chunk: ``(B_train, B_test)`` for ``"sample"``, ``(B_train, T, B_test)``
+      for ``"token"`` (rows summed over ``T`` are the instance scores, so the per-token split
+      is only meaningful when the score is linear in the train gradient). Default:
+      ``ops.cross_dot`` / ``ops.cross_dot_per_token`` routed with ``self.mode``.
+
+    Args:
+        args: Run options (batch sizes, device, ``score_block_size``, ``output_dir``, ...).
+        task: An :class:`AttributionTask` (or a dattri task, adapted); needed by
+            :meth:`attribute`, not by :meth:`attribute_from_cache`.
+        mode: Routing of the inner products: ``"auto"`` (cost model), ``"factorized"`` or
+            ``"materialized"``; every mode is exact.
+    """
+
+    def __init__(
+        self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
+    ) -> None:
+        if args is not None and not isinstance(args, AttributionArguments):
+            raise TypeError(f"args must be an AttributionArguments, got {type(args).__name__}.")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}.")
+        self.args = args if args is not None else AttributionArguments()
+        self.task = AttributionTask.coerce(task)
+        self.mode = mode
+
+    @property
+    def device(self) -> torch.device:
+        """Where scores are computed (see :attr:`AttributionArguments.device`)."""
+        return self.args.device
+
+    # ---- extension points ------------------------------------------------------------------
+    def fit(self, train_source: GradientSource, **kwargs: Any) -> None:
+        """Pre-pass over the train gradients before scoring (default: nothing to fit)."""
+        if kwargs:
+            raise TypeError(
+                f"{type(self).__name__} takes no extra arguments, got {sorted(kwargs)}."
+            )
+
+    def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """Map the test gradients of one checkpoint before scoring (default: identity)."""
+        return gradient
+
+    def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """Map a chunk of train gradients before scoring (default: identity)."""
+        return gradient
+
+    def score_block(
+        self, train_grad: Gradient, test_grad: Gradient, granularity: str
+    ) -> torch.Tensor:
+        """Scores of a train chunk against a test chunk (default: routed inner products)."""
+        if granularity == "token":
+            return ops.cross_dot_per_token(train_grad, test_grad, mode=self.mode)
+        return ops.cross_dot(train_grad, test_grad, mode=self.mode)
+
+    # ---- entry points ----------------------------------------------------------------------
+    def attribute(
+        self,
+        train_set: Any,
+        test_set: Any,
+        hook_config: HookManagerConfig | None = None,
+        attribution_granularity: str = "sample",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute live: stream gradients from the task's model; nothing is written.
+
+        Args:
+            train_set: Sequence or ``Dataset`` of train samples (dicts or tuples of tensors).
+            test_set: Same for the test samples.
+            hook_config: Which layers to capture (default: every supported trainable layer).
+            attribution_granularity: ``"sample"`` or ``"token"`` (one score per train token
+                position as well; needs factorized capture).
+            collate_fn: Overrides ``args.dataloader_collate``.
+            **kwargs: Passed to :meth:`fit`.
+        """
+        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+
+        _check_granularity(attribution_granularity)
+        if self.task is None:
+            raise ValueError(
+                f"{type(self).__name__}.attribute needs a task: pass "
+                "task=AttributionTask(loss_func=..., model=...) to the constructor, "
+                "or use attribute_from_cache with gradient stores."
+            )
+        for name, ds in (("train_set", train_set), ("test_set", test_set)):
+            if not hasattr(ds, "__getitem__") and not hasattr(ds, "__iter__"):
+                raise TypeError(
+                    f"{name} must be a sequence or a torch Dataset of samples, got "
+                    f"{type(ds).__name__}."
+                )
+        args, task = self.args, self.task
+        if collate_fn is None and args.dataloader_collate == "pad":
+            collate_fn = pad_collate(args.dataloader_pad_value)
+
+        def stream(ds: Any, loss: Callable, bs: int, c: int, desc: str) -> GradientStreamer:
+            return GradientStreamer(
+                task.model,
+                ds,
+                loss,
+                hook_config=hook_config,
+                batch_size=bs,
+                checkpoint=c,
+                collate_fn=collate_fn,
+                num_workers=args.dataloader_num_workers,
+                drop_last=args.dataloader_drop_last,
+                show_progress=args.show_progress,
+                desc=desc,
+            )
+
+        def train_source() -> Iterator[GradientBlock]:
+            for c in range(task.num_checkpoints):
+                task.load_checkpoint(c)
+                yield from stream(
+                    train_set,
+                    task.train_loss,
+                    args.per_device_train_batch_size,
+                    c,
+                    f"train ckpt {c}",
+                )
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            self.fit(_LiveSource(train_source), **kwargs)
+            acc = _Accumulator(attribution_granularity)
+            columns: dict[str, int] = {}
+            for c in range(task.num_checkpoints):
+                task.load_checkpoint(c)
+                test_blocks = list(
+                    stream(
+                        test_set,
+                        task.test_loss,
+                        args.per_device_eval_batch_size,
+                        c,
+                        f"test ckpt {c}",
+                    )
+                )
+                test = self._test_side(test_blocks, c, columns, grow=(c == 0))
+                train = stream(
+                    train_set,
+                    task.train_loss,
+                    args.per_device_train_batch_size,
+                    c,
+                    f"train ckpt {c}",
+                )
+                for block in train:
+                    self._score_train_block(block, test, len(columns), acc)
+                del test, test_blocks
+        return acc.result(list(columns), args.output_dir)
+
+    def attribute_from_cache(
+        self,
+        train_dir: str | os.PathLike | Any,
+        test_dir: str | os.PathLike | Any,
+        attribution_granularity: str = "sample",
+        layers: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient stores (no model, no backward).
+
+        Args:
+            train_dir: Store of the train gradients (a ``GradientStorageManager`` or its
+                directory).
+            test_dir: Store of the test gradients, captured on the same layers.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            layers: Score only these layers (default: all captured).
+            **kwargs: Passed to :meth:`fit`.
+        """
+        _check_granularity(attribution_granularity)
+        for name, d in (("train_dir", train_dir), ("test_dir", test_dir)):
+            if d is not None and not isinstance(d, (str, os.PathLike)):
+                continue  # a GradientStorageManager
+            if d is None or not os.path.isdir(d):
+                raise FileNotFoundError(
+                    f"{name} {os.fspath(d) if d is not None else None!r} is not a directory: pass "
+                    "the save_dir of a GradientStorageManager the gradients were offloaded to."
+                )
+        from dattri_llm.gradient.sources import DiskGradientSource
+
+        device = self.device
+        train = DiskGradientSource(train_dir, layers=layers, device=device)
+        test = DiskGradientSource(test_dir, layers=layers, device=device)
+        return self.attribute_sources(train, test, attribution_granularity, **kwargs)
+
+    def attribute_sources(
+        self,
+        train_source: GradientSource | Iterable[GradientBlock],
+        test_source: GradientSource | Iterable[GradientBlock],
+        attribution_granularity: str = "sample",
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from any two gradient sources (the loop behind the other entry points).
+
+        ``fit`` reads ``train_source`` first when a subclass needs it, so pass a re-readable
+        source to such attributors.
+        """
+        _check_granularity(attribution_granularity)
+        self.fit(train_source, **kwargs)
+        by_ckpt: dict[int, list[GradientBlock]] = {}
+        for block in test_source:
+            by_ckpt.setdefault(int(block.checkpoint), []).append(block)
+        if not by_ckpt:
+            raise ValueError("the test source yielded no gradients.")
+        columns: dict[str, int] = {}
+        tests = {
+            c: self._test_side(blocks, c, columns, grow=True)
+            for c, blocks in sorted(by_ckpt.items())
+        }
+        acc = _Accumulator(attribution_granularity)
+        blocks: Iterable[GradientBlock] = train_source
+        if self.args.show_progress:
+            from tqdm.auto import tqdm
+
+            total = len(train_source) if hasattr(train_source, "__len__") else None
+            blocks = tqdm(train_source, total=total, desc="scoring", leave=False)
+        for block in blocks:
+            c = int(block.checkpoint)
+            if c in tests:
+                test = tests[c]
+            elif len(tests) == 1:
+                test = next(iter(tests.values()))
+            else:
+                raise ValueError(
+                    f"train block at step {block.step} was captured at checkpoint {c}, but the "
+                    f"test gradients exist at checkpoints {sorted(tests)}: capture the test set "
+                    "at every train checkpoint, or at a single one (it then pairs with all)."
+                )
+            self._score_train_block(block, test, len(columns), acc)
+        return acc.result(list(columns), self.args.output_dir)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _test_side(
+        self, blocks: list[GradientBlock], checkpoint: int, columns: dict[str, int], grow: bool
+    ) -> _TestSide:
+        if not blocks:
+            raise ValueError(
+                f"no test gradients at checkpoint {checkpoint}: is the test set empty?"
+            )
+        hashes: list[str] = []
+        for b in blocks:
+            _check_block(b, "test")
+            hashes += list(b.hashes)
+        names = blocks[0].gradient.layer_names
+        for b in blocks[1:]:
+            if set(b.gradient.layer_names) != set(names):
+                raise ValueError(
+                    f"test blocks disagree on their layers at checkpoint {checkpoint}: "
+                    f"{sorted(names)} vs {sorted(b.gradient.layer_names)} (step {b.step})."
+                )
+        grad = Gradient.concatenate([b.gradient.select_layers(names) for b in blocks])
+        grad = self.prepare_test(grad.to(self.device), checkpoint)
+        if type(self).score_block is BaseAttributor.score_block:
+            grad = self._densify_test(grad)
+        for h in hashes:
+            if h not in columns:
+                if not grow:
+                    raise ValueError(
+                        f"test sample {h!r} at checkpoint {checkpoint} was not "
+                        "seen at checkpoint 0; the test set must not change."
+                    )
+                columns[h] = len(columns)
+        cols = torch.as_tensor([columns[h] for h in hashes], dtype=torch.long)
+        bs = self.args.score_block_size
+        chunks = [
+            (grad.slice(slice(i, i + bs)), cols[i : i + bs]) for i in range(0, len(hashes), bs)
+        ]
+        return _TestSide(chunks, names, grad.dtype)
+
+    def _densify_test(self, grad: Gradient) -> Gradient:
+        """Materialize, once, the test layers the router would materialize for every block.
+
+        The routed inner products materialize both sides of a layer when that is cheaper;
+        the test side is the same for every train block, so it is materialized here once
+        instead of once per block. A layer is kept factorized when its dense form would take
+        more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors. Exact either way.
+        """
+        if self.mode == "factorized":
+            return grad
+        b1 = min(self.args.per_device_train_batch_size, self.args.score_block_size)
+        b2 = min(grad.batch_size, self.args.score_block_size)
+        layers = {}
+        for name, lg in grad.layers.items():
+            sites = lg.sites if isinstance(lg, Shared) else [lg]
+            if isinstance(lg, Materialized) or any(isinstance(x, Materialized) for x in sites):
+                layers[name] = lg
+                continue
+            dense = self.mode == "materialized" or all(
+                x.rule.prefer_materialized_gram(b1, b2, x.num_tokens, x.num_tokens, x.module_kwargs)
+                for x in sites
+            )
+            p = sites[0].rule.num_params(sites[0].module_kwargs)
+            size = grad.batch_size * p * torch.finfo(grad.dtype).bits // 8
+            layers[name] = (
+                lg.materialize() if dense and size <= _DENSE_TEST_FACTOR * lg.nbytes else lg
+            )
+        return Gradient(layers)
+
+    def _score_train_block(
+        self, block: GradientBlock, test: _TestSide, num_cols: int, acc: _Accumulator
+    ) -> None:
+        _check_block(block, "train")
+        grad = block.gradient
+        if set(grad.layer_names) != set(test.layers):
+            tr, te = set(grad.layer_names), set(test.layers)
+            raise ValueError(
+                f"the test gradients were captured on layers {sorted(te)} but the train "
+                f"gradients on layers {sorted(tr)} (only in train: {sorted(tr - te)}; only in "
+                f"test: {sorted(te - tr)}). Capture both with the same hook config, or score a "
+                "common subset (attribute_from_cache(..., layers=[...]))."
+            )
+        if acc.granularity == "token":
+            _check_token_axis(grad)
+        dtype = torch.promote_types(grad.dtype, test.dtype)
+        n, bs = grad.batch_size, self.args.score_block_size
+        out = torch.zeros(n, num_cols, dtype=dtype)
+        tokens: list[torch.Tensor] = []
+        for r0 in range(0, n, bs):
+            rows = slice(r0, min(n, r0 + bs))
+            tr = self.prepare_train(grad.slice(rows).to(self.device, dtype), block.checkpoint)
+            tok = None
+            for te, cols in test.chunks:
+                s = self.score_block(tr, te.to(dtype), acc.granularity).detach()
+                if acc.granularity == "token":
+                    s = s.to("cpu", dtype)
+                    if tok is None:
+                        tok = torch.zeros(s.shape[0], s.shape[1], num_cols, dtype=dtype)
+                    tok.index_add_(2, cols, s)
+                    s = s.sum(1)
+                out[rows].index_add_(1, cols, s.to("cpu", dtype))
+            if tok is not None:
+                tokens += list(tok.unbind(0))
+        acc.add(out, block, tokens if acc.granularity == "token" else None)
+
+
+class _LiveSource:
+    """A non-rereadable source over a generator function (the live train side for ``fit``)."""
+
+    rereadable = False
+
+    def __init__(self, make: Callable[[], Iterator[GradientBlock]]) -> None:
+        self._make = make
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        return self._make()
+
+
+class _Accumulator:
+    def __init__(self, granularity: str) -> None:
+        self.granularity = granularity
+        self.rows: list[torch.Tensor] = []
+        self.hashes: list[str] = []
+        self.steps: list[int] = []
+        self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
+
+    def add(
+        self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
+    ) -> None:
+        self.rows.append(scores)
+        self.hashes += [str(h) for h in block.hashes]
+        self.steps += [int(block.step)] * scores.shape[0]
+        if self.tokens is not None and tokens is not None:
+            self.tokens += tokens
+
+    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
+        if not self.rows:
+            raise ValueError(
+                "the train source yielded no gradients: is the train set (or store) empty?"
+            )
+        dtype = self.rows[0].dtype
+        for r in self.rows[1:]:
+            dtype = torch.promote_types(dtype, r.dtype)
+        scores = torch.cat([r.to(dtype) for r in self.rows])
+        if scores.shape[1] < len(columns):  # columns added by a later checkpoint
+            scores = torch.nn.functional.pad(scores, (0, len(columns) - scores.shape[1]))
+        tokens = None
+        if self.tokens is not None:
+            tokens = [
+                torch.nn.functional.pad(t.to(dtype), (0, len(columns) - t.shape[1]))
+                for t in self.tokens
+            ]
+        return AttributionScore(
+            scores, self.hashes, self.steps, columns, token_scores=tokens, output_dir=output_dir
+        )
+
+
+def _check_granularity(g: str) -> None:
+    if g not in _GRANULARITIES:
+        raise ValueError(f"attribution_granularity must be one of {_GRANULARITIES}, got {g!r}.")
+
+
+def _check_block(block: GradientBlock, side: str) -> None:
+    n = block.gradient.batch_size
+    if len(block.hashes) != n:
+        raise ValueError(
+            f"{side} block at step {block.step} (checkpoint {block.checkpoint}) has "
+            f"{len(block.hashes)} sample hashes for {n} gradient rows: every row needs exactly one "
+            "hash (check the capture's set_sample_ids / hash_keys)."
+        )
+
+
+def _check_token_axis(grad: Gradient) -> None:
+    bad = []
+    for name, lg in grad.layers.items():
+        sites = lg.sites if isinstance(lg, Shared) else [lg]
+        if any(isinstance(s, Materialized) for s in sites):
+            bad.append(name)
+    if bad:
+        raise ValueError(
+            f"attribution_granularity='token' needs the train gradients' token axis, but layers "
+            f"{bad} were captured materialized (no token axis). Capture factorized: "
+            "HookManagerConfig(capture_style='factorized') and no 'dense' projection."
+        )

@@ -1,0 +1,502 @@
+"""``KFACAttributor`` and ``EKFACAttributor``: influence with a Kronecker-factored Fisher.
+
+``score(z, z') = g(z')^T (F̂ + λ I)^{-1} g(z)`` per layer (block-diagonal), with ``F̂`` the
+K-FAC (``G ⊗ A``) or EK-FAC (Kronecker eigenbasis, empirical eigenvalues) approximation of the
+empirical Fisher ``F = (1/N) sum_n g_n g_n^T`` of the training gradients. The exact conventions
+(which ``A`` and ``G``, token counting, damping, non-Kronecker layers) are in
+:mod:`dattri_llm.gradient.ops.kronecker`.
+
+Workflow: :meth:`fit` makes a *damping-free* fit (covariances, eigenbases, and for EK-FAC the
+corrected eigenvalues) from the training gradients, once per model checkpoint; every later
+``attribute*`` call reuses it with any ``damping``. The preconditioner is applied once to the
+(usually few) test gradients (``prepare_test``) and the result is scored against the training
+gradients with the same routed inner products as TracIn, so ``attribution_granularity="token"``
+works (the score is linear in the train gradient).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.ops.kronecker import (
+    EigenvalueCorrection,
+    KroneckerCovariances,
+    KroneckerFactors,
+    NonKronecker,
+    TokenCount,
+    eigendecompose,
+)
+from dattri_llm.gradient.sources import GradientBlock, GradientSource, InMemoryGradientSource
+
+__all__ = ["KFACAttributor", "EKFACAttributor"]
+
+_FACTORS_JSON = "kronecker_factors.json"
+_COV_JSON = "kronecker_covariances.json"
+
+
+class KFACAttributor(BaseAttributor):
+    """K-FAC influence: ``g_test^T (G ⊗ A + λ I)^{-1} g_train`` per Kronecker-eligible layer.
+
+    ``A`` is the mean over (gradient-carrying) token positions of ``a a^T`` and ``G`` the mean
+    over training samples of the per-sample sum of ``g g^T``, so ``G ⊗ A`` approximates the
+    mean empirical Fisher; ``damping`` is added to its eigenvalues (absolute, or times the
+    layer's mean eigenvalue with ``relative=True``), hence heavy damping tends to Grad-Dot / λ.
+
+    Layers K-FAC does not apply to (embeddings, norms) are left out of the scores with one
+    warning (``non_kronecker="skip"``) or preconditioned by their exact diagonal Fisher
+    (``"diagonal"``).
+
+    Example:
+        >>> attributor = KFACAttributor(AttributionArguments(output_dir="scores"), task=task)
+        >>> score = attributor.attribute(train_set, test_set, damping=1e-3)
+        >>> score_b = attributor.attribute(train_set, test_set, damping=1e-1)  # same fit
+
+    Args:
+        args: Run options.
+        task: An :class:`AttributionTask` (or a dattri task) for the live path.
+        non_kronecker: ``"skip"`` or ``"diagonal"``.
+        tokens: Which positions ``A`` averages over: ``"gradient"`` (those whose output
+            gradient is non-zero; padding and positions outside the loss drop out) or
+            ``"all"``.
+        eigen_dtype: Eigendecomposition dtype (float64 by default, also for float32 models).
+        mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
+
+    Attributes:
+        factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
+            :meth:`fit`).
+    """
+
+    kind: ClassVar[str] = "kfac"
+
+    def __init__(
+        self,
+        args: AttributionArguments | None = None,
+        task: Any = None,
+        non_kronecker: NonKronecker = "skip",
+        tokens: TokenCount = "gradient",
+        eigen_dtype: torch.dtype = torch.float64,
+        mode: str = "auto",
+    ) -> None:
+        super().__init__(args, task, mode=mode)
+        if non_kronecker not in ("skip", "diagonal"):
+            raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
+        if tokens not in ("gradient", "all"):
+            raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}.")
+        self.non_kronecker = non_kronecker
+        self.tokens = tokens
+        self.eigen_dtype = eigen_dtype
+        self.factors: dict[int, KroneckerFactors] = {}
+        self.damping = 1e-3
+        self.relative = False
+        self._fit_key: Any = None
+        self._live_key: Any = None
+
+    # ---- fitting ---------------------------------------------------------------------------
+    def fit(
+        self,
+        train_source: Any = None,
+        covariances: Any = None,
+        factors: Any = None,
+        save_dir: str | os.PathLike | None = None,
+        refit: bool = False,
+        hook_config: HookManagerConfig | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> dict[int, KroneckerFactors]:
+        """Fit (or load) the damping-free factors, once per checkpoint; later calls reuse them.
+
+        Args:
+            train_source: The training gradients: a :class:`GradientSource`, a list of
+                blocks / records, a gradient store (directory or ``GradientStorageManager``),
+                or a dataset (streamed live with the task's model). Not needed for K-FAC when
+                ``covariances`` are given, nor when ``factors`` are.
+            covariances: Covariances accumulated during capture: a
+                :class:`KroneckerCovarianceCallback`, its ``.covariances``, a directory its
+                ``save`` wrote, or ``{checkpoint: one of those}``. Skips the covariance pass.
+            factors: A saved fit (directory written by ``save_dir``/:meth:`save_factors`), a
+                :class:`KroneckerFactors`, or ``{checkpoint: KroneckerFactors}``.
+            save_dir: Persist the fit there (safetensors + JSON, one folder per checkpoint).
+            refit: Fit again even when a fit is held. Without it, a held fit is reused when
+                the training data is the same (same store directory, same source or dataset
+                object); a fit given as ``factors`` (or made from covariances alone) is used for
+                every later call.
+            hook_config: Layers to capture when ``train_source`` is a dataset.
+            collate_fn: Collate of the live path when ``train_source`` is a dataset.
+
+        Returns:
+            ``{checkpoint: KroneckerFactors}``.
+
+        Under an initialised ``torch.distributed`` group the fit is collective: every rank
+        calls it on its share of the data and the accumulators are all-reduced.
+        """
+        key = self._source_key(train_source, hook_config)
+        if factors is not None:
+            self.factors, self._fit_key = _load_factors(factors), None
+        elif self.factors and not refit and (self._fit_key is None or self._fit_key == key):
+            pass  # reuse: one fit serves every damping and query on the same training data
+        else:
+            self.factors = self._fit(train_source, covariances, hook_config, collate_fn)
+            self._fit_key = key if train_source is not None else None
+        if save_dir is not None:
+            self.save_factors(save_dir)
+        return self.factors
+
+    def _fit(
+        self, train_source: Any, covariances: Any, hook_config: Any, collate_fn: Any
+    ) -> dict[int, KroneckerFactors]:
+        source = self._as_source(train_source, hook_config, collate_fn)
+        show = self.args.show_progress
+        if covariances is not None:
+            covs = _load_covariances(covariances)
+        else:
+            if source is None:
+                raise ValueError(
+                    f"{type(self).__name__}.fit needs the training gradients "
+                    "(train_source) or covariances=... (or factors=...)."
+                )
+            covs = {}
+            for block in _progress(source, "K-FAC covariances", show):
+                c = int(getattr(block, "checkpoint", 0))
+                if c not in covs:
+                    covs[c] = KroneckerCovariances(self.non_kronecker, self.tokens)
+                covs[c].update(_gradient(block))
+            if not covs:
+                raise ValueError("the train source yielded no gradients: nothing to fit.")
+        out = {
+            c: eigendecompose(cov, dtype=self.eigen_dtype, progress=show, warn_skipped=(i == 0))
+            for i, (c, cov) in enumerate(sorted(covs.items()))
+        }
+        if self.kind == "ekfac":
+            if source is None:
+                raise ValueError(
+                    "EKFACAttributor.fit needs the training gradients "
+                    "(train_source) for the eigenvalue correction, also when "
+                    "covariances are given."
+                )
+            out = _ekfac_pass(out, source, show)
+        return out
+
+    def _source_key(self, source: Any, hook_config: Any = None) -> Any:
+        """Identity of the training data, to reuse a fit only for the same data."""
+        if source is None:
+            return None
+        if isinstance(source, (str, os.PathLike)):
+            return ("store", os.path.realpath(source), ())
+        if _looks_like_dataset(source):
+            return ("live", id(source), len(source), id(hook_config))
+        store = getattr(source, "store", source)
+        if _is_store(store):
+            layers = getattr(source, "layers", None)
+            return ("store", os.path.realpath(store.save_dir), tuple(layers or ()))
+        if type(source).__name__ == "_LiveSource" and self._live_key is not None:
+            return self._live_key
+        return ("object", id(source))
+
+    def _as_source(
+        self, train_source: Any, hook_config: Any, collate_fn: Any
+    ) -> GradientSource | None:
+        if train_source is None:
+            return None
+        if isinstance(train_source, (str, os.PathLike)) or _is_store(train_source):
+            from dattri_llm.gradient.sources import DiskGradientSource
+
+            return DiskGradientSource(train_source, device=self.device)
+        if (
+            isinstance(train_source, (list, tuple))
+            and train_source
+            and isinstance(train_source[0], (GradientBlock, GradientRecord, Gradient))
+        ):
+            items = [
+                GradientBlock(0, x, [f"row{i}" for i in range(x.batch_size)])
+                if isinstance(x, Gradient)
+                else x
+                for x in train_source
+            ]
+            return InMemoryGradientSource(items)
+        if isinstance(train_source, GradientSource) or not _looks_like_dataset(train_source):
+            return train_source
+        return self._live_source(train_source, hook_config, collate_fn)
+
+    def _live_source(self, dataset: Any, hook_config: Any, collate_fn: Any) -> Iterable:
+        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+
+        if self.task is None:
+            raise ValueError(
+                f"{type(self).__name__}.fit got a dataset but no task: pass "
+                "task=AttributionTask(...) to the constructor, or a gradient store."
+            )
+        args, task = self.args, self.task
+        if collate_fn is None and args.dataloader_collate == "pad":
+            collate_fn = pad_collate(args.dataloader_pad_value)
+
+        class _Live:
+            rereadable = False
+
+            def __iter__(self) -> Any:
+                for c in range(task.num_checkpoints):
+                    task.load_checkpoint(c)
+                    yield from GradientStreamer(
+                        task.model,
+                        dataset,
+                        task.train_loss,
+                        hook_config=hook_config,
+                        batch_size=args.per_device_train_batch_size,
+                        checkpoint=c,
+                        collate_fn=collate_fn,
+                        num_workers=args.dataloader_num_workers,
+                        show_progress=args.show_progress,
+                        desc=f"fit ckpt {c}",
+                    )
+
+        return _Live()
+
+    # ---- persistence -----------------------------------------------------------------------
+    def save_factors(self, path: str | os.PathLike) -> None:
+        """Write the fit: ``path/checkpoint_<c>/kronecker_factors.{safetensors,json}``."""
+        if not self.factors:
+            raise ValueError("nothing to save: call fit(...) first.")
+        for c, f in self.factors.items():
+            f.save(os.path.join(path, f"checkpoint_{c}"))
+
+    def load_factors(self, path: str | os.PathLike) -> dict[int, KroneckerFactors]:
+        """Load a fit written by :meth:`save_factors` (validated) and use it from now on."""
+        self.factors = _load_factors(path)
+        return self.factors
+
+    # ---- scoring hooks ---------------------------------------------------------------------
+    def _fit_for(self, checkpoint: int) -> KroneckerFactors:
+        if not self.factors:
+            raise RuntimeError(f"{type(self).__name__} has no fit: call fit(...) first.")
+        if checkpoint in self.factors:
+            fit = self.factors[checkpoint]
+        elif len(self.factors) == 1:
+            fit = next(iter(self.factors.values()))
+        else:
+            raise ValueError(
+                f"no Kronecker fit for checkpoint {checkpoint}; fitted checkpoints: "
+                f"{sorted(self.factors)}."
+            )
+        if fit.kind != self.kind:
+            raise ValueError(
+                f"{type(self).__name__} got a {fit.kind!r} fit; expected "
+                f"{self.kind!r} (load the matching factors)."
+            )
+        return fit
+
+    def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """Apply ``(F̂ + λ I)^{-1}`` to the test gradients (once per checkpoint)."""
+        return self._fit_for(checkpoint).precondition(gradient, self.damping, self.relative)
+
+    def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """Keep the preconditioned layers (skipped ones do not enter the score)."""
+        return gradient.select_layers(self._fit_for(checkpoint).layer_names)
+
+    # ---- entry points ----------------------------------------------------------------------
+    def _set_damping(self, damping: float | None, relative: bool | None) -> None:
+        if damping is not None:
+            if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+                raise ValueError(f"damping must be a number >= 0, got {damping!r}.")
+            self.damping = float(damping)
+        if relative is not None:
+            self.relative = bool(relative)
+
+    def attribute(
+        self,
+        train_set: Any,
+        test_set: Any,
+        hook_config: HookManagerConfig | None = None,
+        attribution_granularity: str = "sample",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        damping: float = 1e-3,
+        relative: bool = False,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute live (see :meth:`BaseAttributor.attribute`); fits on first use.
+
+        Args:
+            train_set: Train samples.
+            test_set: Test samples.
+            hook_config: Which layers to capture.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            collate_fn: Overrides ``args.dataloader_collate``.
+            damping: ``λ`` (absolute), or its factor of each layer's mean eigenvalue.
+            relative: Damping relative to the mean eigenvalue.
+            **kwargs: Passed to :meth:`fit` (``covariances``, ``factors``, ``save_dir``,
+                ``refit``).
+        """
+        self._set_damping(damping, relative)
+        self._live_key = (
+            "live",
+            id(train_set),
+            len(train_set) if hasattr(train_set, "__len__") else None,
+            id(hook_config),
+        )
+        return super().attribute(
+            train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
+        )
+
+    def attribute_from_cache(
+        self,
+        train_dir: Any,
+        test_dir: Any,
+        attribution_granularity: str = "sample",
+        layers: Any = None,
+        damping: float = 1e-3,
+        relative: bool = False,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient stores (see :meth:`BaseAttributor.attribute_from_cache`).
+
+        Args:
+            train_dir: Train gradient store (also the fit's data unless ``factors`` are given).
+            test_dir: Test gradient store.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            layers: Score (and fit) only these layers.
+            damping: ``λ``.
+            relative: Damping relative to the mean eigenvalue.
+            **kwargs: Passed to :meth:`fit`.
+        """
+        self._set_damping(damping, relative)
+        return super().attribute_from_cache(
+            train_dir, test_dir, attribution_granularity, layers, **kwargs
+        )
+
+    def attribute_sources(
+        self,
+        train_source: Any,
+        test_source: Any,
+        attribution_granularity: str = "sample",
+        damping: float | None = None,
+        relative: bool | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient sources (``damping`` defaults to the last one used)."""
+        self._set_damping(damping, relative)
+        return super().attribute_sources(
+            train_source, test_source, attribution_granularity, **kwargs
+        )
+
+
+class EKFACAttributor(KFACAttributor):
+    """EK-FAC influence: the K-FAC eigenbasis with empirical eigenvalues.
+
+    ``F̂ = (Q_G ⊗ Q_A) diag(Λ) (Q_G ⊗ Q_A)^T`` with ``Λ = (1/N) sum_n (Q_G^T M_n Q_A)^2`` from
+    a second pass over the training gradients (George et al., 2018; Grosse et al., 2023).
+    Everything else (damping, layers, persistence, reuse) is as for :class:`KFACAttributor`;
+    covariances from a :class:`KroneckerCovarianceCallback` save the first pass.
+    """
+
+    kind: ClassVar[str] = "ekfac"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _ekfac_pass(
+    fits: dict[int, KroneckerFactors], source: Iterable, show: bool
+) -> dict[int, KroneckerFactors]:
+    """One pass over the training gradients, each block feeding its checkpoint's correction."""
+    corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
+    for block in _progress(source, "EK-FAC eigenvalues", show):
+        c = int(getattr(block, "checkpoint", 0))
+        key = c if c in corr else (next(iter(corr)) if len(corr) == 1 else None)
+        if key is None:
+            raise ValueError(
+                f"train block at checkpoint {c} has no K-FAC fit (fitted: {sorted(corr)})."
+            )
+        corr[key].update(_gradient(block))
+    return {c: corr[c].result() for c in sorted(corr)}
+
+
+def _gradient(block: Any) -> Gradient:
+    if isinstance(block, Gradient):
+        return block
+    return block.gradient
+
+
+def _progress(items: Iterable, desc: str, show: bool) -> Iterable:
+    if not show:
+        return items
+    from dattri_llm.utils.distributed import get_rank
+
+    if get_rank() != 0:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        items, desc=desc, leave=False, total=len(items) if hasattr(items, "__len__") else None
+    )
+
+
+def _is_store(obj: Any) -> bool:
+    return type(obj).__name__ == "GradientStorageManager"
+
+
+def _looks_like_dataset(obj: Any) -> bool:
+    """A dataset of samples (not of gradient blocks): indexable, first item not a block."""
+    if isinstance(obj, (str, bytes, os.PathLike)) or isinstance(obj, Mapping):
+        return False
+    if not hasattr(obj, "__getitem__") or not hasattr(obj, "__len__") or len(obj) == 0:
+        return False
+    return not isinstance(obj[0], (GradientBlock, GradientRecord, Gradient))
+
+
+def _load_factors(obj: Any) -> dict[int, KroneckerFactors]:
+    if isinstance(obj, KroneckerFactors):
+        return {0: obj}
+    if isinstance(obj, Mapping):
+        out = {}
+        for c, f in obj.items():
+            if not isinstance(f, KroneckerFactors):
+                raise TypeError(
+                    f"factors[{c!r}] must be a KroneckerFactors, got {type(f).__name__}."
+                )
+            out[int(c)] = f
+        return out
+    if isinstance(obj, (str, os.PathLike)):
+        path = os.fspath(obj)
+        if os.path.exists(os.path.join(path, _FACTORS_JSON)):
+            return {0: KroneckerFactors.load(path)}
+        subs = (
+            sorted(d for d in os.listdir(path) if d.startswith("checkpoint_"))
+            if os.path.isdir(path)
+            else []
+        )
+        if not subs:
+            raise FileNotFoundError(
+                f"{path} holds no saved Kronecker factors (expected "
+                f"{_FACTORS_JSON} or checkpoint_<c>/ folders)."
+            )
+        return {int(d.split("_", 1)[1]): KroneckerFactors.load(os.path.join(path, d)) for d in subs}
+    raise TypeError(
+        f"factors must be a directory, a KroneckerFactors or a dict of them, got "
+        f"{type(obj).__name__}."
+    )
+
+
+def _load_covariances(obj: Any) -> dict[int, KroneckerCovariances]:
+    if isinstance(obj, Mapping):
+        return {int(c): _one_cov(v) for c, v in obj.items()}
+    return {0: _one_cov(obj)}
+
+
+def _one_cov(obj: Any) -> KroneckerCovariances:
+    if isinstance(obj, KroneckerCovariances):
+        return obj
+    cov = getattr(obj, "covariances", None)  # a KroneckerCovarianceCallback
+    if isinstance(cov, KroneckerCovariances):
+        return cov
+    if isinstance(obj, (str, os.PathLike)):
+        if not os.path.exists(os.path.join(obj, _COV_JSON)):
+            raise FileNotFoundError(f"{obj} holds no saved covariances ({_COV_JSON}).")
+        return KroneckerCovariances.load(obj)
+    raise TypeError(
+        "covariances must be a KroneckerCovarianceCallback, KroneckerCovariances, "
+        f"a directory or a dict of them, got {type(obj).__name__}."
+    )

@@ -1,0 +1,322 @@
+"""``AttributionScore``: scores keyed by sample identity, with per-step and per-token views.
+
+Rows are ``(train hash, step)`` pairs (one per train sample and step it was seen at; a live
+run's step is the checkpoint index), columns are the unique test hashes in order of first
+appearance. On disk a score is a directory with ``scores.safetensors`` (tensors) and
+``scores.json`` (hashes, steps, format version); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from dattri_llm.utils.hashing import hash_sample
+
+__all__ = ["AttributionScore", "TopK", "SCORE_FORMAT_VERSION"]
+
+#: Version of the on-disk layout written by :meth:`AttributionScore.save`.
+SCORE_FORMAT_VERSION = 1
+_TENSORS = "scores.safetensors"
+_META = "scores.json"
+
+
+class TopK(NamedTuple):
+    """Top proponents and opponents of each test sample (over the agnostic matrix).
+
+    Attributes:
+        test_hashes: The test samples (columns), ``M`` of them.
+        proponent_hashes: ``M`` lists of the ``k`` train hashes with the largest scores.
+        proponent_scores: ``(M, k)`` their scores, descending.
+        opponent_hashes: ``M`` lists of the ``k`` train hashes with the smallest scores.
+        opponent_scores: ``(M, k)`` their scores, ascending.
+    """
+
+    test_hashes: list[str]
+    proponent_hashes: list[list[str]]
+    proponent_scores: torch.Tensor
+    opponent_hashes: list[list[str]]
+    opponent_scores: torch.Tensor
+
+
+def _as_hash(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, (tuple, list)):
+        x = {str(i): v for i, v in enumerate(x)}
+    if isinstance(x, (Mapping, torch.Tensor)):
+        return hash_sample(x)
+    raise TypeError(
+        f"expected a sample hash (str) or a sample (dict/tuple of tensors), got {type(x).__name__}."
+    )
+
+
+class AttributionScore:
+    """The result of an attribution run.
+
+    Args:
+        scores: ``(R, M)`` one row per ``(train hash, step)``, one column per test hash.
+        train_hashes: ``R`` train sample identities.
+        train_steps: ``R`` steps (checkpoint index for a live run, record step from a cache).
+        test_hashes: ``M`` unique test sample identities.
+        token_scores: Optional per-row ``(T_r, M)`` scores of each train token position (token
+            granularity); rows sum to ``scores``.
+        output_dir: Default directory of :meth:`save`.
+    """
+
+    def __init__(
+        self,
+        scores: torch.Tensor,
+        train_hashes: Sequence[str],
+        train_steps: Sequence[int],
+        test_hashes: Sequence[str],
+        token_scores: Sequence[torch.Tensor] | None = None,
+        output_dir: str | None = None,
+    ) -> None:
+        self.scores = scores
+        self.train_hashes = [str(h) for h in train_hashes]
+        self.train_steps = [int(s) for s in train_steps]
+        self.test_hashes = [str(h) for h in test_hashes]
+        self.output_dir = output_dir
+        r, m = (int(scores.shape[0]), int(scores.shape[1])) if scores.dim() == 2 else (-1, -1)
+        if r != len(self.train_hashes) or r != len(self.train_steps) or m != len(self.test_hashes):
+            raise ValueError(
+                f"AttributionScore: scores of shape {tuple(scores.shape)} need "
+                f"{len(self.train_hashes)} train hashes / {len(self.train_steps)} steps as rows "
+                f"and {len(self.test_hashes)} test hashes as columns."
+            )
+        if len(set(self.test_hashes)) != m:
+            raise ValueError("AttributionScore: test hashes (columns) must be unique.")
+        if token_scores is not None:
+            token_scores = list(token_scores)
+            if len(token_scores) != r:
+                raise ValueError(f"token_scores has {len(token_scores)} rows, expected {r}.")
+        self._token_scores = token_scores
+        self._test_index = {h: j for j, h in enumerate(self.test_hashes)}
+
+    # ---- shapes ----------------------------------------------------------------------------
+    @property
+    def num_test(self) -> int:
+        """Number of test samples (columns)."""
+        return len(self.test_hashes)
+
+    @property
+    def steps(self) -> list[int]:
+        """The distinct steps, sorted."""
+        return sorted(set(self.train_steps))
+
+    @property
+    def has_token_scores(self) -> bool:
+        """Whether per-token scores are held (token granularity)."""
+        return self._token_scores is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"AttributionScore(rows={len(self.train_hashes)}, "
+            f"train={len(set(self.train_hashes))}, test={self.num_test}, steps={self.steps}, "
+            f"token_scores={self.has_token_scores})"
+        )
+
+    # ---- views -----------------------------------------------------------------------------
+    def _sum_rows(self, rows: Sequence[int]) -> tuple[list[str], torch.Tensor]:
+        ids: list[str] = []
+        where: dict[str, int] = {}
+        target = []
+        for i in rows:
+            h = self.train_hashes[i]
+            if h not in where:
+                where[h] = len(ids)
+                ids.append(h)
+            target.append(where[h])
+        out = self.scores.new_zeros(len(ids), self.num_test)
+        if rows:
+            idx = torch.as_tensor(target, dtype=torch.long)
+            out.index_add_(0, idx, self.scores[torch.as_tensor(list(rows), dtype=torch.long)])
+        return ids, out
+
+    def agnostic_matrix(self) -> tuple[list[str], torch.Tensor]:
+        """Scores summed over steps per unique train sample.
+
+        Returns:
+            ``(train_ids, matrix)``: unique train hashes in order of first appearance and the
+            ``(num_train, num_test)`` matrix.
+        """
+        return self._sum_rows(range(len(self.train_hashes)))
+
+    def step_matrix(self, step: int) -> tuple[list[str], torch.Tensor]:
+        """``(train_ids, (num_train_at_step, num_test))`` of one step."""
+        rows = [i for i, s in enumerate(self.train_steps) if s == step]
+        if not rows:
+            raise KeyError(f"step {step} not in the scores; available steps: {self.steps}.")
+        return self._sum_rows(rows)
+
+    def step_matrices(self) -> dict[int, tuple[list[str], torch.Tensor]]:
+        """``{step: step_matrix(step)}`` for every step."""
+        return {s: self.step_matrix(s) for s in self.steps}
+
+    def query(self, train: Sequence[Any], test: Sequence[Any] | None = None) -> torch.Tensor:
+        """Agnostic scores realigned to the given samples (by identity, not position).
+
+        Args:
+            train: Train sample hashes, or the samples themselves (hashed with
+                :func:`~dattri_llm.utils.hashing.hash_sample`).
+            test: Test hashes or samples; default every column in order.
+
+        Returns:
+            ``(len(train), len(test))``.
+
+        Raises:
+            KeyError: naming the first hash that is not in the scores.
+        """
+        ids, matrix = self.agnostic_matrix()
+        where = {h: i for i, h in enumerate(ids)}
+        tr = [_as_hash(x) for x in train]
+        te = self.test_hashes if test is None else [_as_hash(x) for x in test]
+        for h in tr:
+            if h not in where:
+                raise KeyError(f"train hash {h!r} is not in the scores ({len(ids)} train samples).")
+        for h in te:
+            if h not in self._test_index:
+                raise KeyError(
+                    f"test hash {h!r} is not in the scores ({self.num_test} test samples)."
+                )
+        ri = torch.as_tensor([where[h] for h in tr], dtype=torch.long)
+        ci = torch.as_tensor([self._test_index[h] for h in te], dtype=torch.long)
+        return matrix[ri][:, ci]
+
+    def top_k(self, k: int) -> TopK:
+        """Top proponents and opponents of every test sample.
+
+        The ``k`` train samples with the most positive (proponents) and the most negative
+        (opponents) scores, over :meth:`agnostic_matrix`.
+        """
+        ids, matrix = self.agnostic_matrix()
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}.")
+        k = min(k, len(ids))
+        cols = matrix.T  # (M, N)
+        p_val, p_idx = cols.topk(k, dim=1, largest=True)
+        o_val, o_idx = cols.topk(k, dim=1, largest=False)
+        return TopK(
+            list(self.test_hashes),
+            [[ids[i] for i in r] for r in p_idx.tolist()],
+            p_val,
+            [[ids[i] for i in r] for r in o_idx.tolist()],
+            o_val,
+        )
+
+    def token_scores(
+        self, train_hash: Any, step: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores of each token position of one train sample.
+
+        Args:
+            train_hash: The train sample's hash (or the sample itself).
+            step: One step; default the sum over every step the sample was seen at.
+
+        Returns:
+            ``(positions (T,), scores (T, num_test))``; summed over positions they give the
+            sample's instance scores.
+        """
+        if self._token_scores is None:
+            raise ValueError(
+                "these scores hold no token scores: run the attributor with "
+                "attribution_granularity='token'."
+            )
+        h = _as_hash(train_hash)
+        rows = [
+            i
+            for i, (rh, s) in enumerate(zip(self.train_hashes, self.train_steps))
+            if rh == h and (step is None or s == step)
+        ]
+        if not rows:
+            where = "" if step is None else f" at step {step}"
+            raise KeyError(f"train hash {h!r} is not in the scores{where}.")
+        length = max(self._token_scores[i].shape[0] for i in rows)
+        out = self.scores.new_zeros(length, self.num_test)
+        for i in rows:
+            t = self._token_scores[i]
+            out[: t.shape[0]] += t
+        return torch.arange(length), out
+
+    # ---- persistence -----------------------------------------------------------------------
+    def save(self, path: str | os.PathLike | None = None) -> str:
+        """Write the scores to a directory (default: ``output_dir``); returns its path."""
+        from safetensors.torch import save_file
+
+        target = path if path is not None else self.output_dir
+        if target is None:
+            raise ValueError(
+                "AttributionScore.save needs a path: pass one or set output_dir "
+                "(AttributionArguments.output_dir)."
+            )
+        target = os.fspath(target)
+        os.makedirs(target, exist_ok=True)
+        tensors = {"scores": self.scores.detach().cpu().contiguous()}
+        meta: dict[str, Any] = {
+            "format": "dattri_llm.AttributionScore",
+            "version": SCORE_FORMAT_VERSION,
+            "train_hashes": self.train_hashes,
+            "train_steps": self.train_steps,
+            "test_hashes": self.test_hashes,
+            "token_scores": self._token_scores is not None,
+        }
+        if self._token_scores is not None:
+            lengths = [int(t.shape[0]) for t in self._token_scores]
+            tensors["token_scores"] = (
+                torch.cat(self._token_scores).detach().cpu().contiguous()
+                if lengths
+                else self.scores.new_zeros(0, self.num_test)
+            )
+            meta["token_lengths"] = lengths
+        tmp = os.path.join(target, _TENSORS + ".tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(target, _TENSORS))
+        tmp = os.path.join(target, _META + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(target, _META))
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> AttributionScore:
+        """Read scores written by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        path = os.fspath(path)
+        meta_path, tensor_path = os.path.join(path, _META), os.path.join(path, _TENSORS)
+        for p in (meta_path, tensor_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(
+                    f"{p!r} not found: {path!r} is not a directory written "
+                    "by AttributionScore.save."
+                )
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path!r} is not valid JSON ({e}).") from None
+        if meta.get("format") != "dattri_llm.AttributionScore":
+            raise ValueError(f"{meta_path!r} does not describe an AttributionScore.")
+        if meta.get("version") != SCORE_FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path!r} has format version {meta.get('version')!r}; this "
+                f"dattri_llm reads version {SCORE_FORMAT_VERSION}."
+            )
+        tensors = load_file(tensor_path)
+        tokens = None
+        if meta.get("token_scores"):
+            lengths = meta["token_lengths"]
+            tokens = list(torch.split(tensors["token_scores"], lengths)) if lengths else []
+        return cls(
+            tensors["scores"],
+            meta["train_hashes"],
+            meta["train_steps"],
+            meta["test_hashes"],
+            token_scores=tokens,
+            output_dir=path,
+        )

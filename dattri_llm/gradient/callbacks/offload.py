@@ -1,0 +1,146 @@
+"""``OffloadCallback``: persist captured gradients to a gradient store during training."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from dattri_llm.gradient.callbacks.base import HookCallback
+from dattri_llm.gradient.gradient import Gradient, GradientRecord
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.store import GradientStorageManager
+
+__all__ = ["OffloadCallback", "batch_id"]
+
+
+def batch_id(hashes: list[str]) -> str:
+    r"""The identity of a batch stored with ``recording_type="per_batch"``.
+
+    ``"batch:" + sha256("\\n".join(sorted(hashes)))`` — independent of the order of the
+    samples inside the batch (gradient accumulation concatenates all micro-batches' hashes).
+    """
+    digest = hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()
+    return f"batch:{digest}"
+
+
+class OffloadCallback(HookCallback):
+    """Write each captured step to a :class:`~dattri_llm.GradientStorageManager`.
+
+    No extra forward or backward pass: the records the :class:`~dattri_llm.HookManager`
+    assembles are written as they come (on a background thread when the store writes
+    asynchronously), and the store is flushed when the collection context ends.
+
+    Steps. The hook manager counts backward passes (*micro-steps*). With
+    ``gradient_accumulation_steps = n`` the stored step is ``micro_step // n``, so the ``n``
+    micro-batches of one optimizer step share a step. Only steps with
+    ``step % offload_interval == 0`` are written.
+
+    Recording types:
+
+    * ``"per_sample"`` — every micro-batch's per-sample gradients are written as they are
+      (factors stay factors), one record per micro-batch, one hash per sample.
+    * ``"per_batch"`` — the batch gradient (``Gradient.aggregate()``: the sum over samples,
+      dense, summed over the accumulated micro-batches) is written as one record with one row
+      identified by :func:`batch_id` of the member hashes; the member hashes are kept in the
+      record's index line (``extra["members"]``). The record is written when the last
+      micro-batch of the step arrives, or when the context ends.
+
+    Args:
+        offload_interval: Write every ``offload_interval``-th step.
+        file_manager: The store to write to.
+        recording_type: ``"per_sample"`` or ``"per_batch"``.
+        gradient_accumulation_steps: Micro-batches per optimizer step.
+
+    Example:
+        >>> fm = GradientStorageManager("./train_grads")
+        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=fm)])
+        >>> with hm.collect():
+        ...     trainer.train()
+    """
+
+    def __init__(
+        self,
+        offload_interval: int = 1,
+        file_manager: GradientStorageManager | None = None,
+        recording_type: str = "per_sample",
+        gradient_accumulation_steps: int = 1,
+    ) -> None:
+        if file_manager is None:
+            raise ValueError(
+                "OffloadCallback needs file_manager=GradientStorageManager(save_dir): the store "
+                "the gradients are written to."
+            )
+        if not isinstance(offload_interval, int) or offload_interval < 1:
+            raise ValueError(f"offload_interval must be an integer >= 1, got {offload_interval!r}")
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(
+                "gradient_accumulation_steps must be an integer >= 1, got "
+                f"{gradient_accumulation_steps!r}"
+            )
+        if recording_type not in ("per_sample", "per_batch"):
+            raise ValueError(
+                f"recording_type must be 'per_sample' or 'per_batch', got {recording_type!r}"
+            )
+        self.offload_interval = offload_interval
+        self.file_manager = file_manager
+        self.recording_type = recording_type
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._batch: tuple[int, int, Gradient, list[str]] | None = None  # step, ckpt, sum, ids
+        #: Number of records written so far.
+        self.num_written = 0
+
+    def _selected(self, step: int) -> bool:
+        return step % self.offload_interval == 0
+
+    def on_step_end(self, record: GradientRecord) -> None:
+        """Write the record (or add it to the step's batch gradient)."""
+        n = self.gradient_accumulation_steps
+        step = record.step // n
+        if not self._selected(step):
+            return
+        if self.recording_type == "per_sample":
+            self.file_manager.write(
+                GradientRecord(step, list(record.hashes), record.gradient, record.checkpoint)
+            )
+            self.num_written += 1
+            return
+        if self._batch is not None and (self._batch[0], self._batch[1]) != (
+            step,
+            record.checkpoint,
+        ):
+            self._write_batch()
+        agg = record.gradient.aggregate()
+        if self._batch is None:
+            self._batch = (step, record.checkpoint, agg, list(record.hashes))
+        else:
+            s, c, total, ids = self._batch
+            summed = Gradient(
+                {
+                    name: type(lg)(lg.data + agg.layers[name].data, lg.layer_type, lg.module_kwargs)
+                    for name, lg in total.layers.items()
+                }
+            )
+            self._batch = (s, c, summed, ids + list(record.hashes))
+        if record.step % n == n - 1:
+            self._write_batch()
+
+    def _write_batch(self) -> None:
+        if self._batch is None:
+            return
+        step, ckpt, grad, ids = self._batch
+        self._batch = None
+        self.file_manager.write(
+            GradientRecord(step, [batch_id(ids)], grad, ckpt), extra={"members": ids}
+        )
+        self.num_written += 1
+
+    def on_context_end(self) -> None:
+        """Write a pending batch gradient and make every record durable."""
+        self._write_batch()
+        self.file_manager.flush()
+
+    def on_remove(self) -> None:
+        """Flush the store when the hooks come down."""
+        self._write_batch()
+        self.file_manager.flush()

@@ -1,0 +1,182 @@
+"""Layers captured with a capture-time random projection, and the layer maths projection needs.
+
+Every layer's per-sample gradient has a *matrix form* ``M`` of shape ``(K, D)`` (the weight's
+shape, bias folded in as a last column; ``(V, E)`` for an embedding). The projection styles are:
+
+* ``"logra"``: ``R^T M C`` with a *row* matrix ``R`` ``(K, k)`` and a *column* matrix ``C``
+  ``(D, d)``. For an outer-product layer (``M = sum_t g_t a_t^T``) that is
+  ``sum_t (R^T g_t)(C^T a_t)^T``: the layer stays factorised with factors ``a C`` ``(B, T, d)``
+  and ``g R`` ``(B, T, k)`` and the per-sample gradient is never formed. For an embedding
+  (``M = sum_t e_{idx_t} g_t^T``, rows = vocabulary) the row factor is ``R[idx]`` (rows of the
+  projection matrix picked by the indices) and the column factor ``g C``. Both become
+  :class:`ProjectedOuterProductRule` layers (``"projected.logra"``) with matrix form ``(k, d)``,
+  so a tied embedding / LM head (same ``(V, E)`` form, same matrices) still sums exactly.
+* ``"dense"`` / ``"mask"``: a vector ``(B, proj_dim)`` (:class:`ProjectedVectorRule`), either
+  ``vec(M) @ P`` or ``proj_dim`` exact entries of ``vec(M)`` (row-major) gathered from the
+  factors by :func:`gather_entries`.
+
+Projected layers carry JSON-able ``module_kwargs`` (the projection's seed and sizes and the source
+layer's type and hyper-parameters), never the matrices: the same seed regenerates them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dattri_llm.gradient.layers.base import LayerRule, OuterProductRule
+from dattri_llm.gradient.layers.embedding import EmbeddingRule
+from dattri_llm.gradient.layers.norm import _ElementwiseAffineRule
+
+__all__ = [
+    "ProjectedOuterProductRule",
+    "ProjectedVectorRule",
+    "ProjectedDenseRule",
+    "ProjectedMaskRule",
+    "logra_supported",
+    "logra_projects_input_in_forward",
+    "logra_project_input",
+    "logra_project_factors",
+    "gather_entries",
+]
+
+
+class _NotAModule:
+    """Projected rules interpret stored factors only; they never read a module."""
+
+    def module_kwargs(self, module: nn.Module) -> dict:
+        raise TypeError(
+            f"layer type {self.layer_type!r} describes a projected capture, not a module; "
+            "hook the layer with its own type and set HookManagerConfig(projection=...)."
+        )
+
+    def capture_input(
+        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
+    ) -> torch.Tensor:
+        return self.module_kwargs(module)  # raises
+
+    def capture_output_grad(self, grad: torch.Tensor, kw: dict) -> torch.Tensor:
+        raise TypeError(f"layer type {self.layer_type!r} cannot be hooked directly.")
+
+
+class ProjectedOuterProductRule(_NotAModule, OuterProductRule):
+    """A ``"logra"`` projected layer: factors ``(B, T, d)`` (column side) and ``(B, T, k)``.
+
+    ``module_kwargs``: ``_k``/``_d`` = ``(k, d)``, ``proj_dim_out``/``proj_dim_in``, ``seed``,
+    ``proj_type``, ``source_layer_type`` and ``source_module_kwargs``. K-FAC on these factors is
+    K-FAC in the projected space (as in LoGra).
+    """
+
+    layer_type = "projected.logra"
+    module_types = ()
+    projection_styles = ()
+
+    def param_names(self, kw: dict) -> list[str]:
+        return ["projected"]
+
+    def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
+        k, d = self.matrix_shape(kw)
+        return {"projected": dense.reshape(dense.shape[0], k, d)}
+
+
+class ProjectedVectorRule(_NotAModule, LayerRule):
+    """A projected per-sample gradient stored as a vector ``(B, proj_dim)``.
+
+    Its matrix form is ``(1, proj_dim)``; it is only ever materialised.
+    """
+
+    layer_type = "projected.vector"
+    module_types = ()
+    projection_styles = ()
+
+    def matrix_shape(self, kw: dict) -> tuple[int, int]:
+        return 1, int(kw["_d"])
+
+    def param_names(self, kw: dict) -> list[str]:
+        return ["projected"]
+
+    def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
+        return {"projected": dense}
+
+
+class ProjectedDenseRule(ProjectedVectorRule):
+    """``"dense"``: ``vec(M) @ P`` with one seeded Gaussian / Rademacher matrix (TRAK-style)."""
+
+    layer_type = "projected.dense"
+
+
+class ProjectedMaskRule(ProjectedVectorRule):
+    """``"mask"``: ``proj_dim`` seeded entries of ``vec(M)``, exact values."""
+
+    layer_type = "projected.mask"
+
+
+# ---- logra: which factor is the row / column side of each layer family ------------------------
+def logra_supported(rule: LayerRule) -> bool:
+    """Whether the ``"logra"`` factor projection is implemented for the rule's layers."""
+    return "logra" in rule.projection_styles and isinstance(rule, (OuterProductRule, EmbeddingRule))
+
+
+def logra_projects_input_in_forward(rule: LayerRule) -> bool:
+    """Whether the forward hook can project the ``a`` factor (a column-side activation).
+
+    Embeddings keep their integer indices until the backward hook.
+    """
+    return isinstance(rule, OuterProductRule)
+
+
+def logra_project_input(rule: LayerRule, a: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Project an outer-product layer's activation factor ``(B, T, D) -> (B, T, d)``."""
+    return a @ col.to(dtype=a.dtype)
+
+
+def logra_project_factors(
+    rule: LayerRule,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    row: torch.Tensor,
+    col: torch.Tensor,
+    a_projected: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projected factors ``(a C, g R)`` of a layer (column side first).
+
+    Args:
+        rule: The source layer's rule.
+        a: Input factor (already ``a C`` when ``a_projected``; indices for embeddings).
+        g: Output-gradient factor.
+        row: ``R`` ``(K, k)``.
+        col: ``C`` ``(D, d)``.
+        a_projected: Whether the forward hook projected ``a`` already.
+    """
+    if isinstance(rule, EmbeddingRule):
+        # M = sum_t e_{idx_t} g_t^T: rows are the vocabulary, columns the embedding features
+        return g @ col.to(dtype=g.dtype), row.to(dtype=g.dtype)[a.long()]
+    if isinstance(rule, OuterProductRule):
+        a_p = a if a_projected else logra_project_input(rule, a, col)
+        return a_p, g @ row.to(dtype=g.dtype)
+    raise ValueError(f"'logra' projection is not implemented for layer type {rule.layer_type!r}.")
+
+
+# ---- mask: exact entries of the matrix form, gathered from the factors ------------------------
+def gather_entries(
+    rule: LayerRule, a: torch.Tensor, g: torch.Tensor, kw: dict, idx: torch.Tensor
+) -> torch.Tensor:
+    """Entries ``idx`` of the row-major flattened per-sample matrix form ``(B, len(idx))``.
+
+    The dense per-sample gradient is never formed for outer-product layers, embeddings and
+    elementwise-affine norms; other rules materialise and index (exact either way).
+    """
+    _, d = rule.matrix_shape(kw)
+    rows, cols = torch.div(idx, d, rounding_mode="floor"), idx % d
+    if isinstance(rule, EmbeddingRule):
+        match = a.long().unsqueeze(-1) == rows  # (B, T, m)
+        return (g[:, :, cols] * match).sum(1)
+    if isinstance(rule, OuterProductRule):
+        return (g[:, :, rows] * a[:, :, cols]).sum(1)
+    if isinstance(rule, _ElementwiseAffineRule):
+        parts = rule._parts(a[:, :, cols], g[:, :, cols], kw)  # each (B, T, m), row r = part r
+        out = torch.zeros(a.shape[0], idx.numel(), dtype=g.dtype, device=g.device)
+        for r, part in enumerate(parts):
+            out = torch.where(rows == r, part.sum(1), out)
+        return out
+    return rule.materialize(a, g, kw)[:, idx]

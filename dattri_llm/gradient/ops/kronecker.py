@@ -1,0 +1,656 @@
+"""Kronecker-factored curvature: K-FAC / EK-FAC covariances, eigenbases and preconditioning.
+
+Conventions (row-major matrix form, as everywhere in the library). A Kronecker-eligible layer
+(``rule.kronecker``: linear, HF ``Conv1D``, convolutions via im2col) has the per-sample gradient
+``M_n = sum_t g_{n,t} a_{n,t}^T`` of shape ``(K, D)``; its dense vector is ``vec(M_n)``
+flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) vec(X)``.
+
+* **Fisher.** ``F = (1/N) sum_n vec(M_n) vec(M_n)^T``: the *mean* over the ``N`` training
+  samples of per-sample gradient outer products (empirical Fisher), so a damping value means the
+  same thing whatever the dataset size.
+* **K-FAC.** ``F ≈ G ⊗ A`` (this order, because of the row-major ``vec``) with
+  ``G = (1/N) sum_n sum_t g_{n,t} g_{n,t}^T`` (mean over samples of the per-sample sum over
+  tokens) and ``A = (1/N_tok) sum_{n,t} a_{n,t} a_{n,t}^T`` (mean over tokens). That is the
+  token-independence approximation ``F ≈ (1/N) sum_n sum_t (g g^T) ⊗ (a a^T)`` with activations
+  and output gradients assumed independent: its scale grows with the tokens per sample like ``F``
+  does. ``N_tok`` counts the positions that carry gradient (``g`` not identically zero), so zero
+  padding and positions outside the loss (pad tokens, a causal LM's last position) are left
+  out of ``A`` just as they are absent from ``F``; ``tokens="all"`` counts every position (what
+  kronfluence does without an attention mask). With one token per sample (an MLP) this is
+  exactly Martens & Grosse's K-FAC. A conv layer's tokens are its output positions.
+* **Eigenbasis.** ``A = Q_A diag(s_A) Q_A^T``, ``G = Q_G diag(s_G) Q_G^T`` (float64 by
+  default, eigenvalues clamped at 0); K-FAC eigenvalues are ``s_G s_A^T`` (``(K, D)``).
+* **EK-FAC.** Same basis, eigenvalues replaced by the empirical second moments in it:
+  ``Λ = (1/N) sum_n (Q_G^T M_n Q_A)^2`` (elementwise), computed from the rotated factors
+  ``(g Q_G)^T (a Q_A)`` when cheaper than rotating the dense gradient.
+* **Preconditioning.** ``(F̂ + λ I)^{-1} vec(M) = vec(Q_G [(Q_G^T M Q_A) / (E + λ)] Q_A^T)`` with
+  ``E`` the eigenvalues above; ``λ = damping`` (absolute), or ``damping * mean(E)`` per layer when
+  ``relative=True``. The result is a :class:`Materialized` layer: the damped inverse is not a
+  Kronecker product, so an exact factorised preconditioned gradient does not exist (only the
+  undamped ``G^{-1} ⊗ A^{-1}`` would be); a preconditioned query is one dense ``(K, D)`` per
+  sample, and scoring it against factorised training gradients stays factorised on the train
+  side (``rule.dense_per_token``), which is what keeps token granularity exact.
+* **Other layers** (embeddings, norms, ``param_grad``, tied groups with a non-eligible site):
+  ``non_kronecker="skip"`` (default) leaves them out of the fit and of the scores, with one
+  warning that lists them; ``"diagonal"`` preconditions them with the exact diagonal empirical
+  Fisher ``(1/N) sum_n m_n^2`` (EK-FAC in the identity basis; it materialises their gradients
+  during the fit, fine for norms, costly for large embeddings).
+
+Tied weights whose sites are all eligible (a :class:`Shared` layer) are one layer whose tokens
+are the union of the sites' tokens. Under ``torch.distributed`` every accumulator is
+all-reduced (sums and counts), and rank 0's eigenvectors are broadcast, so every rank holds the
+same fit. Persistence (:meth:`KroneckerCovariances.save`, :meth:`KroneckerFactors.save`):
+safetensors + JSON metadata, versioned and validated on load; no pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from dattri_llm.gradient.gradient import Factorized, Gradient, LayerGradient, Materialized, Shared
+from dattri_llm.gradient.layers import get_rule
+from dattri_llm.utils.distributed import all_reduce_sum, get_rank, get_world_size, is_distributed
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LayerCovariance",
+    "KroneckerCovariances",
+    "LayerEigen",
+    "KroneckerFactors",
+    "is_kronecker_layer",
+    "eigendecompose",
+    "EigenvalueCorrection",
+    "fit_eigenvalue_correction",
+]
+
+#: Version of the on-disk format of covariances and factors.
+FORMAT_VERSION = 1
+#: Upper bound on the elements of one rotated ``(chunk, K, D)`` block.
+ROTATE_CHUNK_ELEMENTS = 1 << 25
+
+NonKronecker = Literal["skip", "diagonal"]
+TokenCount = Literal["gradient", "all"]
+
+
+def _sites(lg: LayerGradient) -> list[Factorized | Materialized]:
+    return list(lg.sites) if isinstance(lg, Shared) else [lg]
+
+
+def is_kronecker_layer(lg: LayerGradient) -> bool:
+    """Whether K-FAC applies: every site has a ``kronecker`` rule and one matrix shape."""
+    try:
+        rules = [(get_rule(s.layer_type), s.module_kwargs) for s in _sites(lg)]
+    except ValueError:  # e.g. "param_grad", which has no rule
+        return False
+    if not all(r.kronecker for r, _ in rules):
+        return False
+    return len({tuple(r.matrix_shape(kw)) for r, kw in rules}) == 1
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """GEMM dtype: the input's, raised to at least float32 (never lowered)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _token_mask(g: torch.Tensor, a: torch.Tensor, tokens: TokenCount) -> torch.Tensor:
+    if tokens == "all":
+        return torch.ones(g.shape[:2], dtype=torch.bool, device=g.device)
+    return (g != 0).any(-1)
+
+
+@dataclass
+class LayerCovariance:
+    """Running sums of one layer (see the module docstring for the conventions).
+
+    Attributes:
+        layer_type: The layer's rule name.
+        module_kwargs: Its hyper-parameters.
+        a_sum: ``sum_{n,t} a a^T`` over counted tokens, ``(D, D)``.
+        g_sum: ``sum_{n,t} g g^T``, ``(K, K)``.
+        num_tokens: Counted token positions ``N_tok``.
+        num_samples: Samples ``N``.
+    """
+
+    layer_type: str
+    module_kwargs: dict
+    a_sum: torch.Tensor
+    g_sum: torch.Tensor
+    num_tokens: float = 0.0
+    num_samples: float = 0.0
+
+
+@dataclass
+class DiagonalFisher:
+    """Exact diagonal empirical Fisher of a non-Kronecker layer: ``sum_n m_n^2`` and ``N``."""
+
+    layer_type: str
+    module_kwargs: dict
+    sq_sum: torch.Tensor
+    num_samples: float = 0.0
+
+
+class KroneckerCovariances:
+    """Accumulates K-FAC covariances (and diagonal Fishers) from per-sample gradients.
+
+    Feed it :class:`Gradient` blocks with :meth:`update` (or raw factors with
+    :meth:`update_factors`); :meth:`all_reduce` sums the accumulators over ranks (done once,
+    automatically, by :func:`eigendecompose`).
+
+    Args:
+        non_kronecker: ``"skip"`` or ``"diagonal"`` for layers K-FAC does not apply to.
+        tokens: ``"gradient"`` (count positions whose output gradient is non-zero) or ``"all"``.
+        dtype: Accumulator dtype (float64 by default; sums of float32 GEMMs).
+    """
+
+    def __init__(
+        self,
+        non_kronecker: NonKronecker = "skip",
+        tokens: TokenCount = "gradient",
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        if non_kronecker not in ("skip", "diagonal"):
+            raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}")
+        if tokens not in ("gradient", "all"):
+            raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}")
+        self.non_kronecker = non_kronecker
+        self.tokens = tokens
+        self.dtype = dtype
+        self.layers: dict[str, LayerCovariance] = {}
+        self.diagonal: dict[str, DiagonalFisher] = {}
+        self.skipped: dict[str, str] = {}
+        self.reduced = False
+
+    # ---- accumulation ----------------------------------------------------------------------
+    def update(self, gradient: Gradient) -> None:
+        """Add one block of per-sample gradients.
+
+        Raises:
+            ValueError: when an eligible layer was captured materialised (its factors are gone).
+        """
+        b = gradient.batch_size
+        for name, lg in gradient.layers.items():
+            if is_kronecker_layer(lg):
+                if any(isinstance(s, Materialized) for s in _sites(lg)):
+                    raise ValueError(
+                        f"layer {name!r} ({lg.layer_type}) was captured materialized, so its "
+                        "K-FAC factors are gone. Capture with capture_style='factorized', or "
+                        "accumulate the covariances during capture with "
+                        "KroneckerCovarianceCallback and pass them as fit(covariances=...)."
+                    )
+                self.update_factors(
+                    name, [(s.a, s.g) for s in _sites(lg)], lg.layer_type, lg.module_kwargs, b
+                )
+            elif self.non_kronecker == "diagonal":
+                self._update_diagonal(name, lg, b)
+            else:
+                self.skipped[name] = lg.layer_type
+
+    def update_factors(
+        self,
+        name: str,
+        factors: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_type: str,
+        module_kwargs: dict,
+        num_samples: int,
+    ) -> None:
+        """Add the ``(a, g)`` factors of one layer (several pairs: calls / tied sites)."""
+        k, d = get_rule(layer_type).matrix_shape(module_kwargs)
+        cov = self.layers.get(name)
+        if cov is None:
+            ref = factors[0][1]
+            cov = LayerCovariance(
+                layer_type,
+                dict(module_kwargs),
+                torch.zeros(d, d, dtype=self.dtype, device=ref.device),
+                torch.zeros(k, k, dtype=self.dtype, device=ref.device),
+            )
+            self.layers[name] = cov
+        for a, g in factors:
+            ct = _acc_dtype(g)
+            mask = _token_mask(g, a, self.tokens)
+            af = a.to(ct)[mask]
+            gf = g.to(ct).reshape(-1, g.shape[-1])
+            cov.a_sum += (af.T @ af).to(self.dtype)
+            cov.g_sum += (gf.T @ gf).to(self.dtype)
+            cov.num_tokens += float(mask.sum())
+        cov.num_samples += float(num_samples)
+
+    def _update_diagonal(self, name: str, lg: LayerGradient, b: int) -> None:
+        dense = lg.materialize().data
+        diag = self.diagonal.get(name)
+        if diag is None:
+            diag = DiagonalFisher(
+                lg.layer_type,
+                dict(lg.module_kwargs),
+                torch.zeros(dense.shape[1], dtype=self.dtype, device=dense.device),
+            )
+            self.diagonal[name] = diag
+        diag.sq_sum += dense.to(_acc_dtype(dense)).pow(2).sum(0).to(self.dtype)
+        diag.num_samples += float(b)
+
+    def accumulate(self, gradients: Iterable, progress: bool = False) -> KroneckerCovariances:
+        """:meth:`update` with every item of ``gradients`` (Gradients or GradientBlocks)."""
+        for item in _progress(gradients, "K-FAC covariances", progress):
+            self.update(_as_gradient(item))
+        return self
+
+    # ---- distributed -----------------------------------------------------------------------
+    def all_reduce(self) -> KroneckerCovariances:
+        """Sum every accumulator over ranks (no-op without a process group, or if done)."""
+        if self.reduced or not is_distributed() or get_world_size() == 1:
+            self.reduced = True
+            return self
+        _check_same_layers(sorted(self.layers) + ["|"] + sorted(self.diagonal), self._device())
+        for name in sorted(self.layers):
+            cov = self.layers[name]
+            all_reduce_sum(cov.a_sum)
+            all_reduce_sum(cov.g_sum)
+            counts = all_reduce_sum(
+                torch.tensor(
+                    [cov.num_tokens, cov.num_samples], dtype=torch.float64, device=cov.a_sum.device
+                )
+            )
+            cov.num_tokens, cov.num_samples = float(counts[0]), float(counts[1])
+        for name in sorted(self.diagonal):
+            diag = self.diagonal[name]
+            all_reduce_sum(diag.sq_sum)
+            n = all_reduce_sum(
+                torch.tensor([diag.num_samples], dtype=torch.float64, device=diag.sq_sum.device)
+            )
+            diag.num_samples = float(n[0])
+        self.reduced = True
+        return self
+
+    def _device(self) -> torch.device | None:
+        for c in self.layers.values():
+            return c.a_sum.device
+        for dg in self.diagonal.values():
+            return dg.sq_sum.device
+        return None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``kronecker_covariances.{safetensors,json}`` into the directory ``path``."""
+        from dattri_llm.gradient.ops.kronecker_io import save_covariances
+
+        save_covariances(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> KroneckerCovariances:
+        """Read what :meth:`save` wrote, checking the format, version and shapes."""
+        from dattri_llm.gradient.ops.kronecker_io import load_covariances
+
+        return load_covariances(path)
+
+
+@dataclass
+class LayerEigen:
+    """One layer's damping-free fit.
+
+    Attributes:
+        layer_type: The layer's rule name.
+        module_kwargs: Its hyper-parameters.
+        q_a: Eigenvectors of ``A`` (columns), ``(D, D)``.
+        s_a: Eigenvalues of ``A``, ``(D,)``.
+        q_g: Eigenvectors of ``G``, ``(K, K)``.
+        s_g: Eigenvalues of ``G``, ``(K,)``.
+        corrected: EK-FAC eigenvalues ``(K, D)`` (``None`` for K-FAC).
+        num_samples: Samples the fit used.
+    """
+
+    layer_type: str
+    module_kwargs: dict
+    q_a: torch.Tensor
+    s_a: torch.Tensor
+    q_g: torch.Tensor
+    s_g: torch.Tensor
+    corrected: torch.Tensor | None = None
+    num_samples: float = 0.0
+
+    def eigenvalues(self) -> torch.Tensor:
+        """``(K, D)`` eigenvalues of ``F̂`` in the ``Q_G ⊗ Q_A`` basis."""
+        if self.corrected is not None:
+            return self.corrected
+        return self.s_g[:, None] * self.s_a[None, :]
+
+
+@dataclass
+class KroneckerFactors:
+    """A damping-free K-FAC / EK-FAC fit; reused for any damping and any number of queries.
+
+    Attributes:
+        kind: ``"kfac"`` or ``"ekfac"``.
+        layers: ``{name: LayerEigen}`` of the Kronecker-eligible layers.
+        diagonal: ``{name: DiagonalFisher}`` (mean taken at use) for ``non_kronecker="diagonal"``.
+        skipped: ``{name: layer_type}`` of the layers left out of the preconditioner.
+    """
+
+    kind: Literal["kfac", "ekfac"]
+    layers: dict[str, LayerEigen]
+    diagonal: dict[str, DiagonalFisher] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of every preconditioned layer (Kronecker, then diagonal)."""
+        return list(self.layers) + list(self.diagonal)
+
+    def precondition(
+        self,
+        gradient: Gradient,
+        damping: float = 1e-3,
+        relative: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> Gradient:
+        """``(F̂ + λ I)^{-1} g`` for every preconditioned layer (skipped layers are dropped).
+
+        Args:
+            gradient: Per-sample gradients of (a superset of) the fitted layers.
+            damping: ``λ`` (absolute), or its factor of the mean eigenvalue when ``relative``.
+            relative: Scale ``damping`` by each layer's mean eigenvalue.
+            dtype: Compute dtype (default: the gradient's, at least float32).
+
+        Returns:
+            A :class:`Gradient` of :class:`Materialized` layers, in the gradient's dtype.
+        """
+        if not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping < 0:
+            raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
+        unknown = [
+            n
+            for n in gradient.layer_names
+            if n not in self.layers and n not in self.diagonal and n not in self.skipped
+        ]
+        missing = [n for n in self.layer_names if n not in gradient.layers]
+        if unknown or missing:
+            raise ValueError(
+                f"the gradient's layers do not match the Kronecker fit: not in the fit: {unknown}; "
+                f"fitted but absent from the gradient: {missing}. Fit and score with the same "
+                "hook configuration."
+            )
+        out: dict[str, Materialized] = {}
+        for name, eig in self.layers.items():
+            lg = gradient.layers[name]
+            _check_shape(name, lg, eig)
+            ref = _ref(lg)
+            ct = dtype or _acc_dtype(ref)
+            ev = eig.eigenvalues().to(device=ref.device, dtype=ct)
+            lam = damping * float(ev.mean()) if relative else float(damping)
+            denom = ev + lam
+            if float(denom.min()) <= 0:
+                raise ValueError(
+                    f"layer {name!r}: F̂ + damping is singular (damping={damping}); use a "
+                    "positive damping."
+                )
+            q_g = eig.q_g.to(device=ref.device, dtype=ct)
+            q_a = eig.q_a.to(device=ref.device, dtype=ct)
+            parts = [torch.matmul(q_g, rot / denom) @ q_a.T for rot in _rotated(lg, q_g, q_a, ct)]
+            data = torch.cat(parts).reshape(lg.batch_size, -1).to(ref.dtype)
+            out[name] = Materialized(data, lg.layer_type, lg.module_kwargs)
+        for name, diag in self.diagonal.items():
+            lg = gradient.layers[name]
+            dense = lg.materialize().data
+            ct = dtype or _acc_dtype(dense)
+            fisher = (diag.sq_sum / max(diag.num_samples, 1.0)).to(device=dense.device, dtype=ct)
+            lam = damping * float(fisher.mean()) if relative else float(damping)
+            if float((fisher + lam).min()) <= 0:
+                raise ValueError(
+                    f"layer {name!r}: diagonal Fisher + damping is singular; use a "
+                    "positive damping."
+                )
+            out[name] = Materialized(
+                (dense.to(ct) / (fisher + lam)).to(dense.dtype), lg.layer_type, lg.module_kwargs
+            )
+        return Gradient(out)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``kronecker_factors.{safetensors,json}`` into the directory ``path``."""
+        from dattri_llm.gradient.ops.kronecker_io import save_factors
+
+        save_factors(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> KroneckerFactors:
+        """Read what :meth:`save` wrote, validating format, version, layers and shapes."""
+        from dattri_llm.gradient.ops.kronecker_io import load_factors
+
+        return load_factors(path)
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+def eigendecompose(
+    covariances: KroneckerCovariances,
+    dtype: torch.dtype = torch.float64,
+    progress: bool = False,
+    warn_skipped: bool = True,
+) -> KroneckerFactors:
+    """K-FAC fit: eigendecompose every layer's ``A`` and ``G`` (batched over equal sizes).
+
+    All-reduces the covariances first under ``torch.distributed`` and broadcasts rank 0's
+    eigenvectors, so every rank holds the same basis.
+
+    Args:
+        covariances: Accumulated sums.
+        dtype: Eigendecomposition dtype (float64 by default even for float32 models).
+        progress: Show a progress bar.
+        warn_skipped: Warn once, listing the layers left out.
+    """
+    covariances.all_reduce()
+    if not covariances.layers and not covariances.diagonal:
+        raise ValueError(
+            "no Kronecker-eligible layer was seen: nothing to fit. Hook linear / "
+            "convolution layers (linear_io) for K-FAC."
+        )
+    mats: dict[tuple[str, str], torch.Tensor] = {}
+    for name, c in covariances.layers.items():
+        if c.num_samples <= 0 or c.num_tokens <= 0:
+            raise ValueError(f"layer {name!r} has no samples or no tokens carrying gradient.")
+        mats[(name, "a")] = (c.a_sum / c.num_tokens).to(dtype)
+        mats[(name, "g")] = (c.g_sum / c.num_samples).to(dtype)
+    eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    groups: dict[tuple[int, torch.device], list[tuple[str, str]]] = {}
+    for key, m in mats.items():
+        groups.setdefault((m.shape[0], m.device), []).append(key)
+    for (_, _), keys in _progress(list(groups.items()), "eigendecomposition", progress):
+        stacked = torch.stack([0.5 * (mats[k] + mats[k].T) for k in keys])
+        s, q = torch.linalg.eigh(stacked)
+        for i, key in enumerate(keys):
+            eig[key] = (s[i].clamp_min(0), q[i].contiguous())
+    if is_distributed() and get_world_size() > 1:
+        for key in sorted(eig):
+            for t in eig[key]:
+                torch.distributed.broadcast(t, src=0)
+    layers = {
+        name: LayerEigen(
+            c.layer_type,
+            c.module_kwargs,
+            eig[(name, "a")][1],
+            eig[(name, "a")][0],
+            eig[(name, "g")][1],
+            eig[(name, "g")][0],
+            None,
+            c.num_samples,
+        )
+        for name, c in covariances.layers.items()
+    }
+    skipped = dict(covariances.skipped)
+    if skipped and warn_skipped and get_rank() == 0:
+        warnings.warn(
+            "K-FAC/EK-FAC applies to linear and convolution layers only; these layers are left "
+            f"out of the preconditioner and of the scores: {skipped}. Pass "
+            "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
+            "exclude them from the hook config.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return KroneckerFactors("kfac", layers, dict(covariances.diagonal), skipped)
+
+
+class EigenvalueCorrection:
+    """Incremental EK-FAC eigenvalues: ``Λ = (1/N) sum_n (Q_G^T M_n Q_A)^2`` in a fixed basis.
+
+    Args:
+        factors: A K-FAC fit (its eigenbasis is kept).
+    """
+
+    def __init__(self, factors: KroneckerFactors) -> None:
+        self.factors = factors
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, float] = {}
+
+    def update(self, gradient: Gradient) -> None:
+        """Add one block of training gradients."""
+        for name, eig in self.factors.layers.items():
+            if name not in gradient.layers:
+                raise ValueError(
+                    f"layer {name!r} of the fit is missing from a training block "
+                    f"(layers: {gradient.layer_names})."
+                )
+            lg = gradient.layers[name]
+            _check_shape(name, lg, eig)
+            ref = _ref(lg)
+            ct = _acc_dtype(ref)
+            q_g = eig.q_g.to(device=ref.device, dtype=ct)
+            q_a = eig.q_a.to(device=ref.device, dtype=ct)
+            acc = self.sums.get(name)
+            if acc is None:
+                acc = self.sums[name] = torch.zeros(
+                    q_g.shape[0],
+                    q_a.shape[0],
+                    device=ref.device,
+                    dtype=torch.promote_types(eig.s_a.dtype, ct),
+                )
+            for rot in _rotated(lg, q_g, q_a, ct):
+                acc += rot.pow(2).sum(0).to(acc.dtype)
+            self.counts[name] = self.counts.get(name, 0.0) + lg.batch_size
+
+    def result(self) -> KroneckerFactors:
+        """All-reduce over ranks and return the ``"ekfac"`` fit (sharing the eigenvectors)."""
+        sums, counts = self.sums, self.counts
+        if is_distributed() and get_world_size() > 1:
+            _check_same_layers(sorted(sums), next(iter(sums.values())).device if sums else None)
+            for name in sorted(sums):
+                all_reduce_sum(sums[name])
+                n = all_reduce_sum(
+                    torch.tensor([counts[name]], dtype=torch.float64, device=sums[name].device)
+                )
+                counts[name] = float(n[0])
+        layers = {}
+        for name, eig in self.factors.layers.items():
+            if name not in sums or counts[name] <= 0:
+                raise ValueError(
+                    f"no training gradient reached layer {name!r}: EK-FAC needs a "
+                    "pass over the training gradients."
+                )
+            layers[name] = LayerEigen(
+                eig.layer_type,
+                eig.module_kwargs,
+                eig.q_a,
+                eig.s_a,
+                eig.q_g,
+                eig.s_g,
+                sums[name] / counts[name],
+                counts[name],
+            )
+        f = self.factors
+        return KroneckerFactors("ekfac", layers, dict(f.diagonal), dict(f.skipped))
+
+
+def fit_eigenvalue_correction(
+    factors: KroneckerFactors,
+    gradients: Iterable,
+    progress: bool = False,
+) -> KroneckerFactors:
+    """EK-FAC: :class:`EigenvalueCorrection` over one pass on the training gradients.
+
+    Args:
+        factors: A K-FAC fit (its eigenbasis is kept).
+        gradients: The training gradients (Gradients or GradientBlocks); all-reduced over ranks.
+        progress: Show a progress bar.
+
+    Returns:
+        A new ``"ekfac"`` fit sharing the eigenvectors.
+    """
+    corr = EigenvalueCorrection(factors)
+    for item in _progress(gradients, "EK-FAC eigenvalues", progress):
+        corr.update(_as_gradient(item))
+    return corr.result()
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _ref(lg: LayerGradient) -> torch.Tensor:
+    s = _sites(lg)[0]
+    return s.g if isinstance(s, Factorized) else s.data
+
+
+def _check_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
+    if not is_kronecker_layer(lg):
+        raise ValueError(f"layer {name!r} of type {lg.layer_type} is not Kronecker-eligible.")
+    kd = tuple(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
+    fit = (eig.q_g.shape[0], eig.q_a.shape[0])
+    if kd != fit:
+        raise ValueError(
+            f"layer {name!r}: gradient matrix shape {kd} differs from the fit's "
+            f"{fit}; the fit belongs to another model or hook configuration."
+        )
+
+
+def _rotated(
+    lg: LayerGradient, q_g: torch.Tensor, q_a: torch.Tensor, ct: torch.dtype
+) -> Iterable[torch.Tensor]:
+    """Yield ``Q_G^T M_n Q_A`` as ``(chunk, K, D)`` blocks over the samples of ``lg``.
+
+    Factorised sites rotate their factors first, ``(g Q_G)^T (a Q_A)``, when
+    ``T (K^2 + D^2) <= K D (K + D)``; otherwise the dense gradient is rotated.
+    """
+    k, d = q_g.shape[0], q_a.shape[0]
+    b = lg.batch_size
+    step = max(1, ROTATE_CHUNK_ELEMENTS // max(1, k * d))
+    for lo in range(0, b, step):
+        idx = slice(lo, min(b, lo + step))
+        total = None
+        for site in _sites(lg.slice(idx)):
+            if isinstance(site, Factorized) and site.num_tokens * (k * k + d * d) <= k * d * (
+                k + d
+            ):
+                part = torch.bmm((site.g.to(ct) @ q_g).transpose(1, 2), site.a.to(ct) @ q_a)
+            else:
+                m = site.materialize().data.to(ct).reshape(-1, k, d)
+                part = torch.matmul(q_g.T, m) @ q_a
+            total = part if total is None else total + part
+        yield total
+
+
+def _as_gradient(item: object) -> Gradient:
+    if isinstance(item, Gradient):
+        return item
+    grad = getattr(item, "gradient", None)
+    if isinstance(grad, Gradient):
+        return grad
+    raise TypeError(f"expected a Gradient, GradientRecord or GradientBlock, got {type(item)}")
+
+
+def _progress(items: Iterable, desc: str, enabled: bool) -> Iterable:
+    if not enabled or get_rank() != 0:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, leave=False)
+
+
+def _check_same_layers(names: list[str], device: torch.device | None = None) -> None:
+    """Fail loudly when ranks accumulated different layer sets (all-reduce would misalign)."""
+    code = float(zlib.crc32("\n".join(names).encode()))
+    t = all_reduce_sum(torch.tensor([code, code * code], dtype=torch.float64, device=device))
+    w = get_world_size()
+    if t[0] != code * w or t[1] != code * code * w:
+        raise RuntimeError(
+            "ranks accumulated different layer sets; every rank must capture the "
+            "same layers before the Kronecker all-reduce."
+        )

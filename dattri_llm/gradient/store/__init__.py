@@ -1,0 +1,19 @@
+"""The on-disk gradient store: safetensors shards, a JSONL index, crash safety, rank merge.
+
+``GradientStorageManager`` is the entry point; the format is specified in
+``docs/STORE_FORMAT.md`` (name :data:`FORMAT_NAME`, version :data:`FORMAT_VERSION`).
+"""
+
+from __future__ import annotations
+
+from dattri_llm.gradient.store.format import FORMAT_NAME, FORMAT_VERSION, StoreFormatError
+from dattri_llm.gradient.store.manager import GradientStorageManager, RecordInfo, SampleLocation
+
+__all__ = [
+    "GradientStorageManager",
+    "RecordInfo",
+    "SampleLocation",
+    "StoreFormatError",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+]

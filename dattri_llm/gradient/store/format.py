@@ -1,0 +1,291 @@
+"""The on-disk format of a gradient store: constants, ``meta.json``, and Gradient <-> shard.
+
+One record is one safetensors file (a *shard*). Its tensors are named by layer position:
+``"{i}.a"`` / ``"{i}.g"`` (factorised), ``"{i}.data"`` (materialised), ``"{i}.{j}.a"`` ... (site
+``j`` of a shared layer). Its ``__metadata__`` holds one JSON string under
+:data:`SHARD_METADATA_KEY` with the layer schema (names, kinds, layer types, ``module_kwargs``)
+and the record's step, checkpoint and hashes, so every shard describes itself. The full
+specification is ``docs/STORE_FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dattri_llm.gradient.gradient import (
+    Factorized,
+    Gradient,
+    GradientRecord,
+    LayerGradient,
+    Materialized,
+    Shared,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "META_FILE",
+    "INDEX_FILE",
+    "SHARD_DIR",
+    "SHARD_METADATA_KEY",
+    "StoreFormatError",
+    "read_meta",
+    "write_meta",
+    "encode_record",
+    "decode_schema",
+    "decode_gradient",
+    "tensor_keys",
+    "schema_fingerprint",
+    "encode_json",
+    "decode_json",
+]
+
+#: The format name written into ``meta.json``; readers refuse anything else.
+FORMAT_NAME = "dattri_llm.gradient_store"
+#: The format version this code writes and the newest it reads.
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+INDEX_FILE = "index.jsonl"
+SHARD_DIR = "shards"
+SHARD_METADATA_KEY = "dattri_llm"
+
+
+class StoreFormatError(ValueError):
+    """A file of a gradient store is missing, corrupted or of an unsupported format."""
+
+
+# ---- JSON with exact round trips of the values module_kwargs hold ---------------------------
+def encode_json(obj: Any, where: str = "module_kwargs") -> Any:
+    """Make ``obj`` JSON-safe while keeping tuples, dtypes and sizes distinguishable.
+
+    Raises:
+        TypeError: for a value that cannot be stored, naming where it was found.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: key {k!r} is not a string; the store keeps JSON keys.")
+            out[k] = encode_json(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(obj, list):
+        return [encode_json(v, where) for v in obj]
+    if isinstance(obj, torch.Size):
+        return {"__size__": [int(v) for v in obj]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_json(v, where) for v in obj]}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise TypeError(
+        f"{where}: value {obj!r} of type {type(obj).__name__} cannot be stored; module_kwargs "
+        "must hold JSON values (numbers, strings, bools, None, lists, tuples, dicts)."
+    )
+
+
+def decode_json(obj: Any) -> Any:
+    """Inverse of :func:`encode_json`."""
+    if isinstance(obj, list):
+        return [decode_json(v) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            ((key, val),) = obj.items()
+            if key == "__tuple__":
+                return tuple(decode_json(v) for v in val)
+            if key == "__size__":
+                return torch.Size(val)
+            if key == "__dtype__":
+                return getattr(torch, val)
+        return {k: decode_json(v) for k, v in obj.items()}
+    return obj
+
+
+# ---- meta.json -------------------------------------------------------------------------------
+def write_meta(directory: Path, extra: dict | None = None) -> None:
+    """Write ``meta.json`` atomically (temp file, fsync, rename) unless it exists."""
+    path = directory / META_FILE
+    if path.exists():
+        return
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **(extra or {})}
+    tmp = directory / f".{META_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(directory: Path) -> dict:
+    """Read and check ``meta.json``.
+
+    Raises:
+        StoreFormatError: when it is missing, not JSON, of another format, or of a newer
+            version than this code reads.
+    """
+    path = directory / META_FILE
+    if not path.is_file():
+        raise StoreFormatError(
+            f"{directory} is not a gradient store: it has no {META_FILE}. Pass the directory a "
+            "GradientStorageManager wrote (its save_dir)."
+        )
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreFormatError(f"{path} is corrupted (not valid JSON): {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise StoreFormatError(
+            f"{path} describes format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
+            f"expected {FORMAT_NAME!r}: this directory is not a dattri_llm gradient store."
+        )
+    version = meta.get("version")
+    if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{path} has format version {version!r}; this dattri_llm reads versions 1.."
+            f"{FORMAT_VERSION}. Upgrade dattri_llm to read it."
+        )
+    return meta
+
+
+# ---- Gradient <-> tensors + schema -----------------------------------------------------------
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def _leaf_schema(lg: Factorized | Materialized, where: str) -> dict:
+    kind = "factorized" if isinstance(lg, Factorized) else "materialized"
+    return {
+        "kind": kind,
+        "layer_type": lg.layer_type,
+        "module_kwargs": encode_json(dict(lg.module_kwargs), f"{where}.module_kwargs"),
+    }
+
+
+def _leaf_tensors(lg: Factorized | Materialized, prefix: str) -> dict[str, torch.Tensor]:
+    if isinstance(lg, Factorized):
+        return {f"{prefix}.a": _cpu(lg.a), f"{prefix}.g": _cpu(lg.g)}
+    if isinstance(lg, Materialized):
+        return {f"{prefix}.data": _cpu(lg.data)}
+    raise TypeError(f"cannot store a layer gradient of type {type(lg).__name__}")
+
+
+def _unalias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Clone tensors that share storage or view a larger one (safetensors refuses those)."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in seen or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out[k] = t
+    return out
+
+
+def encode_record(record: GradientRecord) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split a record into safetensors tensors (on CPU, contiguous) and its JSON header.
+
+    Returns:
+        ``(tensors, header)``; ``header`` = ``{"layers": schema, "step", "checkpoint",
+        "hashes"}``.
+    """
+    n = record.gradient.batch_size
+    if len(record.hashes) != n:
+        raise ValueError(
+            f"record at step {record.step} has {len(record.hashes)} hashes for {n} samples; "
+            "each sample needs exactly one hash."
+        )
+    schema: list[dict] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (name, lg) in enumerate(record.gradient.layers.items()):
+        if isinstance(lg, Shared):
+            sites = []
+            for j, site in enumerate(lg.sites):
+                sites.append(_leaf_schema(site, f"layer {name!r} site {j}"))
+                tensors.update(_leaf_tensors(site, f"{i}.{j}"))
+            schema.append(
+                {"name": name, "kind": "shared", "site_names": list(lg.site_names), "sites": sites}
+            )
+        else:
+            schema.append({"name": name, **_leaf_schema(lg, f"layer {name!r}")})
+            tensors.update(_leaf_tensors(lg, str(i)))
+    header = {
+        "layers": schema,
+        "step": int(record.step),
+        "checkpoint": int(record.checkpoint),
+        "hashes": [str(h) for h in record.hashes],
+    }
+    return _unalias(tensors), header
+
+
+def schema_fingerprint(schema: list[dict]) -> str:
+    """A short digest of a layer schema (records with equal schemas share it)."""
+    blob = json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def decode_schema(raw: str | None, path: Path) -> dict:
+    """Parse a shard's JSON header, naming ``path`` when it is unreadable."""
+    try:
+        header = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError as e:
+        raise StoreFormatError(f"shard {path} has a corrupted header: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("layers"), list):
+        raise StoreFormatError(
+            f"shard {path} has no dattri_llm header (metadata key {SHARD_METADATA_KEY!r}); it "
+            "was not written by GradientStorageManager or is corrupted."
+        )
+    return header
+
+
+def tensor_keys(schema: Sequence[dict], layers: Sequence[str] | None = None) -> list[str]:
+    """The shard keys holding the given layers (all layers by default)."""
+    keys: list[str] = []
+    for i, spec in enumerate(schema):
+        if layers is not None and spec["name"] not in layers:
+            continue
+        if spec["kind"] == "shared":
+            for j, site in enumerate(spec["sites"]):
+                keys += _leaf_keys(site, f"{i}.{j}")
+        else:
+            keys += _leaf_keys(spec, str(i))
+    return keys
+
+
+def _leaf_keys(spec: dict, prefix: str) -> list[str]:
+    return [f"{prefix}.a", f"{prefix}.g"] if spec["kind"] == "factorized" else [f"{prefix}.data"]
+
+
+def _leaf(spec: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> LayerGradient:
+    kw = decode_json(spec["module_kwargs"])
+    if spec["kind"] == "factorized":
+        return Factorized(tensors[f"{prefix}.a"], tensors[f"{prefix}.g"], spec["layer_type"], kw)
+    if spec["kind"] == "materialized":
+        return Materialized(tensors[f"{prefix}.data"], spec["layer_type"], kw)
+    raise StoreFormatError(f"unknown layer kind {spec['kind']!r} in a shard header")
+
+
+def decode_gradient(
+    schema: Sequence[dict], tensors: dict[str, torch.Tensor], layers: Sequence[str] | None = None
+) -> Gradient:
+    """Rebuild the :class:`Gradient` of the selected layers (schema order) from shard tensors."""
+    out: dict[str, LayerGradient] = {}
+    for i, spec in enumerate(schema):
+        if layers is not None and spec["name"] not in layers:
+            continue
+        if spec["kind"] == "shared":
+            sites = [_leaf(s, f"{i}.{j}", tensors) for j, s in enumerate(spec["sites"])]
+            out[spec["name"]] = Shared(sites, list(spec["site_names"]))
+        else:
+            out[spec["name"]] = _leaf(spec, str(i), tensors)
+    return Gradient(out)

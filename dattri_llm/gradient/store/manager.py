@@ -1,0 +1,557 @@
+"""``GradientStorageManager``: the on-disk gradient store (write, index, merged reads).
+
+A store is a directory. Records (one :class:`~dattri_llm.GradientRecord` each) live in
+safetensors shards with a JSONL index; under ``torch.distributed`` every rank writes its own
+``rank_N/`` partition and opening the root merges all of them. The format is documented in
+``docs/STORE_FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.sources import GradientBlock
+from dattri_llm.gradient.store.format import (
+    FORMAT_VERSION,
+    INDEX_FILE,
+    META_FILE,
+    SHARD_METADATA_KEY,
+    StoreFormatError,
+    decode_gradient,
+    decode_schema,
+    read_meta,
+    tensor_keys,
+    write_meta,
+)
+from dattri_llm.gradient.store.index import IndexEntry, read_index
+from dattri_llm.gradient.store.writer import PartitionWriter, file_crc32
+from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
+from dattri_llm.utils.hashing import hash_sample
+
+__all__ = ["GradientStorageManager", "RecordInfo", "SampleLocation"]
+
+
+class RecordInfo(NamedTuple):
+    """Where one record lives.
+
+    Attributes:
+        rank: Partition rank (0 for a single-process store).
+        seq: Write order within the partition.
+        step: The record's step.
+        checkpoint: The record's checkpoint label.
+        hashes: One sample identity per row.
+        path: The shard file.
+    """
+
+    rank: int
+    seq: int
+    step: int
+    checkpoint: int
+    hashes: list[str]
+    path: Path
+
+
+class SampleLocation(NamedTuple):
+    """One occurrence of a sample: record ``record`` (store order), row ``row``."""
+
+    record: int
+    rank: int
+    step: int
+    checkpoint: int
+    row: int
+    path: Path
+
+
+class _Partition(NamedTuple):
+    rank: int
+    directory: Path
+
+
+def _is_rank_dir(p: Path) -> bool:
+    return p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()
+
+
+class GradientStorageManager:
+    """Read and write a gradient store in ``save_dir``.
+
+    Writing: pass it to ``OffloadCallback(file_manager=...)`` or call :meth:`write`; the
+    directory is created on the first write, and writing into an existing store appends
+    (resume). Under an initialised ``torch.distributed`` group each rank writes ``rank_N/``.
+    Call :meth:`close` (or use ``with``) so the last records become durable.
+
+    Reading: the store merges every partition; records come in *store order* — by rank, then
+    step, then write order. ``len(store)`` is the number of records.
+
+    Args:
+        save_dir: The store directory.
+        async_write: Write shards on a background thread.
+        max_pending: Records accepted by :meth:`write` but not yet durable (so a crash loses at
+            most this many; default 1: only the in-flight record).
+        fsync: fsync shards and index lines (turn off only for scratch stores).
+        verify: Check a shard's CRC-32 against the index the first time this manager reads it
+            (size, header and hashes are checked on every read); ``False`` skips the
+            full-file checksum (faster first reads).
+
+    Raises:
+        StoreFormatError: ``save_dir`` holds files but is not a store, or a store of an
+            unsupported format version.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        *,
+        async_write: bool = True,
+        max_pending: int = 1,
+        fsync: bool = True,
+        verify: bool = True,
+    ) -> None:
+        self.save_dir = Path(save_dir)
+        if self.save_dir.exists() and not self.save_dir.is_dir():
+            raise NotADirectoryError(f"save_dir {self.save_dir} exists and is not a directory.")
+        self.async_write = async_write
+        self.max_pending = max_pending
+        self.fsync = fsync
+        self.verify = verify
+        self._lock = threading.RLock()
+        self._writer: PartitionWriter | None = None
+        self._writer_part: _Partition | None = None
+        self._entries: list[tuple[_Partition, IndexEntry]] = []
+        self._order: list[int] | None = None
+        self._by_hash: dict[str, list[tuple[int, int]]] = {}
+        self._headers: dict[tuple[int, str], dict] = {}
+        self._verified: set[Path] = set()
+        self.refresh()
+
+    # ---- discovery ------------------------------------------------------------------------------
+    def _partitions(self) -> list[_Partition]:
+        root = self.save_dir
+        if not root.is_dir():
+            return []
+        subdirs = sorted(
+            (p for p in root.iterdir() if _is_rank_dir(p)), key=lambda p: int(p.name[5:])
+        )
+        has_meta = (root / META_FILE).is_file()
+        if not has_meta:
+            others = [
+                p.name
+                for p in root.iterdir()
+                if not _is_rank_dir(p) and not p.name.startswith(f".{META_FILE}")
+            ]
+            if others:
+                raise StoreFormatError(
+                    f"{root} is not a gradient store: it has no {META_FILE} but holds "
+                    f"{sorted(others)[:5]}. Pass an empty or new directory, or a store's save_dir."
+                )
+        else:
+            read_meta(root)
+        parts = []
+        if (root / INDEX_FILE).exists():
+            parts.append(_Partition(int(read_meta(root).get("rank", 0)), root))
+        for d in subdirs:
+            if (d / INDEX_FILE).exists() or (d / META_FILE).exists():
+                read_meta(d)
+                parts.append(_Partition(int(d.name[5:]), d))
+        return parts
+
+    def refresh(self) -> None:
+        """Re-read every partition's index (see records written by other processes)."""
+        with self._lock:
+            entries = []
+            for part in self._partitions():
+                if self._writer_part is not None and part.directory == self._writer_part.directory:
+                    entries += [(p, e) for p, e in self._entries if p.directory == part.directory]
+                    continue
+                found, _ = read_index(part.directory / INDEX_FILE)
+                entries += [(part, e) for e in found]
+            self._entries = entries
+            self._order = None
+
+    def _on_durable(self, entry: IndexEntry) -> None:
+        assert self._writer_part is not None
+        with self._lock:
+            self._entries.append((self._writer_part, entry))
+            self._order = None
+
+    def _ordered(self) -> list[tuple[_Partition, IndexEntry]]:
+        with self._lock:
+            if self._order is None:
+                self._order = sorted(
+                    range(len(self._entries)),
+                    key=lambda i: (
+                        self._entries[i][0].rank,
+                        self._entries[i][0].directory != self.save_dir,
+                        self._entries[i][1]["step"],
+                        self._entries[i][1]["seq"],
+                    ),
+                )
+                by_hash: dict[str, list[tuple[int, int]]] = {}
+                for pos, i in enumerate(self._order):
+                    for row, h in enumerate(self._entries[i][1]["hashes"]):
+                        by_hash.setdefault(h, []).append((pos, row))
+                self._by_hash = by_hash
+            return [self._entries[i] for i in self._order]
+
+    # ---- writing --------------------------------------------------------------------------------
+    def _ensure_writer(self) -> PartitionWriter:
+        if self._writer is not None:
+            return self._writer
+        distributed = is_distributed()
+        rank = get_rank()
+        directory = self.save_dir / f"rank_{rank}" if distributed else self.save_dir
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self._partitions()  # refuse a directory that is not a store
+        if distributed:
+            write_meta(self.save_dir, {"layout": "ranks"})
+        meta = {"rank": rank, "world_size": get_world_size()}
+        with self._lock:
+            self._writer_part = _Partition(rank, directory)
+            self._writer = PartitionWriter(
+                directory,
+                meta,
+                self._on_durable,
+                async_write=self.async_write,
+                max_pending=self.max_pending,
+                fsync=self.fsync,
+            )
+            self.refresh()
+        return self._writer
+
+    def write(self, record: GradientRecord, extra: Mapping[str, Any] | None = None) -> None:
+        """Append one record.
+
+        The record's tensors are copied to CPU here; CPU tensors are written as they are, so
+        they must not be modified in place until :meth:`flush` (the hook manager's never are).
+
+        Args:
+            record: The record to persist.
+            extra: JSON-serialisable metadata kept in the record's index line.
+        """
+        self._ensure_writer().write(record, dict(extra) if extra is not None else None)
+
+    def flush(self) -> None:
+        """Block until every written record is durable."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and release the writer (the store stays readable)."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            finally:
+                self._writer = None
+
+    def __enter__(self) -> GradientStorageManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ---- metadata -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientStorageManager({str(self.save_dir)!r}, records={len(self)}, "
+            f"samples={self.num_samples}, format_version={FORMAT_VERSION})"
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Total rows over all records (a sample seen at several steps counts each time)."""
+        return sum(e["n"] for _, e in self._entries)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks of the partitions holding records."""
+        return sorted({p.rank for p, _ in self._entries})
+
+    def records(self) -> list[RecordInfo]:
+        """Every record's location and identity, in store order."""
+        return [
+            RecordInfo(
+                p.rank,
+                e["seq"],
+                e["step"],
+                e["checkpoint"],
+                list(e["hashes"]),
+                p.directory / e["shard"],
+            )
+            for p, e in self._ordered()
+        ]
+
+    def available_steps(self) -> list[int]:
+        """The distinct steps in the store, ascending."""
+        return sorted({e["step"] for _, e in self._entries})
+
+    def available_checkpoints(self) -> list[int]:
+        """The distinct checkpoint labels in the store, ascending."""
+        return sorted({e["checkpoint"] for _, e in self._entries})
+
+    def sample_hashes(self) -> list[str]:
+        """Distinct sample identities in order of first occurrence (store order)."""
+        self._ordered()
+        return list(self._by_hash)
+
+    def _header(self, part: _Partition, entry: IndexEntry) -> dict:
+        key = (part.rank, entry["schema"])
+        if key not in self._headers:
+            with self._open(part, entry, check_crc=False) as f:
+                self._headers[key] = decode_schema(
+                    f.metadata().get(SHARD_METADATA_KEY), part.directory / entry["shard"]
+                )
+        return self._headers[key]
+
+    @property
+    def schema(self) -> list[dict]:
+        """The layer schema of the first record (names, kinds, layer types, module_kwargs)."""
+        ordered = self._ordered()
+        if not ordered:
+            raise ValueError(f"the store {self.save_dir} holds no records yet.")
+        return self._header(*ordered[0])["layers"]
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Layer names of the stored gradients, in capture order."""
+        return [s["name"] for s in self.schema]
+
+    @property
+    def layer_types(self) -> dict[str, str]:
+        """``{layer name: layer type}`` (a shared layer reports its first site's type)."""
+        return {
+            s["name"]: s["sites"][0]["layer_type"] if s["kind"] == "shared" else s["layer_type"]
+            for s in self.schema
+        }
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def _key(
+        self, key: str | Mapping[str, Any] | torch.Tensor, hash_keys: Sequence[str] | None = None
+    ) -> str:
+        return key if isinstance(key, str) else hash_sample(key, keys=hash_keys)
+
+    def locations(self, sample_hash: str) -> list[SampleLocation]:
+        """Every (record, step, row) at which a sample occurs, in store order (O(1) lookup)."""
+        ordered = self._ordered()
+        out = []
+        for pos, row in self._by_hash.get(sample_hash, []):
+            part, e = ordered[pos]
+            out.append(
+                SampleLocation(
+                    pos, part.rank, e["step"], e["checkpoint"], row, part.directory / e["shard"]
+                )
+            )
+        return out
+
+    def lookup(
+        self, inputs: Mapping[str, Any] | torch.Tensor | str, hash_keys: Sequence[str] | None = None
+    ) -> list[SampleLocation]:
+        """Locations of one sample given by its fields (hashed with ``hash_sample``) or hash.
+
+        Args:
+            inputs: One sample (a dict of tensors without batch axis) or its hash.
+            hash_keys: Fields to hash, as in capture (default: ``input_ids`` when present).
+        """
+        return self.locations(self._key(inputs, hash_keys))
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        self._ordered()
+        return key in self._by_hash
+
+    # ---- reading --------------------------------------------------------------------------------
+    def _open(
+        self,
+        part: _Partition,
+        entry: IndexEntry,
+        check_crc: bool,
+        device: str | torch.device = "cpu",
+    ) -> Any:
+        path = part.directory / entry["shard"]
+        if not path.is_file():
+            raise StoreFormatError(
+                f"shard {path} is missing although {part.directory / INDEX_FILE} lists it."
+            )
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise StoreFormatError(
+                f"shard {path} is truncated or corrupted: {size} bytes, the index recorded "
+                f"{entry['bytes']}."
+            )
+        if check_crc and path not in self._verified:
+            if file_crc32(path) != entry["crc32"]:
+                raise StoreFormatError(
+                    f"shard {path} is corrupted: its CRC-32 does not match the index."
+                )
+            self._verified.add(path)
+        try:
+            return safe_open(str(path), framework="pt", device=str(device))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
+
+    def check_layers(self, layers: Sequence[str] | None) -> list[str] | None:
+        """Validate a layer selection against the store (``None`` means every layer).
+
+        Raises:
+            KeyError: naming the unknown layers and listing the stored ones.
+        """
+        if layers is None:
+            return None
+        layers = list(layers)
+        names = self.layer_names
+        missing = [n for n in layers if n not in names]
+        if missing:
+            raise KeyError(
+                f"layers {missing} are not in the store {self.save_dir}; it holds {names}."
+            )
+        return layers
+
+    def _load(
+        self,
+        part: _Partition,
+        entry: IndexEntry,
+        layers: Sequence[str] | None,
+        device: str | torch.device,
+        dtype: torch.dtype | None,
+        rows: slice | None = None,
+    ) -> Gradient:
+        path = part.directory / entry["shard"]
+        with self._open(part, entry, self.verify, device) as f:
+            header = decode_schema(f.metadata().get(SHARD_METADATA_KEY), path)
+            if header.get("hashes") != entry["hashes"] or header.get("step") != entry["step"]:
+                raise StoreFormatError(
+                    f"shard {path} does not hold the record its index line describes (step or "
+                    "hashes differ); the store is corrupted."
+                )
+            keys = tensor_keys(header["layers"], layers)
+            try:
+                if rows is None:
+                    tensors = {k: f.get_tensor(k) for k in keys}
+                else:
+                    tensors = {k: f.get_slice(k)[rows] for k in keys}
+            except (SafetensorError, KeyError) as e:
+                raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
+        if dtype is not None:
+            tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+        return decode_gradient(header["layers"], tensors, layers)
+
+    def load_record(
+        self,
+        index: int,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> GradientRecord:
+        """Load record ``index`` (store order) as a :class:`GradientRecord`."""
+        ordered = self._ordered()
+        if not -len(ordered) <= index < len(ordered):
+            raise IndexError(f"record {index} out of range; the store has {len(ordered)}.")
+        part, e = ordered[index]
+        grad = self._load(part, e, self.check_layers(layers), device, dtype)
+        return GradientRecord(e["step"], list(e["hashes"]), grad, e["checkpoint"])
+
+    def iter_blocks(
+        self,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[GradientBlock]:
+        """Yield one :class:`GradientBlock` per record, in store order.
+
+        Args:
+            layers: Only these layers (default: all).
+            device: Where the tensors are loaded.
+            dtype: Cast floating tensors (integer index factors keep their dtype).
+        """
+        layers = self.check_layers(layers)
+        for part, e in self._ordered():
+            grad = self._load(part, e, layers, device, dtype)
+            yield GradientBlock(e["step"], grad, list(e["hashes"]), e["checkpoint"])
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        return self.iter_blocks()
+
+    def load_sample_steps(
+        self,
+        sample: str | Mapping[str, Any] | torch.Tensor,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        hash_keys: Sequence[str] | None = None,
+    ) -> list[GradientBlock]:
+        """Every occurrence of one sample as one-row blocks, in store order.
+
+        Raises:
+            KeyError: the sample is not in the store.
+        """
+        h = self._key(sample, hash_keys)
+        locs = self.locations(h)
+        if not locs:
+            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
+        layers = self.check_layers(layers)
+        ordered = self._ordered()
+        out = []
+        for loc in locs:
+            part, e = ordered[loc.record]
+            grad = self._load(part, e, layers, device, dtype, slice(loc.row, loc.row + 1))
+            out.append(GradientBlock(e["step"], grad, [h], e["checkpoint"]))
+        return out
+
+    def load_sample(
+        self,
+        sample: str | Mapping[str, Any] | torch.Tensor,
+        step: int | None = None,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        hash_keys: Sequence[str] | None = None,
+    ) -> Gradient:
+        """One sample's gradient (one row): its first occurrence, or the one at ``step``.
+
+        Raises:
+            KeyError: the sample is not in the store, or not at ``step``.
+        """
+        h = self._key(sample, hash_keys)
+        locs = self.locations(h)
+        if step is not None:
+            at = [loc for loc in locs if loc.step == step]
+            if not at:
+                raise KeyError(
+                    f"sample {h[:16]}... is not stored at step {step}; it is at steps "
+                    f"{sorted({loc.step for loc in locs})}."
+                )
+            locs = at
+        if not locs:
+            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
+        part, e = self._ordered()[locs[0].record]
+        row = locs[0].row
+        return self._load(part, e, self.check_layers(layers), device, dtype, slice(row, row + 1))
+
+    def verify_all(self) -> int:
+        """Check every shard (size, CRC-32, header); return the number checked.
+
+        Raises:
+            StoreFormatError: naming the first bad file.
+        """
+        ordered = self._ordered()
+        self._verified.clear()
+        for part, e in ordered:
+            with self._open(part, e, check_crc=True) as f:
+                decode_schema(f.metadata().get(SHARD_METADATA_KEY), part.directory / e["shard"])
+        return len(ordered)

@@ -1,0 +1,264 @@
+"""Writing one store partition (a rank's directory): crash-safe shards, optional background thread.
+
+Write protocol of one record (the order is what makes a crash lose at most that record):
+
+1. ``shards/.{seq}.safetensors.tmp`` is written and fsynced, and its CRC-32 computed;
+2. it is renamed to ``shards/{seq}.safetensors`` and the directory is fsynced;
+3. the index line is appended to ``index.jsonl`` and fsynced.
+
+With ``async_write`` the three steps run on a background thread; at most ``max_pending``
+records (default 1) are accepted but not yet durable, so a crash loses at most that many.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import mmap
+import os
+import threading
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dattri_llm.gradient.gradient import GradientRecord
+from dattri_llm.gradient.store.format import (
+    INDEX_FILE,
+    SHARD_DIR,
+    SHARD_METADATA_KEY,
+    encode_record,
+    schema_fingerprint,
+    write_meta,
+)
+from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, read_index
+
+try:  # advisory lock against two writers on one partition (POSIX only)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+__all__ = ["PartitionWriter", "file_crc32"]
+
+LOCK_FILE = ".writer.lock"
+
+
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a whole file (memory-mapped, no copy)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return zlib.crc32(mm)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+class PartitionWriter:
+    """Appends records to one partition directory.
+
+    Args:
+        directory: The partition (the store root, or ``rank_N/`` under it).
+        meta: Extra ``meta.json`` fields of the partition (rank, world size).
+        on_durable: Called with each index entry once the record is durable.
+        async_write: Write on a background thread.
+        max_pending: Records accepted but not yet durable (the most a crash can lose).
+        fsync: fsync shards, directory and index (turn off only for scratch stores).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        meta: dict,
+        on_durable: Callable[[IndexEntry], None],
+        async_write: bool = True,
+        max_pending: int = 1,
+        fsync: bool = True,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.directory = directory
+        self.fsync = fsync
+        self._on_durable = on_durable
+        directory.mkdir(parents=True, exist_ok=True)
+        write_meta(directory, meta)
+        self._lock_file = self._acquire_lock()
+        self.shard_dir = directory / SHARD_DIR
+        self.shard_dir.mkdir(exist_ok=True)
+        entries, valid = read_index(directory / INDEX_FILE)
+        self._cleanup({e["shard"] for e in entries})
+        self._index = IndexAppender(directory / INDEX_FILE, valid, fsync=fsync)
+        self._seq = max((e["seq"] for e in entries), default=-1) + 1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._async = async_write
+        if async_write:
+            self._slots = threading.Semaphore(max_pending)
+            self._cv = threading.Condition()
+            self._queue: list[tuple[int, dict, dict, dict | None] | None] = []
+            self._pending = 0
+            self._thread = threading.Thread(
+                target=self._run, name="dattri-store-writer", daemon=True
+            )
+            self._thread.start()
+            # a normal interpreter exit without close() still makes accepted records durable
+            ref = weakref.WeakMethod(self.close)
+            atexit.register(lambda: ref() and ref()())
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _acquire_lock(self) -> object | None:
+        if fcntl is None:
+            return None
+        f = open(self.directory / LOCK_FILE, "a")  # noqa: SIM115 - held while writing
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise RuntimeError(
+                f"another process is writing to {self.directory}; one writer per partition (use "
+                "a different save_dir, or close the other GradientStorageManager first)."
+            ) from None
+        return f
+
+    def _cleanup(self, referenced: set[str]) -> None:
+        """Remove temp files and shards no index line points at (a killed writer's leftovers)."""
+        removed = []
+        for p in self.shard_dir.iterdir():
+            rel = f"{SHARD_DIR}/{p.name}"
+            if p.name.endswith(".tmp") or (p.suffix == ".safetensors" and rel not in referenced):
+                p.unlink()
+                removed.append(p.name)
+        if removed:
+            warnings.warn(
+                f"{self.directory}: removed {len(removed)} unfinished shard file(s) of an "
+                f"interrupted writer ({', '.join(sorted(removed)[:3])}"
+                f"{', ...' if len(removed) > 3 else ''}).",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    # ---- writing ------------------------------------------------------------------------------
+    def write(self, record: GradientRecord, extra: dict | None = None) -> None:
+        """Persist one record (blocks while ``max_pending`` records are in flight)."""
+        self._raise_pending()
+        if self._closed:
+            raise RuntimeError(f"the writer of {self.directory} is closed.")
+        tensors, header = encode_record(record)
+        if extra is not None:
+            json.dumps(extra, allow_nan=False)  # fail here, not on the thread
+        seq = self._seq
+        self._seq += 1
+        if not self._async:
+            self._write_now(seq, tensors, header, extra)
+            return
+        self._slots.acquire()
+        self._raise_pending()
+        with self._cv:
+            self._queue.append((seq, tensors, header, extra))
+            self._pending += 1
+            self._cv.notify_all()
+
+    def _write_now(
+        self, seq: int, tensors: dict[str, torch.Tensor], header: dict, extra: dict | None
+    ) -> None:
+        name = f"{seq:09d}.safetensors"
+        tmp = self.shard_dir / f".{name}.tmp"
+        final = self.shard_dir / name
+        save_file(
+            tensors,
+            str(tmp),
+            metadata={
+                SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)
+            },
+        )
+        crc = file_crc32(tmp)
+        if self.fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        size = tmp.stat().st_size
+        os.replace(tmp, final)
+        if self.fsync:
+            _fsync_dir(self.shard_dir)
+        entry: IndexEntry = {
+            "seq": seq,
+            "step": header["step"],
+            "checkpoint": header["checkpoint"],
+            "shard": f"{SHARD_DIR}/{name}",
+            "n": len(header["hashes"]),
+            "hashes": header["hashes"],
+            "bytes": size,
+            "crc32": crc,
+            "schema": schema_fingerprint(header["layers"]),
+        }
+        if extra is not None:
+            entry["extra"] = extra
+        self._index.append(entry)
+        self._on_durable(entry)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                item = self._queue.pop(0)
+            if item is None:
+                return
+            try:
+                if self._error is None:
+                    self._write_now(*item)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+                self._slots.release()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a record to {self.directory} failed: {err}") from err
+
+    def flush(self) -> None:
+        """Block until every accepted record is durable (re-raises a background failure)."""
+        if self._async:
+            with self._cv:
+                while self._pending:
+                    self._cv.wait()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Flush, stop the thread, close the index and release the lock (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._async:
+                with self._cv:
+                    self._queue.append(None)
+                    self._cv.notify_all()
+                self._thread.join()
+            self._index.close()
+            if self._lock_file is not None:
+                self._lock_file.close()

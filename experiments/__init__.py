@@ -1,0 +1,1 @@
+"""Benchmarks and experiments (not part of the installed package)."""

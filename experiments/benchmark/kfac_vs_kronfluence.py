@@ -1,0 +1,419 @@
+"""EK-FAC influence: dattri_llm's ``EKFACAttributor`` vs kronfluence, same model, data, damping.
+
+Run (from the repository root; kronfluence lives in its own venv, see docs/benchmarks/kronecker.md):
+
+    OMP_NUM_THREADS=1 python experiments/benchmark/kfac_vs_kronfluence.py --quick
+
+Each peer runs in its own subprocess (``--peer ours`` with this interpreter, ``--peer
+kronfluence`` with ``experiments/benchmark/.venv-kronfluence/bin/python``) on the same saved
+model and token data, so end-to-end time (fit + scores) and peak RSS are measured per peer.
+
+Model: a GPT-2 built from a config whose HF ``Conv1D`` layers are converted to ``nn.Linear``
+(kronfluence tracks only ``nn.Linear`` / ``nn.Conv2d``), trained for a few steps on byte-level
+tokens of Python's own documentation text (``pydoc_data.topics``). Tracked layers: every linear
+layer inside the transformer blocks (``c_attn``, ``c_proj``, ``c_fc``, ``mlp.c_proj``) on both
+sides. Loss: summed next-token cross-entropy (train loss = measurement). Fisher: empirical on
+both sides (``FactorArguments(strategy="ekfac", use_empirical_fisher=True)``); damping
+``0.1 x`` the mean EK-FAC eigenvalue per layer on both sides (kronfluence's
+``damping_factor=None`` heuristic; ours ``damping=0.1, relative=True``); ours counts every token
+position in ``A`` (``tokens="all"``, as kronfluence does without an attention mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PEER_PY = HERE / ".venv-kronfluence" / "bin" / "python"
+LAYER_REGEX = r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)"
+VOCAB = 256
+
+
+# ---- shared by both peers (no dattri_llm import here) --------------------------------------
+def build_model(cfg: dict) -> nn.Module:
+    """GPT-2 from a config, with every HF ``Conv1D`` replaced by an equivalent ``nn.Linear``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=cfg["seq"],
+            n_embd=cfg["width"],
+            n_layer=cfg["layers"],
+            n_head=max(1, cfg["width"] // 32),
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+    for mod in list(model.modules()):
+        for cname, child in list(mod.named_children()):
+            if isinstance(child, Conv1D):
+                nx, nf = child.weight.shape
+                lin = nn.Linear(nx, nf)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight.T)
+                    lin.bias.copy_(child.bias)
+                setattr(mod, cname, lin)
+    return model
+
+
+def tracked_modules(model: nn.Module) -> list[str]:
+    import re
+
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and re.fullmatch(LAYER_REGEX, n)
+    ]
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of a batch (the sum of per-sample losses)."""
+    logits = model(input_ids=ids).logits
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (``VmHWM``: unlike ``ru_maxrss`` it is not
+    inherited from the parent across fork + exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def load_work(work: Path, cfg: dict) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    model = build_model(cfg)
+    model.load_state_dict(load_file(str(work / "model.safetensors")), strict=False)
+    model.eval()
+    if cfg.get("dtype") == "float64":
+        model.double()
+    data = load_file(str(work / "data.safetensors"))
+    return model, data["train"], data["test"]
+
+
+# ---- peers ---------------------------------------------------------------------------------
+def run_ours(work: Path, cfg: dict, fit_only: bool) -> dict:
+    from dattri_llm import AttributionArguments, AttributionTask, EKFACAttributor
+    from dattri_llm.gradient.hooks import HookManagerConfig
+
+    model, train_ids, test_ids = load_work(work, cfg)
+    base_rss = peak_rss_mb()
+    train = [{"input_ids": r} for r in train_ids]
+    test = [{"input_ids": r} for r in test_ids]
+    args = AttributionArguments(
+        output_dir=str(work / "ours_out"),
+        use_cpu=True,
+        per_device_train_batch_size=cfg["batch"],
+        per_device_eval_batch_size=cfg["batch"],
+        show_progress=False,
+    )
+    att = EKFACAttributor(
+        args, task=AttributionTask(lambda m, b: lm_loss(m, b["input_ids"]), model), tokens="all"
+    )
+    hook = HookManagerConfig(linear_io=[LAYER_REGEX])
+    t0 = time.perf_counter()
+    att.fit(train, hook_config=hook)
+    t_fit = time.perf_counter() - t0
+    out = {"fit_s": t_fit, "base_rss_mb": base_rss, "layers": len(att.factors[0].layers)}
+    if not fit_only:
+        t1 = time.perf_counter()
+        damping = cfg.get("damping")
+        score = att.attribute(
+            train, test, hook_config=hook, damping=damping or 0.1, relative=damping is None
+        )
+        out["score_s"] = time.perf_counter() - t1
+        from safetensors.torch import save_file
+
+        save_file(
+            {"scores": score.query(train, test).double().contiguous()},
+            str(work / "ours_scores.safetensors"),
+        )
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def run_kronfluence(work: Path, cfg: dict, fit_only: bool) -> dict:
+    import logging
+
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+
+    logging.disable(logging.WARNING)
+    model, train_ids, test_ids = load_work(work, cfg)
+    base_rss = peak_rss_mb()
+    names = tracked_modules(model)
+
+    class LMTask(Task):
+        def compute_train_loss(self, batch, model, sample=False):  # noqa: ANN001, ANN201
+            return lm_loss(model, batch["input_ids"])
+
+        def compute_measurement(self, batch, model):  # noqa: ANN001, ANN201
+            return lm_loss(model, batch["input_ids"])
+
+        def get_influence_tracked_modules(self):  # noqa: ANN201
+            return names
+
+    class DS(torch.utils.data.Dataset):
+        def __init__(self, ids: torch.Tensor) -> None:
+            self.ids = ids
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i]}
+
+    task = LMTask()
+    model = prepare_model(model, task)
+    analyzer = Analyzer(
+        "bench", model, task, cpu=True, disable_tqdm=True, output_dir=str(work / "kronfluence_out")
+    )
+    f64 = {}
+    if cfg.get("dtype") == "float64":
+        f64 = {
+            k: torch.float64
+            for k in (
+                "activation_covariance_dtype",
+                "gradient_covariance_dtype",
+                "per_sample_gradient_dtype",
+                "lambda_dtype",
+            )
+        }
+    fargs = FactorArguments(strategy="ekfac", use_empirical_fisher=True, **f64)
+    t0 = time.perf_counter()
+    analyzer.fit_all_factors(
+        "ekfac",
+        DS(train_ids),
+        per_device_batch_size=cfg["batch"],
+        factor_args=fargs,
+        overwrite_output_dir=True,
+    )
+    out = {"fit_s": time.perf_counter() - t0, "base_rss_mb": base_rss, "layers": len(names)}
+    if not fit_only:
+        t1 = time.perf_counter()
+        analyzer.compute_pairwise_scores(
+            "scores",
+            "ekfac",
+            DS(test_ids),
+            DS(train_ids),
+            per_device_query_batch_size=cfg["batch"],
+            per_device_train_batch_size=cfg["batch"],
+            score_args=ScoreArguments(
+                damping_factor=cfg.get("damping"),
+                **(
+                    {
+                        k: torch.float64
+                        for k in ("per_sample_gradient_dtype", "precondition_dtype", "score_dtype")
+                    }
+                    if f64
+                    else {}
+                ),
+            ),
+            overwrite_output_dir=True,
+        )
+        out["score_s"] = time.perf_counter() - t1
+        scores = analyzer.load_pairwise_scores("scores")["all_modules"]  # (n_test, n_train)
+        from safetensors.torch import save_file
+
+        save_file(
+            {"scores": scores.T.double().contiguous()}, str(work / "kronfluence_scores.safetensors")
+        )
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+# ---- driver --------------------------------------------------------------------------------
+def prepare(work: Path, cfg: dict) -> None:
+    """Tokenise real text, train the model a few steps, save model + data (safetensors)."""
+    from pydoc_data.topics import topics
+
+    from safetensors.torch import save_file
+
+    text = " ".join(topics[k] for k in sorted(topics)).encode("utf-8", "ignore")
+    data = torch.tensor(list(text), dtype=torch.long)
+    s, n = cfg["seq"], cfg["n_train"] + cfg["n_test"]
+    g = torch.Generator().manual_seed(0)
+    rows, seen = [], set()
+    for i in torch.randperm(len(data) - s, generator=g).tolist():
+        chunk = data[i : i + s]
+        key = bytes(chunk.to(torch.uint8).tolist())
+        if key not in seen:  # dattri_llm identifies samples by content: keep them distinct
+            seen.add(key)
+            rows.append(chunk)
+        if len(rows) == n:
+            break
+    rows = torch.stack(rows)
+    model = build_model(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    train = rows[: cfg["n_train"]]
+    for _step in range(cfg["train_steps"]):
+        batch = train[torch.randint(0, len(train), (16,), generator=g)]
+        opt.zero_grad()
+        (lm_loss(model, batch) / batch.numel()).backward()
+        opt.step()
+    save_file(
+        {
+            k: v.detach().clone().contiguous()
+            for k, v in model.state_dict().items()
+            if k != "lm_head.weight"
+        },  # tied to transformer.wte.weight
+        str(work / "model.safetensors"),
+    )
+    save_file(
+        {"train": train.contiguous(), "test": rows[cfg["n_train"] :].contiguous()},
+        str(work / "data.safetensors"),
+    )
+
+
+def launch(peer: str, work: Path, cfg: dict, fit_only: bool) -> dict:
+    py = sys.executable if peer == "ours" else str(PEER_PY)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        py,
+        str(Path(__file__).resolve()),
+        "--peer",
+        peer,
+        "--work",
+        str(work),
+        "--cfg",
+        json.dumps(cfg),
+    ] + (["--fit-only"] if fit_only else [])
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
+    if res.returncode != 0:
+        raise RuntimeError(f"peer {peer} failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def agreement(work: Path) -> dict:
+    from safetensors.torch import load_file
+
+    a = load_file(str(work / "ours_scores.safetensors"))["scores"].double()
+    b = load_file(str(work / "kronfluence_scores.safetensors"))["scores"].double()
+
+    def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x - x.mean(), y - y.mean()
+        return float((x @ y) / (x.norm() * y.norm()))
+
+    def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+        return pearson(x.argsort().argsort().double(), y.argsort().argsort().double())
+
+    per_query = [spearman(a[:, j], b[:, j]) for j in range(a.shape[1])]
+    return {
+        "pearson": pearson(a.flatten(), b.flatten()),
+        "spearman": spearman(a.flatten(), b.flatten()),
+        "spearman_per_query_mean": sum(per_query) / len(per_query),
+        "max_rel_diff": float((a - b).abs().max() / b.abs().max()),
+    }
+
+
+def versions() -> dict:
+    import transformers
+
+    peer = subprocess.run(
+        [
+            str(PEER_PY),
+            "-c",
+            "import kronfluence,torch;print(kronfluence.__version__,torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kronfluence": peer[0] if peer else "?",
+        "peer_torch": peer[1] if peer else "?",
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpus": os.cpu_count(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
+    p.add_argument("--peer", choices=["ours", "kronfluence"])
+    p.add_argument("--work")
+    p.add_argument("--cfg")
+    p.add_argument("--fit-only", action="store_true")
+    p.add_argument("--out", default=None, help="write the JSON results here")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if a.peer:
+        fn = run_ours if a.peer == "ours" else run_kronfluence
+        print(json.dumps(fn(Path(a.work), json.loads(a.cfg), a.fit_only)))
+        return
+    if not PEER_PY.exists():
+        sys.exit(f"kronfluence venv missing: {PEER_PY} (see docs/benchmarks/kronecker.md)")
+    cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
+    print(f"command: {cmd}\nversions: {versions()}")
+    main_cfg = (
+        dict(layers=2, width=64, seq=32, n_train=128, n_test=16, batch=16, train_steps=30)
+        if a.quick
+        else dict(layers=4, width=128, seq=64, n_train=512, n_test=32, batch=16, train_steps=60)
+    )
+    results: dict = {"command": cmd, "versions": versions(), "main": {"config": main_cfg}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "main"
+        work.mkdir()
+        prepare(work, main_cfg)
+        for peer in ("ours", "kronfluence"):
+            r = launch(peer, work, main_cfg, fit_only=False)
+            r["total_s"] = r["fit_s"] + r["score_s"]
+            results["main"][peer] = r
+            print(peer, r)
+        results["main"]["agreement"] = agreement(work)
+        print("agreement", results["main"]["agreement"])
+        base = dict(main_cfg, n_train=128 if a.quick else 256, n_test=4, train_steps=0)
+        grid = [dict(base, layers=n, width=64) for n in (1, 2, 4)] + [
+            dict(base, layers=2, width=w) for w in (32, 128, 256)
+        ]
+        results["scaling"] = []
+        for i, cfg in enumerate(grid):
+            w = Path(tmp) / f"s{i}"
+            w.mkdir()
+            prepare(w, cfg)
+            row = {"layers": cfg["layers"], "width": cfg["width"]}
+            for peer in ("ours", "kronfluence"):
+                row[peer] = launch(peer, w, cfg, fit_only=True)["fit_s"]
+            results["scaling"].append(row)
+            print("scaling", row)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Attribution-quality benchmark: dattri LDS / LOO protocol, regenerated offline."""

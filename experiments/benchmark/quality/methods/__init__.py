@@ -1,0 +1,99 @@
+"""Method adapters: each turns the reference checkpoints into an (n_train, n_test) score matrix.
+
+A method raises :class:`Pending` when the code it needs has not landed yet (its row then reads
+"pending"), or :class:`Skipped` when it does not apply to the setting (with the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from experiments.benchmark.quality.common import Setting
+
+
+class Pending(Exception):
+    """The method's implementation is not available yet."""
+
+
+class Skipped(Exception):
+    """The method does not apply to this setting (message = why)."""
+
+
+@dataclass
+class Context:
+    """What every method sees: the setting and the reference run's checkpoints."""
+
+    setting: Setting
+    checkpoints: list[dict[str, torch.Tensor]]
+    quick: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict[str, torch.Tensor]:
+        return self.checkpoints[-1]
+
+    def model(self, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        m = self.setting.make_model()
+        m.load_state_dict(self.final if state is None else state)
+        m.eval()
+        return m
+
+
+@dataclass
+class Method:
+    """One row of the table."""
+
+    name: str
+    source: str
+    fn: Callable[[Context], torch.Tensor]
+    note: str = ""
+    quiet: bool = False
+
+
+@dataclass
+class MethodResult:
+    name: str
+    source: str
+    status: str  # ok | pending | skipped | error
+    scores: torch.Tensor | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+
+def run_method(method: Method, ctx: Context) -> MethodResult:
+    """Run one adapter, timing it and turning missing code / errors into a status."""
+    n_train, n_test = len(ctx.setting.train), len(ctx.setting.test)
+    t0 = time.perf_counter()
+    try:
+        if method.quiet:  # peers print a tqdm bar per batch: keep the table readable
+            with contextlib.redirect_stderr(io.StringIO()):
+                scores = method.fn(ctx)
+        else:
+            scores = method.fn(ctx)
+    except Pending as e:
+        return MethodResult(method.name, method.source, "pending", note=str(e) or method.note)
+    except Skipped as e:
+        return MethodResult(method.name, method.source, "skipped", note=str(e))
+    except Exception as e:  # noqa: BLE001 - a failing peer must not sink the whole table
+        traceback.print_exc()
+        return MethodResult(method.name, method.source, "error", note=f"{type(e).__name__}: {e}")
+    seconds = time.perf_counter() - t0
+    scores = scores.detach().to(torch.float64).cpu()
+    if tuple(scores.shape) != (n_train, n_test):
+        return MethodResult(
+            method.name,
+            method.source,
+            "error",
+            seconds=seconds,
+            note=f"score shape {tuple(scores.shape)} != {(n_train, n_test)}",
+        )
+    return MethodResult(method.name, method.source, "ok", scores, seconds, method.note)

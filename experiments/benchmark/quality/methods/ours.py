@@ -1,0 +1,179 @@
+"""dattri_llm attributors on the reference checkpoints (live ``attribute`` path).
+
+Samples are dicts ``{"x", "y", "index"}`` (the ``index`` field makes every content hash unique
+even if two images were identical); rows are realigned to dataset order with
+``score.query(train_samples, test_samples)``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+
+from experiments.benchmark.quality.common import as_dicts
+from experiments.benchmark.quality.methods import Context, Method, Pending
+
+#: Damping values swept for K-FAC / EK-FAC (relative to nothing: absolute, added to the
+#: eigenvalues of the per-sample Fisher); ``None`` = the attributor's own default.
+DAMPINGS: list[float | None] = [None, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
+
+
+def _import(name: str) -> Any:
+    import dattri_llm
+
+    try:
+        return getattr(dattri_llm, name)
+    except AttributeError:
+        raise Pending(f"dattri_llm.{name} not available yet") from None
+
+
+def _args(tmp: str) -> Any:
+    arguments = _import("AttributionArguments")
+    return arguments(
+        output_dir=tmp,
+        use_cpu=True,
+        per_device_train_batch_size=250,
+        per_device_eval_batch_size=250,
+        show_progress=False,
+    )
+
+
+def _task(ctx: Context, checkpoints: list[dict]) -> Any:
+    task_cls = _import("AttributionTask")
+    return task_cls(loss_func=ctx.setting.loss_sum, model=ctx.model(), checkpoints=checkpoints)
+
+
+def _score(ctx: Context, attributor: Any, **kwargs: Any) -> torch.Tensor:
+    train, test = _samples(ctx)
+    score = attributor.attribute(train, test, **kwargs)
+    return score.query(train, test)
+
+
+def _samples(ctx: Context) -> tuple[list[dict], list[dict]]:
+    if "dicts" not in ctx.extra:
+        ctx.extra["dicts"] = (as_dicts(ctx.setting.train), as_dicts(ctx.setting.test))
+    return ctx.extra["dicts"]
+
+
+def tracin_family(
+    normalized: bool = False, trajectory: bool = False, projection: dict | None = None
+) -> Any:
+    def fn(ctx: Context) -> torch.Tensor:
+        cls = _import("TracInAttributor")
+        ckpts = ctx.checkpoints if trajectory else [ctx.final]
+        weights = [ctx.setting.lr] * len(ckpts) if trajectory else None
+        kwargs: dict[str, Any] = {}
+        if projection is not None:
+            proj_cls = _import("ProjectionConfig")
+            from dattri_llm import HookManagerConfig
+
+            kwargs["hook_config"] = HookManagerConfig(projection=proj_cls(**projection))
+        with tempfile.TemporaryDirectory() as tmp:
+            attributor = cls(
+                _args(tmp),
+                task=_task(ctx, ckpts),
+                normalized_grad=normalized,
+                checkpoint_weights=weights,
+            )
+            return _score(ctx, attributor, **kwargs)
+
+    return fn
+
+
+def _kronecker_class(name: str) -> Any:
+    import dattri_llm
+
+    cls = getattr(dattri_llm, name, None)
+    if cls is None:
+        try:
+            from dattri_llm.attribution import kronecker as module
+        except ImportError:
+            raise Pending(f"dattri_llm.{name} not available yet") from None
+        cls = getattr(module, name, None)
+    if cls is None:
+        raise Pending(f"dattri_llm.{name} not available yet")
+    return cls
+
+
+def sampled_label_dataset(ctx: Context, draws: int = 4, seed: int = 0) -> list[dict]:
+    """Train inputs with labels drawn from the model's predictive distribution (true Fisher)."""
+    model = ctx.model()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        probs = torch.softmax(model(ctx.setting.train.x), -1)
+    out = []
+    for d in range(draws):
+        y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        for i in range(len(y)):
+            out.append(
+                {
+                    "x": ctx.setting.train.x[i],
+                    "y": y[i],
+                    "index": torch.tensor(d * len(y) + i, dtype=torch.long),
+                }
+            )
+    return out
+
+
+def kronecker(name: str, damping: float | None, fisher: str = "empirical") -> Any:
+    """K-FAC / EK-FAC row; one damping-free fit per (class, Fisher) serves every damping."""
+
+    def fn(ctx: Context) -> torch.Tensor:
+        cls = _kronecker_class(name)
+        key = ("kronecker", name, fisher)
+        kwargs: dict[str, Any] = {} if damping is None else {"damping": damping}
+        if key not in ctx.extra:
+            tmp = tempfile.mkdtemp(prefix="quality-")
+            attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]))
+            factors = None
+            if fisher == "sampled":  # fit on sampled labels, score the real train gradients
+                fitter = cls(_args(tmp), task=_task(ctx, [ctx.final]))
+                factors = fitter.fit(sampled_label_dataset(ctx))
+            ctx.extra[key] = (attributor, factors)
+        attributor, factors = ctx.extra[key]
+        if factors is not None:
+            kwargs["factors"] = factors
+        return _score(ctx, attributor, **kwargs)
+
+    return fn
+
+
+def methods(quick: bool, classifier: bool = True) -> list[Method]:
+    out = [
+        Method("Grad-Dot", "dattri_llm", tracin_family()),
+        Method("Grad-Cos", "dattri_llm", tracin_family(normalized=True)),
+        Method("TracIn (4 ckpts, w=lr)", "dattri_llm", tracin_family(trajectory=True)),
+    ]
+    for style in ("logra", "dense", "mask"):
+        for dim in (16, 64) if quick else (16, 64, 256):
+            out.append(
+                Method(
+                    f"Grad-Dot proj {style}-{dim}",
+                    "dattri_llm",
+                    tracin_family(projection={"style": style, "proj_dim": dim, "seed": 0}),
+                    f"capture-time {style} projection, {dim} per layer",
+                )
+            )
+    for name, label in (("KFACAttributor", "K-FAC"), ("EKFACAttributor", "EK-FAC")):
+        for d in DAMPINGS:
+            out.append(
+                Method(
+                    f"{label} (damping={'default' if d is None else d})",
+                    "dattri_llm",
+                    kronecker(name, d),
+                    "empirical Fisher",
+                )
+            )
+    if classifier:
+        for d in DAMPINGS[1:]:
+            out.append(
+                Method(
+                    f"EK-FAC sampled-label Fisher (damping={d})",
+                    "dattri_llm",
+                    kronecker("EKFACAttributor", d, "sampled"),
+                    "fit on 4 labels/sample drawn from the model (true Fisher)",
+                )
+            )
+    return out

@@ -1,0 +1,1 @@
+"""Shared helpers of the speed benchmarks (models, timing, memory, tables, adapters)."""

@@ -1,0 +1,236 @@
+"""KFACAttributor / EKFACAttributor end to end against explicit oracles (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kronecker import dense_scores, ekfac_fisher, io_oracle, kfac_ag, matrix_form
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from dattri_llm import (
+    AttributionArguments,
+    AttributionTask,
+    EKFACAttributor,
+    HookManager,
+    HookManagerConfig,
+    KFACAttributor,
+    TracInAttributor,
+)
+from dattri_llm.gradient.callbacks import KroneckerCovarianceCallback
+
+V, T = 11, 5
+LAYERS = {"fc": "fc.bias", "head": None}
+CONFIG = HookManagerConfig(linear_io=["fc", "head"])
+
+
+class SeqMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 4)
+        self.fc = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, V, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.fc(self.emb(input_ids)))))
+
+
+def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids)
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def make_model() -> SeqMLP:
+    torch.manual_seed(0)
+    return SeqMLP().double()
+
+
+def dataset(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, V, (T,), generator=g)} for _ in range(n)]
+
+
+def run_args(tmp_path, **kw) -> AttributionArguments:
+    kw.setdefault("per_device_train_batch_size", 3)
+    kw.setdefault("per_device_eval_batch_size", 2)
+    kw.setdefault("show_progress", False)
+    return AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, **kw)
+
+
+def vmap_grads(model: nn.Module, ds: list[dict]) -> dict[str, torch.Tensor]:
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict, ids: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, p, (ids[None],))
+        return nn.functional.cross_entropy(logits[0, :-1], ids[1:], reduction="sum")
+
+    return vmap(grad(one), in_dims=(None, 0))(params, torch.stack([d["input_ids"] for d in ds]))
+
+
+class Oracle:
+    """Explicit K-FAC / EK-FAC matrices of the fc and head layers (last position: no gradient)."""
+
+    def __init__(self, model: nn.Module, train: list[dict], test: list[dict]) -> None:
+        rows = [{"input_ids": d["input_ids"][None]} for d in train]
+        ps, pt = vmap_grads(model, train), vmap_grads(model, test)
+        mask = [torch.arange(T) < T - 1] * len(train)
+        self.layers = {}
+        for name, bias in LAYERS.items():
+            pairs = io_oracle(model, loss_fn, rows, getattr(model, name))
+            a, g = kfac_ag(pairs, token_mask=mask)
+            tr, te = (
+                matrix_form(ps, f"{name}.weight", bias),
+                matrix_form(pt, f"{name}.weight", bias),
+            )
+            self.layers[name] = (a, g, tr, te, pairs)
+
+    def fisher(self, name: str, kind: str) -> torch.Tensor:
+        a, g, tr, _, _ = self.layers[name]
+        return torch.kron(g, a) if kind == "kfac" else ekfac_fisher(a, g, tr)
+
+    def scores(self, kind: str, lam: float) -> torch.Tensor:
+        """``(n_train, n_test)``."""
+        out = 0
+        for name, (_, _, tr, te, _) in self.layers.items():
+            out = out + dense_scores(self.fisher(name, kind), te, tr, lam).T
+        return out
+
+    def token_scores(self, kind: str, lam: float, i: int) -> torch.Tensor:
+        """``(T, n_test)`` contributions of train sample ``i``'s positions."""
+        out = 0
+        for name, (_, _, _, te, pairs) in self.layers.items():
+            fisher = self.fisher(name, kind)
+            pre = torch.linalg.solve(
+                fisher + lam * torch.eye(len(fisher), dtype=fisher.dtype), te.T
+            )  # (P, M)
+            a, g = pairs[i]
+            per_tok = (g[:, :, None] * a[:, None, :]).reshape(a.shape[0], -1)  # (T, P)
+            out = out + per_tok @ pre
+        return out
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y).abs().max() / y.abs().max())
+
+
+CLASSES = {"kfac": KFACAttributor, "ekfac": EKFACAttributor}
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_live_matches_oracle_and_reuses_fit(tmp_path, kind):
+    model = make_model()
+    train, test = dataset(8, 1), dataset(3, 2)
+    oracle = Oracle(model, train, test)
+    att = CLASSES[kind](run_args(tmp_path), task=AttributionTask(loss_fn, model))
+    calls = []
+    fit = att._fit
+    att._fit = lambda *a, **k: calls.append(1) or fit(*a, **k)
+    for lam in (1e-3, 0.3):
+        score = att.attribute(train, test, hook_config=CONFIG, damping=lam)
+        assert rel(score.query(train, test), oracle.scores(kind, lam)) < 1e-8
+    assert len(calls) == 1  # one damping-free fit served both dampings
+    # a different train set is refitted
+    other = dataset(8, 5)
+    att.attribute(other, test, hook_config=CONFIG)
+    assert len(calls) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_granularity_matches_oracle(tmp_path):
+    model = make_model()
+    train, test = dataset(6, 1), dataset(2, 2)
+    oracle = Oracle(model, train, test)
+    att = EKFACAttributor(run_args(tmp_path), task=AttributionTask(loss_fn, model))
+    score = att.attribute(
+        train, test, hook_config=CONFIG, attribution_granularity="token", damping=1e-2
+    )
+    for i, d in enumerate(train):
+        pos, tok = score.token_scores(d)
+        assert tok.shape == (T, 2)
+        assert rel(tok, oracle.token_scores("ekfac", 1e-2, i)) < 1e-8
+    assert rel(score.query(train, test), oracle.scores("ekfac", 1e-2)) < 1e-8
+
+
+def offload(model, ds, path, callbacks=(), batch=3):
+    from dattri_llm import GradientStorageManager, OffloadCallback
+
+    fm = GradientStorageManager(str(path))
+    hm = HookManager(model, CONFIG, callbacks=[OffloadCallback(file_manager=fm), *callbacks])
+    with hm.collect():
+        for i in range(0, len(ds), batch):
+            ids = torch.stack([d["input_ids"] for d in ds[i : i + batch]])
+            model.zero_grad()
+            loss_fn(model, {"input_ids": ids}).backward()
+    hm.remove()
+    fm.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_from_cache_with_and_without_callback_covariances(tmp_path, kind):
+    model = make_model()
+    train, test = dataset(8, 1), dataset(3, 2)
+    oracle = Oracle(model, train, test)
+    cb = KroneckerCovarianceCallback()
+    tr_dir = offload(model, train, tmp_path / "train", callbacks=[cb])
+    te_dir = offload(model, test, tmp_path / "test")
+    lam = 1e-2
+    plain = CLASSES[kind](run_args(tmp_path)).attribute_from_cache(tr_dir, te_dir, damping=lam)
+    assert rel(plain.query(train, test), oracle.scores(kind, lam)) < 1e-8
+    att = CLASSES[kind](run_args(tmp_path))
+    att.fit(tr_dir, covariances=cb, save_dir=tmp_path / "fit")
+    via_cb = att.attribute_from_cache(tr_dir, te_dir, damping=lam)
+    assert rel(via_cb.query(train, test), plain.query(train, test)) < 1e-10
+    # a saved fit reloads into a fresh attributor and gives identical scores
+    fresh = CLASSES[kind](run_args(tmp_path))
+    again = fresh.attribute_from_cache(tr_dir, te_dir, damping=lam, factors=tmp_path / "fit")
+    assert torch.equal(again.query(train, test), via_cb.query(train, test))
+    # a fit of the other kind is refused
+    wrong = CLASSES["ekfac" if kind == "kfac" else "kfac"](run_args(tmp_path))
+    with pytest.raises(ValueError, match="fit"):
+        wrong.attribute_from_cache(tr_dir, te_dir, factors=tmp_path / "fit")
+
+
+def test_relative_damping_and_heavy_damping_limit(tmp_path):
+    model = make_model()
+    train, test = dataset(6, 1), dataset(2, 2)
+    oracle = Oracle(model, train, test)
+    task = AttributionTask(loss_fn, model)
+    att = KFACAttributor(run_args(tmp_path), task=task)
+    score = att.attribute(train, test, hook_config=CONFIG, damping=0.2, relative=True)
+    ref = 0
+    for name, (_, _, tr, te, _) in oracle.layers.items():
+        fisher = oracle.fisher(name, "kfac")
+        lam = 0.2 * float(torch.trace(fisher)) / len(fisher)
+        ref = ref + dense_scores(fisher, te, tr, lam).T
+    assert rel(score.query(train, test), ref) < 1e-8
+    lam = 1e9
+    heavy = EKFACAttributor(run_args(tmp_path), task=task).attribute(
+        train, test, hook_config=CONFIG, damping=lam
+    )
+    dot = TracInAttributor(run_args(tmp_path), task=task).attribute(train, test, hook_config=CONFIG)
+    assert rel(heavy.query(train, test) * lam, dot.query(train, test)) < 1e-6
+
+
+def test_skipped_layers_warn_and_leave_scores(tmp_path):
+    model = make_model()
+    train, test = dataset(4, 1), dataset(2, 2)
+    att = KFACAttributor(run_args(tmp_path), task=AttributionTask(loss_fn, model))
+    with pytest.warns(UserWarning, match="left out"):
+        full = att.attribute(train, test)  # default capture: emb and norm are skipped
+    only = KFACAttributor(run_args(tmp_path), task=AttributionTask(loss_fn, model)).attribute(
+        train, test, hook_config=CONFIG
+    )
+    assert rel(full.query(train, test), only.query(train, test)) < 1e-10
+    assert set(att.factors[0].skipped) == {"emb", "norm"}
+
+
+def test_fit_needs_data(tmp_path):
+    with pytest.raises(ValueError, match="train_source"):
+        EKFACAttributor(run_args(tmp_path)).fit(None)
+    with pytest.raises(ValueError, match="damping"):
+        KFACAttributor(run_args(tmp_path)).attribute_sources([], [], damping=-1.0)

@@ -1,0 +1,133 @@
+"""AttributionScore: views against explicit matrices, and the safetensors + JSON round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dattri_llm import AttributionScore, hash_sample
+
+
+def make(tokens=False):
+    g = torch.Generator().manual_seed(0)
+    hashes = ["a", "b", "c", "a", "b", "d"]
+    steps = [0, 0, 0, 1, 1, 1]
+    scores = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    tok = None
+    if tokens:
+        tok = []
+        for i in range(6):
+            t = torch.randn(2 + i % 4, 3, generator=g, dtype=torch.float64)
+            t[-1] = scores[i] - t[:-1].sum(0)
+            tok.append(t)
+    return AttributionScore(scores, hashes, steps, ["x", "y", "z"], token_scores=tok)
+
+
+def test_agnostic_step_and_query():
+    s = make()
+    ids, m = s.agnostic_matrix()
+    assert ids == ["a", "b", "c", "d"]
+    sc = s.scores
+    want = torch.stack([sc[0] + sc[3], sc[1] + sc[4], sc[2], sc[5]])
+    assert torch.equal(m, want)
+    ids1, m1 = s.step_matrix(1)
+    assert ids1 == ["a", "b", "d"] and torch.equal(m1, sc[3:])
+    assert set(s.step_matrices()) == {0, 1} and s.steps == [0, 1]
+    q = s.query(["d", "a"], ["z", "x"])
+    assert torch.equal(q, want[[3, 0]][:, [2, 0]])
+    assert torch.equal(s.query(["c"]), want[[2]])
+    with pytest.raises(KeyError, match="'e'"):
+        s.query(["e"])
+    with pytest.raises(KeyError, match="'w'"):
+        s.query(["a"], ["w"])
+    with pytest.raises(KeyError, match="step 5"):
+        s.step_matrix(5)
+
+
+def test_query_accepts_samples():
+    item = {"input_ids": torch.arange(4)}
+    h = hash_sample(item)
+    s = AttributionScore(torch.tensor([[1.0, 2.0]]), [h], [0], ["t1", "t2"])
+    assert torch.equal(s.query([item]), torch.tensor([[1.0, 2.0]]))
+    assert torch.equal(s.query([item], ["t2"]), torch.tensor([[2.0]]))
+    t = AttributionScore(torch.tensor([[3.0]]), [hash_sample({"0": torch.arange(4)})], [0], ["u"])
+    assert torch.equal(t.query([(torch.arange(4),)]), torch.tensor([[3.0]]))  # tuple items
+
+
+def test_top_k():
+    s = make()
+    ids, m = s.agnostic_matrix()
+    top = s.top_k(2)
+    assert top.test_hashes == ["x", "y", "z"]
+    for j in range(3):
+        order = torch.argsort(m[:, j], descending=True).tolist()
+        assert top.proponent_hashes[j] == [ids[i] for i in order[:2]]
+        assert top.opponent_hashes[j] == [ids[i] for i in order[::-1][:2]]
+        assert torch.equal(top.proponent_scores[j], m[order[:2], j])
+    assert s.top_k(10).proponent_scores.shape == (3, 4)
+    with pytest.raises(ValueError, match="k must be"):
+        s.top_k(0)
+
+
+def test_token_scores():
+    s = make(tokens=True)
+    pos, t = s.token_scores("a", step=1)
+    assert pos.tolist() == [0, 1, 2, 3, 4] and torch.allclose(t.sum(0), s.scores[3])
+    pos, t = s.token_scores("a")  # summed over steps, padded to the longest
+    assert t.shape[0] == 5
+    assert torch.allclose(t.sum(0), s.query(["a"])[0], rtol=1e-12)
+    with pytest.raises(KeyError):
+        s.token_scores("zz")
+    with pytest.raises(ValueError, match="attribution_granularity='token'"):
+        make().token_scores("a")
+
+
+def test_save_load_round_trip(tmp_path):
+    for tokens in (False, True):
+        s = make(tokens)
+        path = s.save(tmp_path / f"s{tokens}")
+        assert sorted(os.listdir(path)) == ["scores.json", "scores.safetensors"]
+        t = AttributionScore.load(path)
+        assert torch.equal(t.scores, s.scores)
+        assert (t.train_hashes, t.train_steps, t.test_hashes) == (
+            s.train_hashes,
+            s.train_steps,
+            s.test_hashes,
+        )
+        assert t.has_token_scores == tokens
+        if tokens:
+            for h in "abcd":
+                assert torch.equal(t.token_scores(h)[1], s.token_scores(h)[1])
+        with open(os.path.join(path, "scores.safetensors"), "rb") as f:
+            assert not f.read(2).startswith(b"\x80")  # not a pickle
+
+
+def test_save_default_dir_is_lazy_and_errors(tmp_path):
+    s = make()
+    with pytest.raises(ValueError, match="needs a path"):
+        s.save()
+    s.output_dir = str(tmp_path / "out" / "deep")
+    assert not (tmp_path / "out").exists()
+    assert s.save() == s.output_dir and os.path.isdir(s.output_dir)
+    with pytest.raises(FileNotFoundError, match="AttributionScore.save"):
+        AttributionScore.load(tmp_path / "missing")
+    meta = os.path.join(s.output_dir, "scores.json")
+    with open(meta) as f:
+        d = json.load(f)
+    d["version"] = 99
+    with open(meta, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match="version 99"):
+        AttributionScore.load(s.output_dir)
+
+
+def test_constructor_checks():
+    with pytest.raises(ValueError, match="need 1 train hashes"):
+        AttributionScore(torch.zeros(2, 1), ["a"], [0], ["x"])
+    with pytest.raises(ValueError, match="unique"):
+        AttributionScore(torch.zeros(1, 2), ["a"], [0], ["x", "x"])
+    with pytest.raises(ValueError, match="token_scores has 0 rows"):
+        AttributionScore(torch.zeros(1, 1), ["a"], [0], ["x"], token_scores=[])
