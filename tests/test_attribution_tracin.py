@@ -538,3 +538,19 @@ def test_pad_collate_on_variable_lengths(tmp_path):
     # of the per-token model except through the masked loss)
     ref = loop_grads(model, loss, train_m) @ loop_grads(model, loss, test_m).T
     assert rel(score.query(train_m, test_m), ref) < 1e-10
+
+
+def test_state_dict_checkpoint_sharing_live_memory_is_snapshotted() -> None:
+    from dattri_llm import AttributionTask
+
+    model = torch.nn.Linear(3, 2)
+    live = model.state_dict()  # views of the live parameters
+    other = {k: torch.randn_like(v) for k, v in live.items()}
+    task = AttributionTask(
+        loss_func=lambda m, b: m(b["x"]).sum(), model=model, checkpoints=[live, other]
+    )
+    before = {k: v.clone() for k, v in live.items()}
+    task.load_checkpoint(1)
+    task.load_checkpoint(0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])

@@ -73,6 +73,8 @@ class AttributionTask:
                     "AttributionTask: checkpoints is an empty list; pass None to "
                     "score at the current weights."
                 )
+        if self.checkpoints is not None:
+            self.checkpoints = [_detach_from_model(c, model) for c in self.checkpoints]
         self.checkpoints_load_func = checkpoints_load_func
 
     # ---- the two sides ---------------------------------------------------------------------
@@ -238,3 +240,25 @@ class _DattriLoss:
             self._decide(model, batch, n)
         loss = self._call(model, batch)
         return loss * n if self.reduction == "mean" else loss
+
+
+def _detach_from_model(ckpt: Checkpoint, model: nn.Module) -> Checkpoint:
+    """Copy the tensors of a state-dict checkpoint that share memory with the live model.
+
+    ``model.state_dict()`` returns views of the live parameters: loading another checkpoint
+    would silently overwrite such an entry, so it is snapshotted here.
+    """
+    if not isinstance(ckpt, Mapping):
+        return ckpt
+    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    if not any(
+        isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live
+        for v in ckpt.values()
+    ):
+        return ckpt
+    return {
+        k: v.detach().clone()
+        if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live
+        else v
+        for k, v in ckpt.items()
+    }
