@@ -216,7 +216,9 @@ class KroneckerCovariances:
         for a, g in factors:
             ct = _acc_dtype(g)
             mask = _token_mask(g, a, self.tokens)
-            af = a.to(ct)[mask]
+            af = a.to(ct).reshape(-1, a.shape[-1])
+            if not bool(mask.all()):
+                af = af[mask.reshape(-1)]
             gf = g.to(ct).reshape(-1, g.shape[-1])
             cov.a_sum += (af.T @ af).to(self.dtype)
             cov.g_sum += (gf.T @ gf).to(self.dtype)
