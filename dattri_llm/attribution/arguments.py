@@ -45,6 +45,11 @@ class AttributionArguments:
         score_block_size: At most this many train rows and this many test columns are scored
             in one call of ``score_block``, which bounds the scoring memory for large N x M.
         show_progress: Show tqdm progress bars.
+        live_cache_gb: Live runs keep the streamed train gradients in memory up to this many
+            GiB, so an attributor that reads the train set several times (K-FAC covariances,
+            EK-FAC eigenvalues, then scoring) runs one forward/backward pass over it instead
+            of one per read. Past the budget the cache is dropped and the train set is
+            streamed again for each read. ``0`` disables it.
     """
 
     output_dir: str = "attribution_output"
@@ -66,6 +71,7 @@ class AttributionArguments:
     fsdp: str = ""
     score_block_size: int = 1024
     show_progress: bool = True
+    live_cache_gb: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -89,6 +95,10 @@ class AttributionArguments:
                 f"AttributionArguments.dataloader_collate must be one of {_COLLATES}"
                 f", got {self.dataloader_collate!r}; pass a callable as "
                 "attribute(..., collate_fn=...) for anything else."
+            )
+        if not self.live_cache_gb >= 0:
+            raise ValueError(
+                f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
             )
         if self.bf16 and self.fp16:
             raise ValueError("AttributionArguments: bf16 and fp16 are exclusive; set one.")

@@ -187,7 +187,8 @@ class BaseAttributor:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
-            self.fit(_LiveSource(train_source), **kwargs)
+            live = _LiveSource(train_source, int(args.live_cache_gb * 2**30))
+            self.fit(live, **kwargs)
             acc = _Accumulator(attribution_granularity)
             columns: dict[str, int] = {}
             for c in range(task.num_checkpoints):
@@ -202,13 +203,15 @@ class BaseAttributor:
                     )
                 )
                 test = self._test_side(test_blocks, c, columns, grow=(c == 0))
-                train = stream(
-                    train_set,
-                    task.train_loss,
-                    args.per_device_train_batch_size,
-                    c,
-                    f"train ckpt {c}",
-                )
+                train = live.cached(c)  # blocks fit already streamed, if they were kept
+                if train is None:
+                    train = stream(
+                        train_set,
+                        task.train_loss,
+                        args.per_device_train_batch_size,
+                        c,
+                        f"train ckpt {c}",
+                    )
                 for block in train:
                     self._score_train_block(block, test, len(columns), acc)
                 del test, test_blocks
@@ -399,15 +402,41 @@ class BaseAttributor:
 
 
 class _LiveSource:
-    """A non-rereadable source over a generator function (the live train side for ``fit``)."""
+    """The live train side handed to ``fit``: not re-readable, but remembered within a budget.
+
+    The first complete iteration keeps its blocks while their total size stays within
+    ``budget`` bytes; later iterations (a second fit pass, the scoring loop) then read memory
+    instead of running the model again. Past the budget nothing is kept.
+    """
 
     rereadable = False
 
-    def __init__(self, make: Callable[[], Iterator[GradientBlock]]) -> None:
+    def __init__(self, make: Callable[[], Iterator[GradientBlock]], budget: int) -> None:
         self._make = make
+        self._budget = budget
+        self._blocks: list[GradientBlock] | None = None
 
     def __iter__(self) -> Iterator[GradientBlock]:
-        return self._make()
+        if self._blocks is not None:
+            yield from self._blocks
+            return
+        kept: list[GradientBlock] | None = [] if self._budget > 0 else None
+        size = 0
+        for block in self._make():
+            if kept is not None:
+                size += block.gradient.nbytes
+                if size <= self._budget:
+                    kept.append(block)
+                else:
+                    kept = None  # over budget: later reads stream again
+            yield block
+        self._blocks = kept
+
+    def cached(self, checkpoint: int) -> list[GradientBlock] | None:
+        """The kept blocks of one checkpoint, or ``None`` when nothing was kept."""
+        if self._blocks is None:
+            return None
+        return [b for b in self._blocks if int(b.checkpoint) == checkpoint]
 
 
 class _Accumulator:
