@@ -255,3 +255,21 @@ def test_callback_hook_points_are_called_in_order() -> None:
     with hm.collect(deregister_on_exit=True):
         lm_loss(model, {"input_ids": torch.randint(0, 17, (2, 5))}).backward()
     assert events == ["start", "f:norm", "b:norm", "step", "end"]
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Conv2d(4, 4, 3, groups=2),
+        nn.ConvTranspose1d(4, 4, 3, groups=2),
+        nn.Embedding(5, 3, scale_grad_by_freq=True),
+    ],
+)
+def test_unsupported_layer_options_are_clear_errors(layer: nn.Module) -> None:
+    model = nn.Sequential(layer, nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="layer '0'.*(groups|scale_grad_by_freq)"):
+        HookManager(model, config=HookManagerConfig(linear_io=["0"]))
+    with pytest.warns(UserWarning, match="leaves out layer '0'"):
+        hm = HookManager(model)  # REGISTER_ALL: left out, loudly
+    assert hm.layer_names == ["1"]
+    hm.remove()

@@ -247,6 +247,13 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
             if n not in config.layer_types:
                 raise
             kw = {}  # a relabelled module: its hyper-parameters come from module_kwargs
+        except (NotImplementedError, ValueError) as err:
+            if linear_sel is not REGISTER_ALL or n in config.hook_types:
+                raise ValueError(f"layer {n!r}: {err}") from None
+            # REGISTER_ALL means every *eligible* layer: an unsupported configuration of a
+            # known type (grouped conv, ...) is left out, loudly, instead of failing the run
+            warnings.warn(f"REGISTER_ALL leaves out layer {n!r}: {err}", UserWarning, stacklevel=3)
+            continue
         kw = {**kw, **dict(config.module_kwargs.get(n, {}))}
         _finalize_kwargs(rule, kw, n)
         specs.append(LayerSpec(n, module, kind, rule, kw))
