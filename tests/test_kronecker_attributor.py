@@ -244,8 +244,7 @@ def test_live_ekfac_streams_the_train_set_once_within_the_cache_budget(monkeypat
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     model = model.double()
-    data = [{"x": torch.randn(4, dtype=torch.float64), "y": torch.tensor(i % 3)}
-            for i in range(12)]
+    data = [{"x": torch.randn(4, dtype=torch.float64), "y": torch.tensor(i % 3)} for i in range(12)]
 
     def loss(m, b):
         return torch.nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="sum")
@@ -261,9 +260,12 @@ def test_live_ekfac_streams_the_train_set_once_within_the_cache_budget(monkeypat
     scores = {}
     for budget in (2.0, 0.0):
         calls.clear()
-        att = EKFACAttributor(AttributionArguments(show_progress=False, live_cache_gb=budget,
-                                                   per_device_train_batch_size=4),
-                              task=AttributionTask(loss_func=loss, model=model))
+        att = EKFACAttributor(
+            AttributionArguments(
+                show_progress=False, live_cache_gb=budget, per_device_train_batch_size=4
+            ),
+            task=AttributionTask(loss_func=loss, model=model),
+        )
         scores[budget] = att.attribute(data, data[:3], damping=1e-2).agnostic_matrix()[1]
         # one test stream + train streams: 1 with the cache, 3 without (cov, eigen, score)
         assert len(calls) == (2 if budget else 4), (budget, calls)

@@ -36,41 +36,71 @@ def main() -> None:
     corpus = load_corpus(("try", "import", "comparisons"))[:60]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([t for _, t in corpus], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<pad>"], show_progress=False))
+    tok.train_from_iterator(
+        [t for _, t in corpus],
+        trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>"], show_progress=False),
+    )
 
     def encode(text: str) -> dict:
         ids = tok.encode(text).ids[:SEQ]
         ids = torch.tensor(ids + [0] * (SEQ - len(ids)))
-        return {"input_ids": ids, "attention_mask": (ids != 0).long(),
-                "labels": ids.masked_fill(ids == 0, -100)}
+        return {
+            "input_ids": ids,
+            "attention_mask": (ids != 0).long(),
+            "labels": ids.masked_fill(ids == 0, -100),
+        }
 
     train = [encode(t) for _, t in corpus[:48]]
     test = [encode(t) for _, t in corpus[48:52]]
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512,
-                                       n_positions=SEQ, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_head=2,
+            n_embd=64,
+            vocab_size=512,
+            n_positions=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     work = Path(tempfile.mkdtemp(prefix="dattri_llm_trainer_"))
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(output_dir=str(work / "run"), per_device_train_batch_size=8,
-                               num_train_epochs=1, use_cpu=True, report_to=[], save_strategy="no",
-                               logging_strategy="no", disable_tqdm=True),
+        args=TrainingArguments(
+            output_dir=str(work / "run"),
+            per_device_train_batch_size=8,
+            num_train_epochs=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        ),
         train_dataset=train,
     )
 
     # (1) wrap the unchanged training run: per-sample gradients go to disk as it trains
     train_store = GradientStorageManager(str(work / "train_grads"))
-    hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL),
-                     callbacks=[OffloadCallback(offload_interval=1, file_manager=train_store,
-                                                recording_type="per_sample")])
+    hm = HookManager(
+        model,
+        config=HookManagerConfig(linear_io=REGISTER_ALL),
+        callbacks=[
+            OffloadCallback(
+                offload_interval=1, file_manager=train_store, recording_type="per_sample"
+            )
+        ],
+    )
     with hm.collect(deregister_on_exit=True):
         trainer.train()
     train_store.close()
 
     # (2) query gradients at the final weights, through the same hooks
     test_store = GradientStorageManager(str(work / "test_grads"))
-    hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL),
-                     callbacks=[OffloadCallback(file_manager=test_store)])
+    hm = HookManager(
+        model,
+        config=HookManagerConfig(linear_io=REGISTER_ALL),
+        callbacks=[OffloadCallback(file_manager=test_store)],
+    )
     batch = {k: torch.stack([t[k] for t in test]) for k in test[0]}
     with hm.collect(deregister_on_exit=True):
         model(**batch).loss.backward()
@@ -78,9 +108,9 @@ def main() -> None:
     test_store.close()
 
     # (3) attribute from the cache: no model needed
-    score = TracInAttributor(AttributionArguments(output_dir=str(work / "scores"))
-                             ).attribute_from_cache(str(work / "train_grads"),
-                                                    str(work / "test_grads"))
+    score = TracInAttributor(
+        AttributionArguments(output_dir=str(work / "scores"))
+    ).attribute_from_cache(str(work / "train_grads"), str(work / "test_grads"))
     train_ids, matrix = score.agnostic_matrix()
     print(f"scores: {tuple(matrix.shape)} (train x test), from {len(train_store)} offloaded steps")
     text_of = {hash_sample(x): t for x, (_, t) in zip(train, corpus)}
