@@ -353,9 +353,13 @@ class BaseAttributor:
             if isinstance(lg, Materialized) or any(isinstance(x, Materialized) for x in sites):
                 layers[name] = lg
                 continue
+            # a tied parameter is materialized as one dense sum when its largest site prefers
+            # the materialized route: train sites then meet it as a dense matrix (one GEMM, or
+            # an index gather for embedding sites) instead of re-materializing it per block
+            big = max(sites, key=lambda x: x.nbytes)
             dense = self.mode == "materialized" or all(
                 x.rule.prefer_materialized_gram(b1, b2, x.num_tokens, x.num_tokens, x.module_kwargs)
-                for x in sites
+                for x in ([big] if isinstance(lg, Shared) else sites)
             )
             p = sites[0].rule.num_params(sites[0].module_kwargs)
             size = grad.batch_size * p * torch.finfo(grad.dtype).bits // 8

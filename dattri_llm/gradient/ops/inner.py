@@ -34,13 +34,28 @@ def _sites(lg: LayerGradient) -> list[Factorized | Materialized]:
     return list(lg.sites) if isinstance(lg, Shared) else [lg]
 
 
+class _Dense:
+    """Materialise each site at most once per op call (a self-Gram shares its two sides)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, torch.Tensor] = {}
+
+    def __call__(self, site: Factorized | Materialized) -> torch.Tensor:
+        if isinstance(site, Materialized):
+            return site.data
+        key = id(site)
+        if key not in self._memo:
+            self._memo[key] = site.materialize().data
+        return self._memo[key]
+
+
 def _site_cross(
-    x: Factorized | Materialized, y: Factorized | Materialized, mode: str
+    x: Factorized | Materialized, y: Factorized | Materialized, mode: str, dense: _Dense
 ) -> torch.Tensor:
     if isinstance(x, Materialized) and isinstance(y, Materialized):
         return x.data @ y.data.T
     if isinstance(x, Materialized):
-        return _site_cross(y, x, mode).T
+        return _site_cross(y, x, mode, dense).T
     rule = x.rule
     if isinstance(y, Materialized):
         if mode == "materialized" or (
@@ -49,11 +64,11 @@ def _site_cross(
                 x.batch_size, y.batch_size, x.num_tokens, x.module_kwargs
             )
         ):
-            return x.materialize().data @ y.data.T
+            return dense(x) @ y.data.T
         return rule.dense_per_token(x.a, x.g, y.data, x.module_kwargs).sum(1)
     if x.layer_type != y.layer_type:
         if mode == "materialized":
-            return x.materialize().data @ y.materialize().data.T
+            return dense(x) @ dense(y).T
         return cross_site_per_token(
             rule, x.a, x.g, x.module_kwargs, y.rule, y.a, y.g, y.module_kwargs
         ).sum(1)
@@ -63,18 +78,21 @@ def _site_cross(
             x.batch_size, y.batch_size, x.num_tokens, y.num_tokens, x.module_kwargs
         )
     ):
-        return x.materialize().data @ y.materialize().data.T
+        return dense(x) @ dense(y).T
     return rule.gram(x.a, x.g, y.a, y.g, x.module_kwargs)
 
 
 def layer_cross_dot(x: LayerGradient, y: LayerGradient, mode: str = "auto") -> torch.Tensor:
     """``(B1, B2)`` inner products of one layer's per-sample gradients."""
     _check_mode(mode)
-    xs, ys = _sites(x), _sites(y)
+    if mode == "materialized" and (isinstance(x, Shared) or isinstance(y, Shared)):
+        # one dense sum per side and one GEMM, rather than a GEMM per pair of sites
+        return x.materialize().data @ y.materialize().data.T
+    dense = _Dense()
     total = None
-    for xi in xs:
-        for yj in ys:
-            part = _site_cross(xi, yj, mode)
+    for xi in _sites(x):
+        for yj in _sites(y):
+            part = _site_cross(xi, yj, mode, dense)
             total = part if total is None else total + part
     assert total is not None
     return total
