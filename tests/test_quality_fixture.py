@@ -3,7 +3,9 @@
 A real check that the attributors rank training data correctly (not just that they run): the
 exact-Hessian influence function and EK-FAC must beat Grad-Dot's LDS, and random scores must
 sit at ~0. Ground truth comes from dattri 0.3.0's own ``retrain_lds`` /
-``calculate_lds_ground_truth``; the LDS is dattri's ``lds``.
+``calculate_lds_ground_truth``; the LDS is dattri's ``lds``. The char-GPT setting's pieces
+that need no download (play cleaning, the common-random-numbers batch stream, per-sample
+gradients of the char model) are checked at the end.
 """
 
 from __future__ import annotations
@@ -97,3 +99,94 @@ def test_influence_beats_grad_dot_and_random_is_zero(fixture):
     except Pending as e:  # pragma: no cover - before the K-FAC issue lands
         pytest.skip(str(e))
     assert lds_ekfac > lds_grad_dot + 0.1
+
+
+# ---- char-GPT setting: pieces that need no download ----------------------------------------
+def test_chargpt_clean_play_keeps_speeches_only():
+    from experiments.benchmark.quality.chargpt import clean_play
+
+    md = (
+        "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three Witches_\n\n"
+        "**First Witch**  \nWhen shall we three meet again  \nIn thunder, _aside_ or in rain?\n\n"
+        "**ALL**  \nFair is foul, and foul is fair:  \nHover through the fog.\n\n_Exeunt_\n"
+    )
+    assert clean_play(md) == (
+        "First Witch:\nWhen shall we three meet again\nIn thunder, or in rain?\n\n"
+        "ALL:\nFair is foul, and foul is fair:\nHover through the fog."
+    )
+
+
+def test_chargpt_crn_stream_is_the_full_stream_restricted_to_the_subset():
+    from experiments.benchmark.quality.chargpt import HP, batch_stream
+
+    n = 300
+    full = torch.arange(n)
+    sub = torch.as_tensor(
+        sorted(torch.randperm(n, generator=torch.Generator().manual_seed(1))[:150].tolist())
+    )
+    independent_full = torch.cat(batch_stream(full, n, 3, crn=False))
+    crn_full = torch.cat(batch_stream(full, n, 3, crn=True))
+    assert torch.equal(independent_full, crn_full)  # one reference run serves both variants
+    crn_sub = torch.cat(batch_stream(sub, n, 3, crn=True))
+    assert len(crn_sub) == HP["steps"] * HP["batch_size"]
+    members = set(sub.tolist())
+    # the same permutation stream (epochs of randperm(n)) with non-members skipped
+    gen = torch.Generator().manual_seed(3)
+    want: list[int] = []
+    while len(want) < len(crn_sub):
+        want += [i for i in torch.randperm(n, generator=gen).tolist() if i in members]
+    assert crn_sub.tolist() == want[: len(crn_sub)]
+    ind_sub = torch.cat(batch_stream(sub, n, 3, crn=False))
+    assert set(ind_sub.tolist()) <= members and not torch.equal(ind_sub, crn_sub)
+
+
+def test_chargpt_grad_dot_equals_brute_force_per_sample_gradients():
+    """dattri_llm's Grad-Dot on the char model (all layers: embeddings with a batched position
+    index, LayerNorms, linears) equals torch.func per-sample gradients, float64."""
+    from torch.func import functional_call, grad, vmap
+
+    from experiments.benchmark.quality.chargpt import CharGPT
+    from experiments.benchmark.quality.common import Setting, TupleDataset
+
+    torch.manual_seed(0)
+    vocab, t = 11, 8
+    model = CharGPT(vocab, block_size=t, n_layer=1, n_head=2, n_embd=8).to(torch.float64)
+    x = torch.randint(0, vocab, (14, t))
+    y = torch.randint(0, vocab, (14, t))
+    train, test = TupleDataset(x[:10], y[:10]), TupleDataset(x[10:], y[10:])
+
+    def per_sample(m, xb, yb):
+        return torch.nn.functional.cross_entropy(m(xb).transpose(1, 2), yb, reduction="none").mean(
+            1
+        )
+
+    def loss_sum(m, batch):
+        return per_sample(m, batch["x"], batch["y"]).sum()
+
+    setting = Setting(
+        name="tiny-char",
+        train=train,
+        test=test,
+        make_model=lambda: CharGPT(vocab, t, 1, 2, 8).to(torch.float64),
+        train_func=None,
+        target=None,
+        loss_sum=loss_sum,
+        make_loss_single=None,
+        batch_size=4,
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    r = run_method(ours.methods(quick=True, classifier=False)[0], Context(setting, [state]))
+    if r.status == "pending":
+        pytest.skip(r.note)
+    assert r.status == "ok", r.note
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return per_sample(lambda inp: functional_call(model, p, (inp,)), xi[None], yi[None]).sum()
+
+    def flat(ds):
+        g = vmap(grad(one), in_dims=(None, 0, 0))(params, ds.x, ds.y)
+        return torch.cat([g[k].reshape(len(ds.x), -1) for k in params], 1)
+
+    want = flat(train) @ flat(test).T
+    torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())

@@ -63,7 +63,12 @@ class Setting:
         checkpoint_epochs: Epochs at which the full-data run stores checkpoints (TracIn).
         lr: Learning rate per stored checkpoint (TracIn weights).
         weight_decay: L2 coefficient of the training objective (damping of the exact IF).
-        config: Free-form description recorded in the output.
+        config: Free-form description recorded in the output (part of the cache key).
+        model_spec: ``{"module", "factory", "kwargs"}``: how a *separate* interpreter (the
+            kronfluence venv) rebuilds the model; the module may import only torch/numpy.
+        task_kind: ``"classification"`` (``x -> logits (B, C)``, ``y (B,)``) or ``"lm"``
+            (``x (B, T) -> logits (B, T, V)``, ``y (B, T)``; per-sample loss = mean token CE).
+        checkpoint_weights: TracIn weight per stored checkpoint (default: ``lr`` each).
     """
 
     name: str
@@ -81,6 +86,20 @@ class Setting:
     config: dict = field(default_factory=dict)
     #: ``train_func(..., return_checkpoints=True)`` returns ``(model, [state dicts])``.
     supports_trajectory: bool = True
+    model_spec: dict = field(default_factory=dict)
+    task_kind: str = "classification"
+    checkpoint_weights: list[float] | None = None
+
+    def tracin_weights(self, n: int) -> list[float]:
+        """TracIn weights of the ``n`` stored checkpoints (the learning rate at each)."""
+        if self.checkpoint_weights is not None:
+            if len(self.checkpoint_weights) != n:
+                raise ValueError(
+                    f"{self.name}: {len(self.checkpoint_weights)} checkpoint_weights for {n} "
+                    "checkpoints; give one weight per stored checkpoint."
+                )
+            return list(self.checkpoint_weights)
+        return [self.lr] * n
 
 
 def loader_batches(dataloader: Any) -> Any:

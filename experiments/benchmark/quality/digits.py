@@ -132,6 +132,12 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         checkpoint_epochs=ckpt_epochs,
         lr=hp["lr"],
         weight_decay=hp["wd"],
+        model_spec={
+            "module": "experiments.benchmark.quality.digits",
+            "factory": hp["model"].__name__,
+            "kwargs": {},
+        },
+        task_kind="classification",
         config={
             "data": "sklearn load_digits, X/16, train=[0,1000), test=[1000,1500)",
             "model": hp["model"].__name__,

@@ -38,7 +38,20 @@ def protocol(setting: str, quick: bool) -> dict:
             "lds_seed": LDS_SEED,
             "loo_seed": LOO_SEED,
         }
+    if setting == "char-gpt":
+        return {
+            "num_subsets": 8 if quick else 50,
+            "runs": 2,
+            "loo_indices": [],
+            "lds_seed": LDS_SEED,
+            "loo_seed": LOO_SEED,
+            "variants": list(VARIANTS),
+        }
     raise SystemExit(f"--setting {setting}: not implemented yet (see docs/benchmarks/quality.md).")
+
+
+#: LDS ground-truth variants: label -> extra keyword arguments of the train function.
+VARIANTS = {"independent": "independent seeds (dattri)", "crn": "common random numbers"}
 
 
 def build_setting(name: str) -> Setting:
@@ -46,15 +59,26 @@ def build_setting(name: str) -> Setting:
         from experiments.benchmark.quality.digits import make_setting
 
         return make_setting(name)
+    if name == "char-gpt":
+        from experiments.benchmark.quality.chargpt import make_setting as make_char
+
+        return make_char(name)
     raise SystemExit(f"--setting {name}: not implemented yet (see docs/benchmarks/quality.md).")
 
 
-def all_methods(quick: bool, peers: bool) -> list[Method]:
-    from experiments.benchmark.quality.methods import dattri_peer, ours, reference
+def all_methods(quick: bool, peers: bool, kind: str = "classification") -> list[Method]:
+    from experiments.benchmark.quality.methods import (
+        dattri_peer,
+        kronfluence_peer,
+        ours,
+        reference,
+    )
 
-    out = list(reference.METHODS) + ours.methods(quick)
+    classifier = kind == "classification"
+    out = list(reference.METHODS) + ours.methods(quick, classifier=classifier)
     if peers:
-        out += dattri_peer.methods(quick)
+        out += dattri_peer.methods(quick, classifier=classifier)
+        out += kronfluence_peer.methods(quick, classifier=classifier)
     return out
 
 
@@ -76,6 +100,11 @@ def score_agreement(results: list[MethodResult]) -> list[str]:
         ),
         (("reference", "Exact IF (explicit Hessian)"), ("dattri 0.3.0", "IF-explicit")),
     ]
+    for d in (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1):
+        kf = "default=1e-08" if d == 1e-8 else repr(d)
+        pairs.append(
+            (("dattri_llm", f"EK-FAC (damping={d})"), ("kronfluence", f"EK-FAC (damping={kf})"))
+        )
     lines = []
     for a, b in pairs:
         if a in by and b in by:
@@ -90,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", choices=SETTINGS, required=True)
     p.add_argument("--quick", action="store_true", help="few subsets / LOO samples (~2-3 min)")
     p.add_argument("--methods", default=None, help="regex on method names to run")
-    p.add_argument("--no-peers", action="store_true", help="skip dattri 0.3.0's attributors")
+    p.add_argument(
+        "--no-peers", action="store_true", help="skip dattri 0.3.0's and kronfluence's rows"
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="char-gpt: comma list of LDS ground truths to build/score (independent,crn)",
+    )
     a = p.parse_args(argv)
 
     command = "OMP_NUM_THREADS={} python -m experiments.benchmark.quality.run {}".format(
@@ -98,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         " ".join(sys.argv[1:] if argv is None else argv),
     )
     env = environment()
+    if not a.no_peers:
+        from experiments.benchmark.quality.methods.kronfluence_peer import version
+
+        env["kronfluence"] = version()
     print(
         f"# {command}\n# threads={torch.get_num_threads()} torch={env['torch']} "
         f"dattri={env['dattri']} dattri_llm={env['dattri_llm']}",
@@ -110,29 +150,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# ground-truth cache: {folder}", flush=True)
 
     ckpts, ref_meta = gtm.reference_run(setting, folder, seed=spec["loo_seed"])
-    lds_gt, lds_meta = gtm.lds_ground_truth(
-        setting, folder, spec["num_subsets"], spec["runs"], seed=spec["lds_seed"]
-    )
-    loo_gt, loo_meta = gtm.loo_ground_truth(
-        setting, folder, spec["loo_indices"], seed=spec["loo_seed"]
-    )
-    reliability = split_run_reliability(lds_gt["per_run"])
-    print(
-        f"# ground truth ready ({time.perf_counter() - t_start:.0f} s; LDS built in "
-        f"{lds_meta['seconds']:.0f} s, LOO in {loo_meta['seconds']:.0f} s)",
-        flush=True,
-    )
+    lds_gts, lds_metas, reliabilities = {}, {}, {}
+    chosen = spec.get("variants", ["default"])
+    if a.variants:
+        chosen = [v for v in a.variants.split(",") if v]
+        unknown = sorted(set(chosen) - set(spec.get("variants", [])))
+        if unknown:
+            raise SystemExit(f"--variants {a.variants}: unknown {unknown}; use {list(VARIANTS)}")
+    for variant in chosen:
+        sub = folder if variant == "default" else folder / variant
+        kwargs = {"crn": [spec["lds_seed"], spec["runs"]]} if variant == "crn" else {}
+        lds_gts[variant], lds_metas[variant] = gtm.lds_ground_truth(
+            setting, sub, spec["num_subsets"], spec["runs"], seed=spec["lds_seed"], **kwargs
+        )
+        reliabilities[variant] = split_run_reliability(lds_gts[variant]["per_run"])
+        print(f"# LDS ground truth {variant}: {lds_metas[variant]['seconds']:.0f} s", flush=True)
+    primary = next(iter(lds_gts))
+    lds_gt, lds_meta, reliability = lds_gts[primary], lds_metas[primary], reliabilities[primary]
+    loo_gt, loo_meta = None, None
+    if spec["loo_indices"]:
+        loo_gt, loo_meta = gtm.loo_ground_truth(
+            setting, folder, spec["loo_indices"], seed=spec["loo_seed"]
+        )
+    print(f"# ground truth ready ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
     ctx = Context(setting, ckpts, quick=a.quick)
     results: list[MethodResult] = []
     rows = []
-    for method in all_methods(a.quick, not a.no_peers):
+    for method in all_methods(a.quick, not a.no_peers, setting.task_kind):
         if a.methods and not re.search(a.methods, method.name):
             continue
         r = run_method(method, ctx)
         results.append(r)
         lds_m = lds_metric(r.scores, lds_gt) if r.status == "ok" else None
-        loo_m = loo_metric(r.scores, loo_gt) if r.status == "ok" else None
+        loo_m = loo_metric(r.scores, loo_gt) if r.status == "ok" and loo_gt else None
+        by_variant = {
+            v: (lds_metric(r.scores, g) if r.status == "ok" else None) for v, g in lds_gts.items()
+        }
         rows.append(
             {
                 "method": r.name,
@@ -140,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                 "status": r.status,
                 "lds": lds_m,
                 "loo": loo_m,
+                "lds_variants": by_variant,
                 "seconds": r.seconds,
                 "note": r.note,
             }
         )
+        cells = " | ".join(f"LDS[{v}] {fmt(m):<24}" for v, m in by_variant.items())
         print(
-            f"{r.source:>13} | {r.name:<34} | {r.status:<7} | LDS {fmt(lds_m):<24} | "
+            f"{r.source:>13} | {r.name:<34} | {r.status:<7} | {cells} | "
             f"LOO {fmt(loo_m):<24} | {r.seconds:6.1f} s | {r.note}",
             flush=True,
         )
@@ -160,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": setting.config,
         "protocol": spec,
         "lds_ground_truth": lds_meta,
+        "lds_ground_truth_variants": lds_metas,
+        "reliability_variants": reliabilities,
         "loo_ground_truth": loo_meta,
         "reference_run": ref_meta,
         "reliability": reliability,
@@ -178,35 +236,53 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(out: dict) -> str:
     """The result as a markdown section (pasted into docs/benchmarks/quality.md)."""
-    rel = out["reliability"]
     spec = out["protocol"]
+    rels = out.get("reliability_variants") or {"default": out["reliability"]}
+    variants = list(rels)
+    has_loo = bool(spec["loo_indices"])
+    env = out["environment"]
+    kf = f", kronfluence {env['kronfluence']} (own venv)" if env.get("kronfluence") else ""
+    head = f"LDS: {spec['num_subsets']} subsets x {spec['runs']} runs (seed {spec['lds_seed']})"
+    if has_loo:
+        idx = spec["loo_indices"]
+        head += (
+            f"; LOO: {len(idx)} removed samples (indices {idx[0]}..{idx[-1]}, "
+            f"seed {spec['loo_seed']})"
+        )
+    lds_cols = (
+        ["LDS [95% CI]"]
+        if variants == ["default"]
+        else [f"LDS {VARIANTS.get(v, v)} [95% CI]" for v in variants]
+    )
+    cols = lds_cols + (["LOO [95% CI]"] if has_loo else [])
     lines = [
         f"### {out['setting']}{' (quick)' if out['quick'] else ''}",
         "",
         f"`{out['command']}` — {out['total_seconds']:.0f} s, torch threads "
-        f"{out['environment']['torch_threads']}, torch {out['environment']['torch']}, "
-        f"dattri {out['environment']['dattri']}.",
-        f"LDS: {spec['num_subsets']} subsets x {spec['runs']} runs (seed {spec['lds_seed']}); "
-        f"LOO: {len(spec['loo_indices'])} removed samples (indices "
-        f"{spec['loo_indices'][0]}..{spec['loo_indices'][-1]}, seed {spec['loo_seed']}).",
+        f"{env['torch_threads']}, torch {env['torch']}, dattri {env['dattri']}{kf}.",
+        head + ".",
         "",
-        "| method | source | LDS [95% CI] | LOO [95% CI] | time (s) | note |",
-        "|---|---|---|---|---|---|",
-        f"| ground truth split-run reliability (ceiling) | dattri 0.3.0 retrain | {fmt(rel)} | — "
-        f"| — | run 0 vs run 1; {rel.get('runs', '?')}-run average: "
-        f"{rel.get('mean_avg', float('nan')):.3f} (Spearman-Brown) |",
+        "| method | source | " + " | ".join(cols) + " | time (s) | note |",
+        "|---|---|" + "---|" * len(cols) + "---|---|",
     ]
+    rel_cells = [fmt(rels[v]) for v in variants] + (["—"] if has_loo else [])
+    avg = ", ".join(f"{rels[v].get('mean_avg', float('nan')):.3f}" for v in variants)
+    lines.append(
+        "| ground truth split-run reliability (ceiling) | dattri 0.3.0 retrain | "
+        + " | ".join(rel_cells)
+        + f" | — | run 0 vs run 1; {spec['runs']}-run average: {avg} (Spearman-Brown) |"
+    )
     for r in out["rows"]:
         if r["status"] == "ok":
-            lines.append(
-                f"| {r['method']} | {r['source']} | {fmt(r['lds'])} | {fmt(r['loo'])} "
-                f"| {r['seconds']:.1f} | {r['note']} |"
-            )
+            by = r.get("lds_variants") or {"default": r["lds"]}
+            cells = [fmt(by.get(v)) for v in variants] + ([fmt(r["loo"])] if has_loo else [])
+            time_cell = f"{r['seconds']:.1f}"
         else:
-            lines.append(
-                f"| {r['method']} | {r['source']} | {r['status']} | {r['status']} | — "
-                f"| {r['note']} |"
-            )
+            cells, time_cell = [r["status"]] * len(cols), "—"
+        lines.append(
+            f"| {r['method']} | {r['source']} | " + " | ".join(cells) + f" | {time_cell} "
+            f"| {r['note']} |"
+        )
     if out["agreement"]:
         lines += ["", "Same maths, two implementations:", ""]
         lines += [f"- {line}" for line in out["agreement"]]

@@ -26,6 +26,8 @@ def fmt_s(t: float | None) -> str:
     """Seconds with 3 significant digits."""
     if t is None:
         return "n/a"
+    if t >= 100:
+        return f"{t:.0f} s"
     return f"{t:.3g} s" if t >= 0.01 else f"{t * 1e3:.3g} ms"
 
 

@@ -41,6 +41,12 @@ class Context:
     def final(self) -> dict[str, torch.Tensor]:
         return self.checkpoints[-1]
 
+    @property
+    def trajectory(self) -> list[dict[str, torch.Tensor]]:
+        """The checkpoints stored during training (``setting.checkpoint_epochs``), without the
+        extra copy of the final model that the reference run appends."""
+        return self.checkpoints[: len(self.setting.checkpoint_epochs)]
+
     def model(self, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
         m = self.setting.make_model()
         m.load_state_dict(self.final if state is None else state)

@@ -47,8 +47,10 @@ def tracin(normalized: bool = False, trajectory: bool = False, projected: bool =
     def fn(ctx: Context) -> torch.Tensor:
         from dattri.algorithm.tracin import DEFAULT_PROJECTOR_KWARGS, TracInAttributor
 
-        ckpts = ctx.checkpoints if trajectory else [ctx.final]
-        weights = torch.tensor([ctx.setting.lr if trajectory else 1.0] * len(ckpts))
+        ckpts = ctx.trajectory if trajectory else [ctx.final]
+        weights = torch.tensor(
+            ctx.setting.tracin_weights(len(ckpts)) if trajectory else [1.0] * len(ckpts)
+        )
         attributor = TracInAttributor(
             _task(ctx, ckpts),
             weight_list=weights,
@@ -129,12 +131,20 @@ def if_ekfac(damping: float) -> Any:
     return fn
 
 
-def methods(quick: bool) -> list[Method]:
+def methods(quick: bool, classifier: bool = True) -> list[Method]:
+    """dattri's rows; a language model gets the TracIn family only (TRAK's probability
+    function and the explicit / EK-FAC IF setups here are written for classifiers)."""
     out = [
         Method("Grad-Dot (unprojected)", "dattri 0.3.0", tracin(), "projector disabled"),
         Method("Grad-Dot (as shipped, proj 512)", "dattri 0.3.0", tracin(projected=True)),
         Method("Grad-Cos (unprojected)", "dattri 0.3.0", tracin(normalized=True)),
         Method("TracIn (4 ckpts, unprojected)", "dattri 0.3.0", tracin(trajectory=True)),
+    ]
+    if not classifier:
+        for m in out:
+            m.quiet = True
+        return out
+    out += [
         Method("TRAK-1 (final model)", "dattri 0.3.0", trak(0), "proj 512"),
         Method(
             f"TRAK-{2 if quick else 5} (half-data models)",

@@ -18,6 +18,13 @@ from experiments.benchmark.quality.methods import Context, Method, Pending
 #: Damping values swept for K-FAC / EK-FAC (relative to nothing: absolute, added to the
 #: eigenvalues of the per-sample Fisher); ``None`` = the attributor's own default.
 DAMPINGS: list[float | None] = [None, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
+#: Language models (per-sample loss = mean token cross-entropy): a wider sweep.
+DAMPINGS_LM: list[float | None] = [None, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
+
+
+def dampings(classifier: bool) -> list[float | None]:
+    """The damping sweep of a setting (``None`` = the attributor's default)."""
+    return DAMPINGS if classifier else DAMPINGS_LM
 
 
 def _import(name: str) -> Any:
@@ -62,14 +69,19 @@ def tracin_family(
 ) -> Any:
     def fn(ctx: Context) -> torch.Tensor:
         cls = _import("TracInAttributor")
-        ckpts = ctx.checkpoints if trajectory else [ctx.final]
-        weights = [ctx.setting.lr] * len(ckpts) if trajectory else None
+        ckpts = ctx.trajectory if trajectory else [ctx.final]
+        weights = ctx.setting.tracin_weights(len(ckpts)) if trajectory else None
         kwargs: dict[str, Any] = {}
         if projection is not None:
             proj_cls = _import("ProjectionConfig")
             from dattri_llm import HookManagerConfig
 
-            kwargs["hook_config"] = HookManagerConfig(projection=proj_cls(**projection))
+            proj: Any = proj_cls(**projection)
+            if projection["style"] == "logra" and ctx.setting.task_kind == "lm":
+                # norms (and, to be safe, embeddings) take no logra: dense at the same size
+                dense = proj_cls(**{**projection, "style": "dense"})
+                proj = {r"(wte|wpe|ln_f|blocks\.\d+\.ln_\d)": dense, r".*": proj}
+            kwargs["hook_config"] = HookManagerConfig(projection=proj)
         with tempfile.TemporaryDirectory() as tmp:
             attributor = cls(
                 _args(tmp),
@@ -117,6 +129,33 @@ def sampled_label_dataset(ctx: Context, draws: int = 4, seed: int = 0) -> list[d
     return out
 
 
+def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
+    """Train / test gradient blocks at the final checkpoint, captured once per context.
+
+    The damping sweep then re-scores these blocks (``attribute_sources``) instead of running
+    the model over the train set again for every row: same gradients, same maths as the live
+    ``attribute`` path, which the Grad-Dot rows exercise.
+    """
+    if "final_blocks" not in ctx.extra:
+        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+
+        train, test = _samples(ctx)
+        task, args = attributor.task, attributor.args
+        collate = (
+            pad_collate(args.dataloader_pad_value) if args.dataloader_collate == "pad" else None
+        )
+        task.load_checkpoint(0)
+
+        def capture(ds: list[dict], loss: Any, bs: int) -> list:
+            return list(GradientStreamer(task.model, ds, loss, batch_size=bs, collate_fn=collate))
+
+        ctx.extra["final_blocks"] = (
+            capture(train, task.train_loss, args.per_device_train_batch_size),
+            capture(test, task.test_loss, args.per_device_eval_batch_size),
+        )
+    return ctx.extra["final_blocks"]
+
+
 def kronecker(name: str, damping: float | None, fisher: str = "empirical") -> Any:
     """K-FAC / EK-FAC row; one damping-free fit per (class, Fisher) serves every damping."""
 
@@ -135,7 +174,11 @@ def kronecker(name: str, damping: float | None, fisher: str = "empirical") -> An
         attributor, factors = ctx.extra[key]
         if factors is not None:
             kwargs["factors"] = factors
-        return _score(ctx, attributor, **kwargs)
+        if ctx.setting.task_kind != "lm":
+            return _score(ctx, attributor, **kwargs)
+        train_blocks, test_blocks = final_blocks(ctx, attributor)
+        train, test = _samples(ctx)
+        return attributor.attribute_sources(train_blocks, test_blocks, **kwargs).query(train, test)
 
     return fn
 
@@ -146,18 +189,22 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
         Method("Grad-Cos", "dattri_llm", tracin_family(normalized=True)),
         Method("TracIn (4 ckpts, w=lr)", "dattri_llm", tracin_family(trajectory=True)),
     ]
+    dims = (16, 64) if quick else (16, 64, 256)
+    if not classifier:  # each projected row is a live pass over the train set: keep it short
+        dims = (64,) if quick else (64, 256)
     for style in ("logra", "dense", "mask"):
-        for dim in (16, 64) if quick else (16, 64, 256):
+        for dim in dims:
             out.append(
                 Method(
                     f"Grad-Dot proj {style}-{dim}",
                     "dattri_llm",
                     tracin_family(projection={"style": style, "proj_dim": dim, "seed": 0}),
-                    f"capture-time {style} projection, {dim} per layer",
+                    f"capture-time {style} projection, {dim} per layer"
+                    + ("" if classifier or style != "logra" else " (dense on embeddings/norms)"),
                 )
             )
     for name, label in (("KFACAttributor", "K-FAC"), ("EKFACAttributor", "EK-FAC")):
-        for d in DAMPINGS:
+        for d in dampings(classifier):
             out.append(
                 Method(
                     f"{label} (damping={'default' if d is None else d})",
