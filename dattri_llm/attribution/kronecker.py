@@ -27,8 +27,8 @@ from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection
 from dattri_llm.gradient.ops.kronecker import (
-    EigenvalueCorrection,
     KroneckerCovariances,
     KroneckerFactors,
     NonKronecker,

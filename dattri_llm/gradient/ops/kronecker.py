@@ -67,12 +67,11 @@ __all__ = [
     "KroneckerFactors",
     "is_kronecker_layer",
     "eigendecompose",
-    "EigenvalueCorrection",
-    "fit_eigenvalue_correction",
 ]
 
 #: Version of the on-disk format of covariances and factors.
 FORMAT_VERSION = 1
+
 #: Upper bound on the elements of one rotated ``(chunk, K, D)`` block.
 ROTATE_CHUNK_ELEMENTS = 1 << 25
 
@@ -492,97 +491,6 @@ def eigendecompose(
             stacklevel=2,
         )
     return KroneckerFactors("kfac", layers, dict(covariances.diagonal), skipped)
-
-
-class EigenvalueCorrection:
-    """Incremental EK-FAC eigenvalues: ``Λ = (1/N) sum_n (Q_G^T M_n Q_A)^2`` in a fixed basis.
-
-    Args:
-        factors: A K-FAC fit (its eigenbasis is kept).
-    """
-
-    def __init__(self, factors: KroneckerFactors) -> None:
-        self.factors = factors
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, float] = {}
-
-    def update(self, gradient: Gradient) -> None:
-        """Add one block of training gradients."""
-        for name, eig in self.factors.layers.items():
-            if name not in gradient.layers:
-                raise ValueError(
-                    f"layer {name!r} of the fit is missing from a training block "
-                    f"(layers: {gradient.layer_names})."
-                )
-            lg = gradient.layers[name]
-            _check_shape(name, lg, eig)
-            ref = _ref(lg)
-            ct = _acc_dtype(ref)
-            q_g = eig.q_g.to(device=ref.device, dtype=ct)
-            q_a = eig.q_a.to(device=ref.device, dtype=ct)
-            acc = self.sums.get(name)
-            if acc is None:
-                acc = self.sums[name] = torch.zeros(
-                    q_g.shape[0],
-                    q_a.shape[0],
-                    device=ref.device,
-                    dtype=torch.promote_types(eig.s_a.dtype, ct),
-                )
-            for rot in _rotated(lg, q_g, q_a, ct):
-                acc += rot.pow(2).sum(0).to(acc.dtype)
-            self.counts[name] = self.counts.get(name, 0.0) + lg.batch_size
-
-    def result(self) -> KroneckerFactors:
-        """All-reduce over ranks and return the ``"ekfac"`` fit (sharing the eigenvectors)."""
-        sums, counts = self.sums, self.counts
-        if is_distributed() and get_world_size() > 1:
-            _check_same_layers(sorted(sums), next(iter(sums.values())).device if sums else None)
-            for name in sorted(sums):
-                all_reduce_sum(sums[name])
-                n = all_reduce_sum(
-                    torch.tensor([counts[name]], dtype=torch.float64, device=sums[name].device)
-                )
-                counts[name] = float(n[0])
-        layers = {}
-        for name, eig in self.factors.layers.items():
-            if name not in sums or counts[name] <= 0:
-                raise ValueError(
-                    f"no training gradient reached layer {name!r}: EK-FAC needs a "
-                    "pass over the training gradients."
-                )
-            layers[name] = LayerEigen(
-                eig.layer_type,
-                eig.module_kwargs,
-                eig.q_a,
-                eig.s_a,
-                eig.q_g,
-                eig.s_g,
-                sums[name] / counts[name],
-                counts[name],
-            )
-        f = self.factors
-        return KroneckerFactors("ekfac", layers, dict(f.diagonal), dict(f.skipped))
-
-
-def fit_eigenvalue_correction(
-    factors: KroneckerFactors,
-    gradients: Iterable,
-    progress: bool = False,
-) -> KroneckerFactors:
-    """EK-FAC: :class:`EigenvalueCorrection` over one pass on the training gradients.
-
-    Args:
-        factors: A K-FAC fit (its eigenbasis is kept).
-        gradients: The training gradients (Gradients or GradientBlocks); all-reduced over ranks.
-        progress: Show a progress bar.
-
-    Returns:
-        A new ``"ekfac"`` fit sharing the eigenvectors.
-    """
-    corr = EigenvalueCorrection(factors)
-    for item in _progress(gradients, "EK-FAC eigenvalues", progress):
-        corr.update(_as_gradient(item))
-    return corr.result()
 
 
 # ---- helpers ---------------------------------------------------------------------------------
