@@ -67,12 +67,6 @@ class ConvTransposeRule(ConvRule):
         a = im2col(xp, ks, dil, [1] * nd)
         return self.with_bias_column(a, bool(kw.get("bias")))
 
-    def matrix_shape(self, kw: dict) -> tuple[int, int]:
-        kk = 1
-        for k in kw["kernel_size"]:
-            kk *= int(k)
-        return int(kw["out_channels"]), int(kw["in_channels"]) * kk + int(bool(kw.get("bias")))
-
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
         k, d = self.matrix_shape(kw)
         b = dense.shape[0]
