@@ -190,3 +190,55 @@ def test_chargpt_grad_dot_equals_brute_force_per_sample_gradients():
 
     want = flat(train) @ flat(test).T
     torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
+
+
+# ---- gpt2 setting: Hugging Face GPT-2 (Conv1D, tied wte / lm_head), log-odds target --------
+def test_gpt2_grad_dot_with_log_odds_target_equals_brute_force():
+    """dattri_llm's Grad-Dot on a tiny ``GPT2LMHeadModel`` (Conv1D, tied wte / lm_head,
+    batched positions) with dattri's log-odds test target equals torch.func, float64."""
+    pytest.importorskip("transformers")
+    from torch.func import functional_call, grad, vmap
+
+    from experiments.benchmark.quality.common import Setting, TupleDataset
+    from experiments.benchmark.quality.gpt2 import TinyGPT2, neg_log_odds, per_sample_ce
+
+    torch.manual_seed(0)
+    vocab, t = 13, 8
+    model = TinyGPT2(vocab, n_layer=1, n_head=2, n_embd=8).to(torch.float64)
+    assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight  # tied
+    x, y = torch.randint(0, vocab, (14, t)), torch.randint(0, vocab, (14, t))
+    train, test = TupleDataset(x[:10], y[:10]), TupleDataset(x[10:], y[10:])
+    setting = Setting(
+        name="tiny-gpt2",
+        train=train,
+        test=test,
+        make_model=lambda: TinyGPT2(vocab, n_layer=1, n_head=2, n_embd=8).to(torch.float64),
+        train_func=None,
+        target=None,
+        loss_sum=lambda m, b: per_sample_ce(m, b["x"], b["y"]).sum(),
+        make_loss_single=None,
+        batch_size=4,
+        task_kind="lm",
+        target_sum=lambda m, b: neg_log_odds(per_sample_ce(m, b["x"], b["y"])).sum(),
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    r = run_method(ours.methods(quick=True, classifier=False)[0], Context(setting, [state]))
+    if r.status == "pending":
+        pytest.skip(r.note)
+    assert r.status == "ok", r.note
+    params = {k: v.detach() for k, v in model.named_parameters()}  # wte once (tied)
+
+    def ce(p, xi, yi):
+        logits = functional_call(model, p, (xi[None],))[0]
+        return torch.nn.functional.cross_entropy(logits, yi)
+
+    def log_odds_loss(p, xi, yi):  # -(log p - log(1 - p)), p = exp(-CE): written out
+        prob = torch.exp(-ce(p, xi, yi))
+        return -(torch.log(prob) - torch.log(1 - prob))
+
+    def flat(fn, ds):
+        g = vmap(grad(fn), in_dims=(None, 0, 0))(params, ds.x, ds.y)
+        return torch.cat([g[k].reshape(len(ds.x), -1) for k in params], 1)
+
+    want = flat(ce, train) @ flat(log_odds_loss, test).T
+    torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())

@@ -69,6 +69,10 @@ class Setting:
         task_kind: ``"classification"`` (``x -> logits (B, C)``, ``y (B,)``) or ``"lm"``
             (``x (B, T) -> logits (B, T, V)``, ``y (B, T)``; per-sample loss = mean token CE).
         checkpoint_weights: TracIn weight per stored checkpoint (default: ``lr`` each).
+        target_sum: Optional test-side function, same contract as ``loss_sum`` (summed over
+            the batch); ``None`` = ``loss_sum`` (dattri_llm's ``AttributionTask.target_func``).
+        make_target_single: Optional test-side ``make_loss_single`` (dattri's
+            ``AttributionTask.target_func``); ``None`` = ``make_loss_single``.
     """
 
     name: str
@@ -89,6 +93,8 @@ class Setting:
     model_spec: dict = field(default_factory=dict)
     task_kind: str = "classification"
     checkpoint_weights: list[float] | None = None
+    target_sum: Callable[[nn.Module, dict], torch.Tensor] | None = None
+    make_target_single: Callable[[nn.Module], Callable[[dict, Any], torch.Tensor]] | None = None
 
     def tracin_weights(self, n: int) -> list[float]:
         """TracIn weights of the ``n`` stored checkpoints (the learning rate at each)."""

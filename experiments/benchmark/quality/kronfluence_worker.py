@@ -14,6 +14,11 @@ kronfluence's heuristic, 0.1 x the mean eigenvalue). Train loss and measurement 
 per-sample loss summed over the batch (mean token cross-entropy per sample for ``lm``), as
 dattri_llm's ``loss_sum``. Writes ``scores.safetensors`` (``d=<damping>`` -> ``(n_train,
 n_test)``) and prints one JSON line of timings and versions.
+
+Optional ``model_spec`` keys: ``tracked_exclude`` (regex, full-matched on module names: those
+``nn.Linear`` are not tracked, e.g. a ``lm_head`` tied to an embedding that dattri_llm's
+K-FAC leaves out) and ``measurement = "neg_log_odds"`` (dattri's GPT-2 log-odds target, as a
+loss, on the test side).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,6 +34,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+
+
+def neg_log_odds_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed ``-(logp - log(1 - exp(logp)))``, ``logp = -`` mean token CE (dattri's GPT-2
+    target written as a loss)."""
+    out = model(x)
+    logits = getattr(out, "logits", out)
+    ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+    return (ce + torch.log(-torch.expm1(-ce))).sum()
 
 
 def build_model(spec: dict) -> torch.nn.Module:
@@ -55,7 +70,8 @@ def main(work: Path) -> dict:
     torch.set_num_threads(1)
     cfg = json.loads((work / "cfg.json").read_text())
     data = load_file(str(work / "data.safetensors"))
-    model = build_model(cfg["model_spec"])
+    spec = cfg["model_spec"]
+    model = build_model(spec)
     model.load_state_dict(load_file(str(work / "model.safetensors")))
     model.eval()
     kind = cfg["task_kind"]
@@ -67,7 +83,19 @@ def main(work: Path) -> dict:
             return per_sample_loss_sum(model, batch["x"], batch["y"], kind)
 
         def compute_measurement(self, batch, model):  # noqa: ANN001, ANN201
+            if spec.get("measurement") == "neg_log_odds":
+                return neg_log_odds_sum(model, batch["x"], batch["y"])
             return per_sample_loss_sum(model, batch["x"], batch["y"], kind)
+
+        def get_influence_tracked_modules(self):  # noqa: ANN201
+            if not spec.get("tracked_exclude"):
+                return None  # kronfluence's default: every nn.Linear / nn.Conv2d
+            skip = re.compile(spec["tracked_exclude"])
+            return [
+                n
+                for n, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and not skip.fullmatch(n)
+            ]
 
     class DS(torch.utils.data.Dataset):
         def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:

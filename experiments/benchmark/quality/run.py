@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.run --setting digits-lr [--quick]
 
-Settings: digits-lr, digits-mlp (char-gpt and gpt2: see docs/benchmarks/quality.md). Ground
+Settings: digits-lr, digits-mlp, char-gpt, gpt2 (see docs/benchmarks/quality.md). Ground
 truth (dattri 0.3.0's retrain + ground-truth functions) is cached under
 experiments/benchmark/results/cache/, so re-running only re-scores the methods. Writes
 results/quality_<setting>[-quick].{json,md} and prints the table.
@@ -47,6 +47,14 @@ def protocol(setting: str, quick: bool) -> dict:
             "loo_seed": LOO_SEED,
             "variants": list(VARIANTS),
         }
+    if setting == "gpt2":
+        return {
+            "num_subsets": 10 if quick else 50,
+            "runs": 2,
+            "loo_indices": [],
+            "lds_seed": LDS_SEED,
+            "loo_seed": LOO_SEED,
+        }
     raise SystemExit(f"--setting {setting}: not implemented yet (see docs/benchmarks/quality.md).")
 
 
@@ -63,10 +71,24 @@ def build_setting(name: str) -> Setting:
         from experiments.benchmark.quality.chargpt import make_setting as make_char
 
         return make_char(name)
+    if name == "gpt2":
+        from experiments.benchmark.quality.gpt2 import make_setting as make_gpt2
+
+        return make_gpt2(name)
     raise SystemExit(f"--setting {name}: not implemented yet (see docs/benchmarks/quality.md).")
 
 
-def all_methods(quick: bool, peers: bool, kind: str = "classification") -> list[Method]:
+#: gpt2 --quick: the rows that fit its ~8-minute budget (random, the TracIn family, the EK-FAC
+#: damping sweep, dattri's unprojected Grad-Dot as the same-maths check, kronfluence EK-FAC).
+GPT2_QUICK_ROWS = re.compile(
+    r"^(Random|Grad-Dot|Grad-Cos|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
+    r"Grad-Dot \(unprojected\))$"
+)
+
+
+def all_methods(
+    quick: bool, peers: bool, kind: str = "classification", setting: str = ""
+) -> list[Method]:
     from experiments.benchmark.quality.methods import (
         dattri_peer,
         kronfluence_peer,
@@ -79,6 +101,8 @@ def all_methods(quick: bool, peers: bool, kind: str = "classification") -> list[
     if peers:
         out += dattri_peer.methods(quick, classifier=classifier)
         out += kronfluence_peer.methods(quick, classifier=classifier)
+    if setting == "gpt2" and quick:
+        out = [m for m in out if GPT2_QUICK_ROWS.match(m.name)]
     return out
 
 
@@ -177,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(setting, ckpts, quick=a.quick)
     results: list[MethodResult] = []
     rows = []
-    for method in all_methods(a.quick, not a.no_peers, setting.task_kind):
+    for method in all_methods(a.quick, not a.no_peers, setting.task_kind, setting.name):
         if a.methods and not re.search(a.methods, method.name):
             continue
         r = run_method(method, ctx)

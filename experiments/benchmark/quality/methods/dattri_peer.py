@@ -31,8 +31,12 @@ def _task(ctx: Context, checkpoints: Any) -> Any:
     from dattri.task import AttributionTask
 
     model = ctx.model()
+    make_target = ctx.setting.make_target_single
     return AttributionTask(
-        loss_func=ctx.setting.make_loss_single(model), model=model, checkpoints=checkpoints
+        loss_func=ctx.setting.make_loss_single(model),
+        model=model,
+        checkpoints=checkpoints,
+        target_func=None if make_target is None else make_target(model),
     )
 
 

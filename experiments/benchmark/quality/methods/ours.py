@@ -21,6 +21,9 @@ DAMPINGS: list[float | None] = [None, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
 #: Language models (per-sample loss = mean token cross-entropy): a wider sweep.
 DAMPINGS_LM: list[float | None] = [None, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
 
+#: ``non_kronecker="diagonal"`` rows (language models): a short sweep.
+DAMPINGS_LM_DIAGONAL: list[float] = [1e-7, 1e-5, 1e-3]
+
 
 def dampings(classifier: bool) -> list[float | None]:
     """The damping sweep of a setting (``None`` = the attributor's default)."""
@@ -49,7 +52,12 @@ def _args(tmp: str) -> Any:
 
 def _task(ctx: Context, checkpoints: list[dict]) -> Any:
     task_cls = _import("AttributionTask")
-    return task_cls(loss_func=ctx.setting.loss_sum, model=ctx.model(), checkpoints=checkpoints)
+    return task_cls(
+        loss_func=ctx.setting.loss_sum,
+        model=ctx.model(),
+        checkpoints=checkpoints,
+        target_func=ctx.setting.target_sum,
+    )
 
 
 def _score(ctx: Context, attributor: Any, **kwargs: Any) -> torch.Tensor:
@@ -78,9 +86,11 @@ def tracin_family(
 
             proj: Any = proj_cls(**projection)
             if projection["style"] == "logra" and ctx.setting.task_kind == "lm":
-                # norms (and, to be safe, embeddings) take no logra: dense at the same size
+                # norms (and, to be safe, embeddings and the HF lm_head tied to wte) take no
+                # logra: dense at the same size
                 dense = proj_cls(**{**projection, "style": "dense"})
-                proj = {r"(wte|wpe|ln_f|blocks\.\d+\.ln_\d)": dense, r".*": proj}
+                skip = r"(.*\.)?(wte|wpe|ln_f|(blocks|h)\.\d+\.ln_\d)|gpt\.lm_head"
+                proj = {skip: dense, r".*": proj}
             kwargs["hook_config"] = HookManagerConfig(projection=proj)
         with tempfile.TemporaryDirectory() as tmp:
             attributor = cls(
@@ -156,16 +166,20 @@ def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
     return ctx.extra["final_blocks"]
 
 
-def kronecker(name: str, damping: float | None, fisher: str = "empirical") -> Any:
-    """K-FAC / EK-FAC row; one damping-free fit per (class, Fisher) serves every damping."""
+def kronecker(
+    name: str, damping: float | None, fisher: str = "empirical", non_kronecker: str = "skip"
+) -> Any:
+    """K-FAC / EK-FAC row; one damping-free fit per (class, Fisher, non-Kronecker handling)
+    serves every damping. ``non_kronecker="diagonal"`` also preconditions embeddings, norms
+    and tied groups with a non-linear site with their diagonal Fisher (default: left out)."""
 
     def fn(ctx: Context) -> torch.Tensor:
         cls = _kronecker_class(name)
-        key = ("kronecker", name, fisher)
+        key = ("kronecker", name, fisher, non_kronecker)
         kwargs: dict[str, Any] = {} if damping is None else {"damping": damping}
         if key not in ctx.extra:
             tmp = tempfile.mkdtemp(prefix="quality-")
-            attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]))
+            attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]), non_kronecker=non_kronecker)
             factors = None
             if fisher == "sampled":  # fit on sampled labels, score the real train gradients
                 fitter = cls(_args(tmp), task=_task(ctx, [ctx.final]))
@@ -211,6 +225,17 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
                     "dattri_llm",
                     kronecker(name, d),
                     "empirical Fisher",
+                )
+            )
+    if not classifier:
+        for d in DAMPINGS_LM_DIAGONAL:
+            out.append(
+                Method(
+                    f"EK-FAC + diagonal (damping={d})",
+                    "dattri_llm",
+                    kronecker("EKFACAttributor", d, non_kronecker="diagonal"),
+                    "empirical Fisher; embeddings, norms and tied groups preconditioned by "
+                    "their diagonal Fisher (non_kronecker='diagonal')",
                 )
             )
     if classifier:
