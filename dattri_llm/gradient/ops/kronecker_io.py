@@ -28,7 +28,7 @@ __all__ = ["save_covariances", "load_covariances", "save_factors", "load_factors
 
 def save_covariances(self: KroneckerCovariances, path: str | os.PathLike) -> None:
     """Write ``kronecker_covariances.{safetensors,json}`` into the directory ``path``."""
-    tensors, layers, diags = {}, {}, {}
+    tensors, layers = {}, {}
     for name, c in self.layers.items():
         tensors[f"{name}|a_sum"], tensors[f"{name}|g_sum"] = c.a_sum, c.g_sum
         layers[name] = {
@@ -37,13 +37,7 @@ def save_covariances(self: KroneckerCovariances, path: str | os.PathLike) -> Non
             "num_tokens": c.num_tokens,
             "num_samples": c.num_samples,
         }
-    for name, dg in self.diagonal.items():
-        tensors[f"{name}|sq_sum"] = dg.sq_sum
-        diags[name] = {
-            "layer_type": dg.layer_type,
-            "module_kwargs": dg.module_kwargs,
-            "num_samples": dg.num_samples,
-        }
+    diags = _put_diagonal(self.diagonal, tensors)
     meta = {
         "non_kronecker": self.non_kronecker,
         "tokens": self.tokens,
@@ -74,19 +68,13 @@ def load_covariances(path: str | os.PathLike) -> KroneckerCovariances:
             float(m["num_tokens"]),
             float(m["num_samples"]),
         )
-    for name, m in meta["diagonal"].items():
-        t = tensors.get(f"{name}|sq_sum")
-        if t is None or t.dim() != 1:
-            raise ValueError(f"{path}: diagonal Fisher of {name!r} is missing or not 1-D.")
-        out.diagonal[name] = DiagonalFisher(
-            m["layer_type"], m["module_kwargs"], t, float(m["num_samples"])
-        )
+    out.diagonal.update(_get_diagonal(tensors, meta, path))
     return out
 
 
 def save_factors(self: KroneckerFactors, path: str | os.PathLike) -> None:
     """Write ``kronecker_factors.{safetensors,json}`` into the directory ``path``."""
-    tensors, layers, diags = {}, {}, {}
+    tensors, layers = {}, {}
     for name, e in self.layers.items():
         for key in ("q_a", "s_a", "q_g", "s_g"):
             tensors[f"{name}|{key}"] = getattr(e, key)
@@ -97,13 +85,7 @@ def save_factors(self: KroneckerFactors, path: str | os.PathLike) -> None:
             "module_kwargs": e.module_kwargs,
             "num_samples": e.num_samples,
         }
-    for name, dg in self.diagonal.items():
-        tensors[f"{name}|sq_sum"] = dg.sq_sum
-        diags[name] = {
-            "layer_type": dg.layer_type,
-            "module_kwargs": dg.module_kwargs,
-            "num_samples": dg.num_samples,
-        }
+    diags = _put_diagonal(self.diagonal, tensors)
     meta = {"kind": self.kind, "layers": layers, "diagonal": diags, "skipped": self.skipped}
     _write(path, "kronecker_factors", tensors, meta)
 
@@ -128,15 +110,32 @@ def load_factors(path: str | os.PathLike) -> KroneckerFactors:
             corrected,
             float(m["num_samples"]),
         )
-    diags = {}
+    diags = _get_diagonal(tensors, meta, path)
+    return KroneckerFactors(kind, layers, diags, dict(meta["skipped"]))
+
+
+def _put_diagonal(diagonal: dict[str, DiagonalFisher], tensors: dict) -> dict:
+    """Add the diagonal Fishers' tensors to ``tensors``; return their JSON metadata."""
+    meta = {}
+    for name, dg in diagonal.items():
+        tensors[f"{name}|sq_sum"] = dg.sq_sum
+        meta[name] = {
+            "layer_type": dg.layer_type,
+            "module_kwargs": dg.module_kwargs,
+            "num_samples": dg.num_samples,
+        }
+    return meta
+
+
+def _get_diagonal(tensors: dict, meta: dict, path: str | os.PathLike) -> dict:
+    """The diagonal Fishers described by ``meta["diagonal"]``, validated."""
+    out = {}
     for name, m in meta["diagonal"].items():
         t = tensors.get(f"{name}|sq_sum")
         if t is None or t.dim() != 1:
             raise ValueError(f"{path}: diagonal Fisher of {name!r} is missing or not 1-D.")
-        diags[name] = DiagonalFisher(
-            m["layer_type"], m["module_kwargs"], t, float(m["num_samples"])
-        )
-    return KroneckerFactors(kind, layers, diags, dict(meta["skipped"]))
+        out[name] = DiagonalFisher(m["layer_type"], m["module_kwargs"], t, float(m["num_samples"]))
+    return out
 
 
 def _write(path: str | os.PathLike, stem: str, tensors: dict, meta: dict) -> None:
