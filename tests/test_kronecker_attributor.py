@@ -208,6 +208,21 @@ def test_relative_damping_and_heavy_damping_limit(tmp_path):
         lam = 0.2 * float(torch.trace(fisher)) / len(fisher)
         ref = ref + dense_scores(fisher, te, tr, lam).T
     assert rel(score.query(train, test), ref) < 1e-8
+    # the default is 0.1 x each layer's mean eigenvalue, written out the same way
+    default = att.attribute(train, test, hook_config=CONFIG)
+    ref = 0
+    for name, (_, _, tr, te, _) in oracle.layers.items():
+        fisher = oracle.fisher(name, "kfac")
+        ref = ref + dense_scores(fisher, te, tr, 0.1 * float(torch.trace(fisher)) / len(fisher)).T
+    assert rel(default.query(train, test), ref) < 1e-8
+    # a number alone is absolute; None after it restores the default (not the last value)
+    absolute = att.attribute(train, test, hook_config=CONFIG, damping=0.1)
+    assert (att.damping, att.relative) == (0.1, False)
+    assert rel(absolute.query(train, test), default.query(train, test)) > 1e-3
+    again = att.attribute(train, test, hook_config=CONFIG)
+    assert rel(again.query(train, test), ref) < 1e-8
+    with pytest.raises(ValueError, match="relative=False needs an absolute damping"):
+        att.attribute(train, test, hook_config=CONFIG, relative=False)
     lam = 1e9
     heavy = EKFACAttributor(run_args(tmp_path), task=task).attribute(
         train, test, hook_config=CONFIG, damping=lam
