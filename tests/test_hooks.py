@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -273,3 +275,34 @@ def test_unsupported_layer_options_are_clear_errors(layer: nn.Module) -> None:
         hm = HookManager(model)  # REGISTER_ALL: left out, loudly
     assert hm.layer_names == ["1"]
     hm.remove()
+
+
+class FusedHeadLM(TinyLM):
+    """Computes the logits from ``head.weight`` directly (as TRL's fused LM head does)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.block(self.emb(input_ids)))
+        return h @ self.head.weight.T
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_weight_used_outside_its_module_warns_once(tie: bool) -> None:
+    import dattri_llm.gradient.hooks.manager as manager
+
+    manager._WARNED.clear()
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 17, (3, 5)) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"layer 'head': its weight received a gradient") as rec:
+        records = run(FusedHeadLM(tie=tie).double(), batches, linear_io=REGISTER_ALL)
+    assert sum("'head'" in str(w.message) for w in rec) == 1  # once, not per step
+    head = records[0].gradient.layers["emb" if tie else "head"]
+    if not tie:  # the bypassed layer is what the warning says: recorded as exact zeros
+        assert float(head.materialize().data.abs().max()) == 0.0
+    # the same model calling its head module: exact, and no warning
+    manager._WARNED.clear()
+    model = TinyLM(tie=tie).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = run(model, batches[:1], linear_io=REGISTER_ALL, exclude=["unused"])
+    g, r = records[0].gradient, ref_flat(model, batches[0])
+    assert rel_err(ops.cross_dot(g, g), r @ r.T) < 1e-10

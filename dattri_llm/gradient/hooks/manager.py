@@ -118,6 +118,10 @@ class HookManager:
         self._queued_tasks: set[int] = set()
         self._manual_ids: list[str] | None = None
         self._transforms: list[Any] = []
+        #: Hooked layers whose forward ran / whose weight received a gradient this step: a
+        #: weight gradient without a forward means the weight was used outside the module.
+        self._forward_seen: set[str] = set()
+        self._weight_grad_seen: set[str] = set()
         self._shared_groups = self._find_shared_groups()
         #: Capture-time projection resolved per layer (``None`` without ``config.projection``).
         self.projection = None
@@ -174,6 +178,9 @@ class HookManager:
         for spec in self.layers:
             if spec.hook_type == "linear_io":
                 self._handles.append(spec.module.register_forward_hook(self._layer_hook(spec)))
+                weight = getattr(spec.module, "weight", None)
+                if isinstance(weight, nn.Parameter) and weight.requires_grad:
+                    self._handles.append(weight.register_hook(self._weight_hook(spec.name)))
             else:
                 for pname, p in spec.module.named_parameters(recurse=False):
                     if p.requires_grad:
@@ -261,6 +268,7 @@ class HookManager:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if not self._active or not torch.is_grad_enabled():
                 return None
+            self._forward_seen.add(spec.name)
             out = _first_tensor(output)
             if out is None or not out.is_floating_point():
                 return None
@@ -333,6 +341,13 @@ class HookManager:
 
         return hook
 
+    def _weight_hook(self, name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._active:
+                self._weight_grad_seen.add(name)
+
+        return hook
+
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()
         if task in self._queued_tasks:
@@ -354,6 +369,8 @@ class HookManager:
 
     # ---- step assembly -----------------------------------------------------------------------
     def _reset_step(self) -> None:
+        self._forward_seen = set()
+        self._weight_grad_seen = set()
         self._buffers = {}
         self._param_grads = {}
         self._inputs = None
@@ -405,6 +422,7 @@ class HookManager:
     def _finish_step(self) -> None:
         buffers, param_grads = self._buffers, self._param_grads
         inputs, manual = self._inputs, self._manual_ids
+        bypassed = self._weight_grad_seen - self._forward_seen
         self._reset_step()
         self._manual_ids = None
         if not buffers and not param_grads:
@@ -418,6 +436,16 @@ class HookManager:
                 "(HookManagerConfig(exclude=[...]))."
             )
         b = next(iter(sizes.values())) if sizes else 1
+        for name in sorted(bypassed - set(merged)):
+            warn_once(
+                f"bypassed:{name}",
+                f"layer {name!r}: its weight received a gradient in this backward pass but its "
+                "forward never ran, so the weight was used outside the module (e.g. TRL's fused "
+                "LM head computes logits from lm_head.weight directly). Hooks cannot see that "
+                "use: its per-sample gradient is recorded as zero (for tied weights, that "
+                f"site's share is missing). Exclude it (HookManagerConfig(exclude=[{name!r}])) "
+                "or make the model call the module.",
+            )
         ref = _ref_tensor(merged)
         layers: dict[str, LayerGradient] = {}
         for spec in self.layers:
