@@ -18,6 +18,8 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.py") if not p.name.sta
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
 def test_example_runs(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if path.name.startswith("trl_"):
+        pytest.importorskip("trl")  # the `trl` extra
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(path)])
     runpy.run_path(str(path), run_name="__main__")
