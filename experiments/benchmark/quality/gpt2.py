@@ -223,11 +223,22 @@ def make_setting(name: str = "gpt2") -> Setting:
         return HP["lr"] * (1 - (step - 1) / steps)
 
     def train_func(
-        dataloader: Any, seed: int | None = None, return_checkpoints: bool = False, **_: Any
+        dataloader: Any,
+        seed: int | None = None,
+        return_checkpoints: bool = False,
+        mask_index: int | None = None,
+        **_: Any,
     ) -> Any:
-        """dattri's train contract: fine-tune the pre-trained model on the loader's samples."""
+        """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
+
+        ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
+        it falls in (the batch's mean loss is taken over the others); the batch order, the
+        step count and the learning-rate schedule stay those of the unmasked run.
+        """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
+        if mask_index is not None and not bool((members == int(mask_index)).any()):
+            raise ValueError(f"mask_index={mask_index} is not a member of the training subset.")
         seed_all(seed)
         model = make_model()
         model.load_state_dict(pretrained, strict=False)  # lm_head.weight is tied to wte
@@ -242,6 +253,8 @@ def make_setting(name: str = "gpt2") -> Setting:
             for s in range(0, len(perm), bs):
                 step += 1
                 idx = perm[s : s + bs]
+                if mask_index is not None:
+                    idx = idx[idx != int(mask_index)]
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, steps)
                 loss = per_sample_ce(model, train.x[idx], train.y[idx]).mean()

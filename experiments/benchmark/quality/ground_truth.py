@@ -37,6 +37,9 @@ FORMAT_VERSION = 1
 
 def cache_dir(setting: Setting, spec: dict[str, Any]) -> Path:
     """The cache folder of one (setting, protocol) pair."""
+    # the trajectory-LOO indices are checked by their own file's metadata: adding them must
+    # not invalidate an already built LDS ground truth
+    spec = {k: v for k, v in spec.items() if k != "trajectory_loo_indices"}
     blob = json.dumps(
         {"setting": setting.name, "config": setting.config, "spec": spec, "v": FORMAT_VERSION},
         sort_keys=True,
@@ -192,4 +195,67 @@ def loo_ground_truth(
     }
     tensors = {"gt": gt.to(torch.float64), "indices": removed.long()}
     _write(folder, "loo", tensors, meta)
+    return tensors, meta
+
+
+def trajectory_loo_ground_truth(
+    setting: Setting,
+    folder: Path,
+    indices: list[int],
+    seed: int,
+    reference: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Trajectory-specific LOO: each removed sample is *masked out of its batch* in a run that
+    is otherwise identical to the reference run (same seed, batch order, step count and
+    schedule; ``setting.train_func(..., mask_index=i)``), so the target difference isolates
+    that sample's contribution along the reference trajectory.
+
+    Layout as dattri's ``calculate_loo_ground_truth``: ``gt`` (num_removed, n_test) holds the
+    masked models' targets (a per-test-sample constant shift does not change the Pearson
+    correlation ``loo_corr`` takes), ``indices`` (num_removed,). ``delta`` = masked minus
+    reference target. The reference run is re-trained once first and must reproduce
+    ``reference`` (the cached final checkpoint) bit for bit, or the comparison is meaningless.
+    """
+    from tqdm.auto import tqdm
+
+    cached = _read(folder, "trajectory_loo")
+    if cached is not None and cached[1].get("removed_indices") == list(indices):
+        return cached
+    t0 = time.perf_counter()
+    test_loader = DataLoader(setting.test, batch_size=max(1, len(setting.test)))
+    loader = DataLoader(setting.train, batch_size=setting.batch_size)
+    base_model = setting.train_func(loader, seed=seed)
+    drift = max(
+        float((v.detach() - reference[k]).abs().max())
+        for k, v in base_model.state_dict().items()
+        if k in reference
+    )
+    if drift != 0.0:
+        raise RuntimeError(
+            f"trajectory LOO: re-training the reference run (seed {seed}) moved the weights by "
+            f"{drift:.3e}; the run is not deterministic, so masked runs cannot be compared."
+        )
+    base = setting.target(base_model, test_loader)
+    rows = []
+    for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False):
+        model = setting.train_func(loader, seed=seed, mask_index=int(i))
+        rows.append(setting.target(model, test_loader))
+    gt = torch.stack(rows)
+    delta = gt - base
+    meta = {
+        "removed_indices": list(indices),
+        "seed": seed,
+        "kind": "trajectory-specific: sample masked out of its batch, all else identical",
+        "reference_reproduced": "bit-exact (max |weight difference| = 0)",
+        "mean_abs_delta": float(delta.abs().mean()),
+        "max_abs_delta": float(delta.abs().max()),
+        "seconds": time.perf_counter() - t0,
+    }
+    tensors = {
+        "gt": gt.to(torch.float64),
+        "indices": torch.as_tensor(list(indices), dtype=torch.long),
+        "delta": delta.to(torch.float64),
+        "base": base.to(torch.float64),
+    }
+    _write(folder, "trajectory_loo", tensors, meta)
     return tensors, meta

@@ -54,6 +54,9 @@ def protocol(setting: str, quick: bool) -> dict:
             "loo_indices": [],
             "lds_seed": LDS_SEED,
             "loo_seed": LOO_SEED,
+            # trajectory-specific LOO: every 20th train block (100th with --quick) masked out
+            # of its batch in a run otherwise identical to the reference run
+            "trajectory_loo_indices": list(range(0, 1000, 100 if quick else 20)),
         }
     raise SystemExit(f"--setting {setting}: not implemented yet (see docs/benchmarks/quality.md).")
 
@@ -129,6 +132,13 @@ def score_agreement(results: list[MethodResult]) -> list[str]:
         pairs.append(
             (("dattri_llm", f"EK-FAC (damping={d})"), ("kronfluence", f"EK-FAC (damping={kf})"))
         )
+    for d in (1e-4, 1e-3):
+        pairs.append(
+            (
+                ("dattri_llm", f"EK-FAC (damping={d})"),
+                ("dattri 0.3.0", f"IF-EKFAC, 2 bugs patched (damping={d})"),
+            )
+        )
     lines = []
     for a, b in pairs:
         if a in by and b in by:
@@ -150,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         default=None,
         help="char-gpt: comma list of LDS ground truths to build/score (independent,crn)",
+    )
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="merge the rows run now into the existing result file (same setting and mode): "
+        "rows of the same method are replaced, the others kept (e.g. add one method to a "
+        "full run without re-scoring every row)",
     )
     a = p.parse_args(argv)
 
@@ -195,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     if spec["loo_indices"]:
         loo_gt, loo_meta = gtm.loo_ground_truth(
             setting, folder, spec["loo_indices"], seed=spec["loo_seed"]
+        )
+    elif spec.get("trajectory_loo_indices"):
+        loo_gt, loo_meta = gtm.trajectory_loo_ground_truth(
+            setting, folder, spec["trajectory_loo_indices"], spec["loo_seed"], ckpts[-1]
+        )
+        print(
+            f"# trajectory LOO ground truth: {loo_meta['seconds']:.0f} s, mean |delta| "
+            f"{loo_meta['mean_abs_delta']:.2e}",
+            flush=True,
         )
     print(f"# ground truth ready ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
@@ -251,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": time.perf_counter() - t_start,
     }
     stem = f"quality_{setting.name}{'-quick' if a.quick else ''}"
+    if a.update and (RESULTS_DIR / f"{stem}.json").exists():
+        out = merge_results(json.loads((RESULTS_DIR / f"{stem}.json").read_text()), out)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
     (RESULTS_DIR / f"{stem}.md").write_text(markdown(out))
@@ -258,16 +286,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def merge_results(old: dict, new: dict) -> dict:
+    """``--update``: the new run's rows replace the old rows of the same (source, method); the
+    old rows not re-run are kept in their place, new ones appended. Commands are listed."""
+    fresh = {(r["source"], r["method"]): r for r in new["rows"]}
+    rows = [fresh.pop((r["source"], r["method"]), r) for r in old["rows"]]
+    rows += [r for r in new["rows"] if (r["source"], r["method"]) in fresh]
+    commands = old.get("commands") or [old["command"]]
+    merged = {**new, "rows": rows, "commands": [*commands, new["command"]]}
+    merged["agreement"] = sorted(set(old.get("agreement", [])) | set(new["agreement"]))
+    merged["total_seconds"] = old.get("total_seconds", 0.0) + new["total_seconds"]
+    return merged
+
+
 def markdown(out: dict) -> str:
     """The result as a markdown section (pasted into docs/benchmarks/quality.md)."""
     spec = out["protocol"]
     rels = out.get("reliability_variants") or {"default": out["reliability"]}
     variants = list(rels)
-    has_loo = bool(spec["loo_indices"])
+    trajectory = not spec["loo_indices"] and bool(spec.get("trajectory_loo_indices"))
+    has_loo = bool(spec["loo_indices"]) or trajectory
     env = out["environment"]
     kf = f", kronfluence {env['kronfluence']} (own venv)" if env.get("kronfluence") else ""
     head = f"LDS: {spec['num_subsets']} subsets x {spec['runs']} runs (seed {spec['lds_seed']})"
-    if has_loo:
+    if trajectory:
+        idx = spec["trajectory_loo_indices"]
+        meta = out.get("loo_ground_truth") or {}
+        head += (
+            f"; trajectory-specific LOO: {len(idx)} train blocks (indices {idx[0]}, "
+            f"{idx[1]}, ..., {idx[-1]}), each masked out of its batch in a run otherwise "
+            f"identical to the reference run (seed {spec['loo_seed']}; reference reproduced "
+            f"bit-exactly; mean |target change| {meta.get('mean_abs_delta', float('nan')):.1e})"
+        )
+    elif has_loo:
         idx = spec["loo_indices"]
         head += (
             f"; LOO: {len(idx)} removed samples (indices {idx[0]}..{idx[-1]}, "
@@ -278,11 +329,13 @@ def markdown(out: dict) -> str:
         if variants == ["default"]
         else [f"LDS {VARIANTS.get(v, v)} [95% CI]" for v in variants]
     )
-    cols = lds_cols + (["LOO [95% CI]"] if has_loo else [])
+    loo_col = "trajectory LOO [95% CI]" if trajectory else "LOO [95% CI]"
+    cols = lds_cols + ([loo_col] if has_loo else [])
     lines = [
         f"### {out['setting']}{' (quick)' if out['quick'] else ''}",
         "",
-        f"`{out['command']}` — {out['total_seconds']:.0f} s, torch threads "
+        " then ".join(f"`{c}`" for c in out.get("commands", [out["command"]]))
+        + f" — {out['total_seconds']:.0f} s, torch threads "
         f"{env['torch_threads']}, torch {env['torch']}, dattri {env['dattri']}{kf}.",
         head + ".",
         "",

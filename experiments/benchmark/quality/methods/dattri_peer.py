@@ -4,10 +4,14 @@
   every per-sample gradient to 512 dims (``DEFAULT_PROJECTOR_KWARGS``); the "unprojected" rows
   set ``projector_kwargs = None`` after construction (same maths as dattri_llm's Grad-Dot).
 * TRAK-k: ``TRAKAttributor`` over k models each trained on a random half of the train set
-  (seeds disjoint from the ground-truth seeds), projected to 512 dims.
+  (seeds disjoint from the ground-truth seeds), projected to 512 dims; ``p = exp(-loss)`` of
+  one sample (a language model: the geometric-mean token probability, as dattri's GPT-2
+  scripts), test side = the setting's target.
 * IF-explicit (digits-LR only: the explicit Hessian) with ``regularization = weight_decay``,
   the full train set in one batch (so it is the exact Hessian of the mean loss).
-* IF-EKFAC: ``IFAttributorEKFAC`` on every ``nn.Linear``, damping swept.
+* IF-EKFAC: ``IFAttributorEKFAC`` on every ``nn.Linear``, damping swept, as shipped and with
+  two bugs worked around (:func:`_patched_ekfac_class`); classifiers only (dattri 0.3.0's
+  EK-FAC does not take sequence activations).
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 from torch.utils.data import DataLoader, Subset
 
 from experiments.benchmark.quality.methods import Context, Method, Skipped
@@ -89,15 +91,16 @@ def trak(k: int) -> Any:
         from dattri.algorithm.trak import TRAKAttributor
 
         ckpts = [ctx.final] if k == 0 else half_models(ctx, k)
-        model = ctx.model()
+        task = _task(ctx, ckpts)
+        # p = exp(-loss) of one sample: the correct-class probability of a classifier, the
+        # geometric-mean token probability of a language model (as dattri's GPT-2 scripts)
+        loss_single = ctx.setting.make_loss_single(task.get_model())
 
         def correct_probability(params: dict, data: Any) -> torch.Tensor:
-            x, y = data
-            logits = functional_call(model, params, (x.unsqueeze(0),))
-            return torch.exp(-F.cross_entropy(logits, y.unsqueeze(0)))
+            return torch.exp(-loss_single(params, data))
 
         attributor = TRAKAttributor(
-            _task(ctx, ckpts),
+            task,
             correct_probability_func=correct_probability,
             projector_kwargs={"proj_dim": 512, "device": "cpu"},
         )
@@ -123,11 +126,66 @@ def if_explicit(ctx: Context) -> torch.Tensor:
     return attributor.attribute(train, test)
 
 
-def if_ekfac(damping: float) -> Any:
+def _patched_ekfac_class() -> Any:
+    """dattri 0.3.0's ``IFAttributorEKFAC`` with its two bugs worked around (found here):
+
+    1. ``torch.linalg.eigh`` returns eigenvectors as *columns*, but dattri rotates with
+       ``q @ X @ q.T`` (rows) in the eigenvalue correction (``func/fisher.py``) and the inverse
+       (``algorithm/influence_function.py``): the "eigenvalues" are second moments in an
+       unrelated rotation. Handing it ``Qᵀ`` makes it compute ``Qᵀ X Q``.
+    2. The test gradient ``[weight.flatten(), bias]`` is reshaped to ``(out, in + 1)``, so the
+       bias does not land in the last column where the statistics' hook put the constant 1
+       (and the result is flattened back the same way, which is why near-identity
+       preconditioning returns *exactly* Grad-Dot).
+    """
+    import dattri.func.fisher as fisher
+    from dattri.algorithm import IFAttributorEKFAC
+
+    class PatchedEKFAC(IFAttributorEKFAC):
+        def cache(self, loader: Any, max_iter: Any = None) -> None:
+            orig = fisher.estimate_eigenvector
+            fisher.estimate_eigenvector = lambda cov: {
+                k: (q_a.T, q_s.T) for k, (q_a, q_s) in orig(cov).items()
+            }
+            try:
+                super().cache(loader, max_iter)
+            finally:
+                fisher.estimate_eigenvector = orig
+
+        def transform_test_rep(self, ckpt_idx: int, test_rep: torch.Tensor) -> torch.Tensor:
+            out, i = [], 0
+            for name in self.module_name:
+                module = self.name_to_module[name]
+                o, n_in = module.weight.shape
+                v = test_rep[:, i : i + o * n_in].reshape(-1, o, n_in)
+                i += o * n_in
+                if module.bias is not None:  # the bias is the last column, as in the hook
+                    v = torch.cat([v, test_rep[:, i : i + o].reshape(-1, o, 1)], -1)
+                    i += o
+                lam, (q_a, q_s) = self.cached_lambdas[name], self.cached_q[name]
+                r = q_s.T @ ((q_s @ v @ q_a.T) / (lam + self.damping)) @ q_a
+                out.append(r[..., :n_in].flatten(1))  # back to [weight.flatten(), bias]
+                if module.bias is not None:
+                    out.append(r[..., n_in])
+            return torch.cat(out, 1)
+
+    return PatchedEKFAC
+
+
+def if_ekfac(damping: float, patched: bool = False) -> Any:
     def fn(ctx: Context) -> torch.Tensor:
         from dattri.algorithm import IFAttributorEKFAC
 
-        attributor = IFAttributorEKFAC(_task(ctx, ctx.final), damping=damping)
+        if ctx.setting.task_kind == "lm":
+            raise Skipped(
+                "dattri 0.3.0's EK-FAC takes 2-D layer inputs only: on (B, T, D) activations "
+                "dattri/func/fisher.py:267-270 leaves a_prev unset (UnboundLocalError)"
+            )
+        if patched:
+            IFAttributorEKFAC = _patched_ekfac_class()  # noqa: N806
+
+        task = _task(ctx, ctx.final)
+        attributor = IFAttributorEKFAC(task, damping=damping)
         train, test = _loaders(ctx)
         attributor.cache(train)
         return attributor.attribute(train, test)
@@ -136,18 +194,13 @@ def if_ekfac(damping: float) -> Any:
 
 
 def methods(quick: bool, classifier: bool = True) -> list[Method]:
-    """dattri's rows; a language model gets the TracIn family only (TRAK's probability
-    function and the explicit / EK-FAC IF setups here are written for classifiers)."""
+    """dattri's rows (a language model gets no IF-explicit: too many parameters)."""
     out = [
         Method("Grad-Dot (unprojected)", "dattri 0.3.0", tracin(), "projector disabled"),
         Method("Grad-Dot (as shipped, proj 512)", "dattri 0.3.0", tracin(projected=True)),
         Method("Grad-Cos (unprojected)", "dattri 0.3.0", tracin(normalized=True)),
         Method("TracIn (4 ckpts, unprojected)", "dattri 0.3.0", tracin(trajectory=True)),
     ]
-    if not classifier:
-        for m in out:
-            m.quiet = True
-        return out
     out += [
         Method("TRAK-1 (final model)", "dattri 0.3.0", trak(0), "proj 512"),
         Method(
@@ -156,10 +209,23 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
             trak(2 if quick else 5),
             "proj 512",
         ),
-        Method("IF-explicit", "dattri 0.3.0", if_explicit, "regularization = weight decay"),
     ]
+    if classifier:
+        out.append(
+            Method("IF-explicit", "dattri 0.3.0", if_explicit, "regularization = weight decay")
+        )
     for d in (1e-3,) if quick else (1e-4, 1e-3, 1e-2):
         out.append(Method(f"IF-EKFAC (damping={d})", "dattri 0.3.0", if_ekfac(d)))
+    for d in (1e-3,) if quick else (1e-4, 1e-3):
+        out.append(
+            Method(
+                f"IF-EKFAC, 2 bugs patched (damping={d})",
+                "dattri 0.3.0",
+                if_ekfac(d, patched=True),
+                "eigenvector rows/columns and the bias column fixed by the benchmark "
+                "(see dattri_peer._patched_ekfac_class)",
+            )
+        )
     for m in out:
         m.quiet = True
     return out

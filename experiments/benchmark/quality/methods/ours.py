@@ -15,8 +15,8 @@ import torch
 from experiments.benchmark.quality.common import as_dicts
 from experiments.benchmark.quality.methods import Context, Method, Pending
 
-#: Damping values swept for K-FAC / EK-FAC (relative to nothing: absolute, added to the
-#: eigenvalues of the per-sample Fisher); ``None`` = the attributor's own default.
+#: Damping values swept for K-FAC / EK-FAC (absolute, added to the eigenvalues of the mean
+#: per-sample Fisher); ``None`` = the attributor's default, 0.1 x each layer's mean eigenvalue.
 DAMPINGS: list[float | None] = [None, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
 #: Language models (per-sample loss = mean token cross-entropy): a wider sweep.
 DAMPINGS_LM: list[float | None] = [None, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
@@ -176,7 +176,11 @@ def kronecker(
     def fn(ctx: Context) -> torch.Tensor:
         cls = _kronecker_class(name)
         key = ("kronecker", name, fisher, non_kronecker)
-        kwargs: dict[str, Any] = {} if damping is None else {"damping": damping}
+        # None = the attributor's default (0.1 x each layer's mean eigenvalue), spelled out so
+        # the row does not depend on the damping of the row before it
+        kwargs: dict[str, Any] = (
+            {"damping": 0.1, "relative": True} if damping is None else {"damping": damping}
+        )
         if key not in ctx.extra:
             tmp = tempfile.mkdtemp(prefix="quality-")
             attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]), non_kronecker=non_kronecker)
@@ -224,14 +228,19 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
                     f"{label} (damping={'default' if d is None else d})",
                     "dattri_llm",
                     kronecker(name, d),
-                    "empirical Fisher",
+                    "empirical Fisher"
+                    + (
+                        "; default damping = 0.1 x each layer's mean eigenvalue"
+                        if d is None
+                        else ""
+                    ),
                 )
             )
     if not classifier:
-        for d in DAMPINGS_LM_DIAGONAL:
+        for d in [None, *DAMPINGS_LM_DIAGONAL]:
             out.append(
                 Method(
-                    f"EK-FAC + diagonal (damping={d})",
+                    f"EK-FAC + diagonal (damping={'default' if d is None else d})",
                     "dattri_llm",
                     kronecker("EKFACAttributor", d, non_kronecker="diagonal"),
                     "empirical Fisher; embeddings, norms and tied groups preconditioned by "
