@@ -306,3 +306,13 @@ def test_weight_used_outside_its_module_warns_once(tie: bool) -> None:
         records = run(model, batches[:1], linear_io=REGISTER_ALL, exclude=["unused"])
     g, r = records[0].gradient, ref_flat(model, batches[0])
     assert rel_err(ops.cross_dot(g, g), r @ r.T) < 1e-10
+
+
+def test_canonical_name_drops_wrapper_segments_anywhere() -> None:
+    from dattri_llm.gradient.hooks.config import canonical_name
+
+    assert canonical_name("fc._fsdp_wrapped_module") == "fc"  # FSDP1 wrapping a leaf
+    assert canonical_name("_fsdp_wrapped_module") == ""
+    assert canonical_name("h.0._checkpoint_wrapped_module.mlp._orig_mod.fc") == "h.0.mlp.fc"
+    assert canonical_name("module.h.0", data_parallel=True) == "h.0"
+    assert canonical_name("my_fsdp_wrapped_module_x.fc") == "my_fsdp_wrapped_module_x.fc"

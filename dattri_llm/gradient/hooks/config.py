@@ -119,7 +119,7 @@ class LayerSpec:
     module_kwargs: dict
 
 
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def canonical_name(name: str, data_parallel: bool = False) -> str:
@@ -133,8 +133,8 @@ def canonical_name(name: str, data_parallel: bool = False) -> str:
         data_parallel: The model is a ``DistributedDataParallel`` / ``DataParallel`` wrapper,
             whose ``module.`` prefix is dropped.
     """
-    for seg in _WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
+    # anywhere in the path, also last (FSDP1 wraps a leaf: ``fc._fsdp_wrapped_module`` is fc)
+    name = ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
     if data_parallel:
         name = "" if name == "module" else name.removeprefix("module.")
     return name
@@ -181,6 +181,24 @@ def _select(
     return chosen
 
 
+def _check_fsdp_flat_parameters(model: nn.Module) -> None:
+    """Refuse FSDP1 units wrapped with ``use_orig_params=False``.
+
+    They hide their layers' parameters in flat buffers, so the layers such a unit owns
+    directly would silently drop out of the capture.
+    """
+    for name, module in model.named_modules():
+        if type(module).__name__ == "FullyShardedDataParallel" and not getattr(
+            module, "_use_orig_params", True
+        ):
+            raise ValueError(
+                f"model: the FSDP unit {name or '<root>'!r} was wrapped with "
+                "use_orig_params=False, which flattens its parameters so the layers it owns "
+                "cannot be hooked. Wrap with FullyShardedDataParallel(..., "
+                "use_orig_params=True) or use FSDP2 (torch.distributed.fsdp.fully_shard)."
+            )
+
+
 def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpec]:
     """Resolve a config against a model into the ordered list of layers to hook.
 
@@ -188,6 +206,7 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
         ValueError: unknown module names (with close candidates), unsupported layer types
             (with the supported ones), or a selection that is empty.
     """
+    _check_fsdp_flat_parameters(model)
     dp = is_data_parallel(model)
     modules = {canonical_name(n, dp): m for n, m in model.named_modules()}
     names = [n for n in modules if n]
