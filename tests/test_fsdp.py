@@ -4,7 +4,8 @@ Three wrappings of the same model run in one pair of processes: FSDP2 (``fully_s
 linears and the root), FSDP1 with ``use_orig_params=True`` (auto-wrapped linears), and FSDP1
 with flat parameters, which must be refused with a clear error (its flat buffers would hide
 the embedding and the norm from the hooks). Each rank stores its shard of the data; the
-reference is torch.func on the unwrapped model, in float64.
+reference is torch.func on the unwrapped model, in float64; the live ``GradientStreamer``
+(what ``attribute()`` streams) is checked through the same wrappers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dattri_llm import CaptureCallback, HookManager
+from dattri_llm import CaptureCallback, GradientStreamer, HookManager
 from dattri_llm.gradient import ops
 from tests.reference import flat, per_sample_grads, rel_err
 from tests.test_store_distributed import B, loss_fn, make
@@ -71,6 +72,10 @@ def _worker(rank: int, out_dir: str, init_file: str) -> None:
                 assert r.gradient.layer_names == NAMES
                 result[f"{how}/gram{r.step}"] = ops.cross_dot(r.gradient, r.gradient)
                 result[f"{how}/norm{r.step}"] = ops.grad_norm_sq(r.gradient)
+            # the live path (what attribute() streams) through the same wrapper
+            samples = [{"input_ids": row} for row in mine]
+            for k, block in enumerate(GradientStreamer(wrapped, samples, loss_fn, batch_size=B)):
+                result[f"{how}/live{k}"] = ops.cross_dot(block.gradient, block.gradient)
         model, _ = make()
         try:
             HookManager(_wrap(model, "fsdp1_flat"))
@@ -99,3 +104,4 @@ def test_fsdp1_and_fsdp2_capture_equals_single_device(tmp_path):
                 r = mine[step * B : (step + 1) * B]
                 assert rel_err(got[f"{how}/gram{step}"], r @ r.T) < 1e-10, (how, rank, step)
                 assert rel_err(got[f"{how}/norm{step}"], (r * r).sum(1)) < 1e-10
+                assert rel_err(got[f"{how}/live{step}"], r @ r.T) < 1e-10, (how, rank, step)
