@@ -137,11 +137,16 @@ class PartitionWriter:
         return f
 
     def _cleanup(self, referenced: set[str]) -> None:
-        """Remove temp files and shards no index line points at (a killed writer's leftovers)."""
+        """Remove temp files and shards no index line points at (a killed writer's leftovers).
+
+        Temp files are the hidden ones: ours (``.{name}.tmp``) and safetensors' own (its
+        ``save_file`` writes a ``.tmpXXXXXX`` file next to the target, then renames it).
+        """
         removed = []
         for p in self.shard_dir.iterdir():
             rel = f"{SHARD_DIR}/{p.name}"
-            if p.name.endswith(".tmp") or (p.suffix == ".safetensors" and rel not in referenced):
+            hidden = p.name.startswith(".") and p.is_file()
+            if hidden or (p.suffix == ".safetensors" and rel not in referenced):
                 p.unlink()
                 removed.append(p.name)
         if removed:
