@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "CaptureCallback": "dattri_llm.gradient.callbacks",
     "OffloadCallback": "dattri_llm.gradient.callbacks",
     "KroneckerCovarianceCallback": "dattri_llm.gradient.callbacks",
+    "DataSelectionCallback": "dattri_llm.gradient.callbacks.data_selection",
     # store and sources
     "GradientStorageManager": "dattri_llm.gradient.store",
     "GradientSource": "dattri_llm.gradient.sources",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.callbacks.capture import CaptureCallback
+from dattri_llm.gradient.callbacks.data_selection import DataSelectionCallback
 from dattri_llm.gradient.callbacks.kronecker import KroneckerCovarianceCallback
 from dattri_llm.gradient.callbacks.offload import OffloadCallback
 
 __all__ = ["HookCallback", "CaptureCallback", "OffloadCallback"]
 __all__ += ["KroneckerCovarianceCallback"]
+__all__ += ["DataSelectionCallback"]

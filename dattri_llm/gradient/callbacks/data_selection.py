@@ -1,0 +1,342 @@
+"""``DataSelectionCallback``: online data selection inside the training step.
+
+After each backward pass (``param.grad`` accumulated, optimizer step not yet taken) every
+training sample of the micro-batch is scored by the alignment of its per-sample gradient with a
+reference direction (Grad-Dot or Grad-Cos), and the lowest-scoring samples' contributions are
+subtracted from ``param.grad``: the optimizer then steps as if they were never in the batch.
+
+Exactness needs every trainable parameter to be covered by a hooked layer, unprojected and
+untransformed per-sample gradients, and a loss that is a sum (or mean) of independent per-sample
+terms (no BatchNorm, no in-batch contrastive terms). What cannot be exact is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from dattri_llm.gradient.callbacks.base import HookCallback
+from dattri_llm.gradient.gradient import Factorized, Gradient, Materialized, Shared
+from dattri_llm.gradient.hooks.config import is_data_parallel
+from dattri_llm.gradient.ops import inner as ops
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import GradientRecord
+    from dattri_llm.gradient.hooks.manager import HookManager
+
+__all__ = ["DataSelectionCallback", "SelectionStep"]
+
+Reference = Union[Gradient, Callable[[], Gradient]]  # noqa: UP007 (runtime alias, py3.10)
+
+
+@dataclass
+class SelectionStep:
+    """What one step kept and dropped (``callback.history`` holds one per selecting step).
+
+    Attributes:
+        step: The record's step (the hook manager's backward-pass counter).
+        kept_hashes: Sample ids of the kept rows, in batch order.
+        kept_scores: Their alignment scores.
+        dropped_hashes: Sample ids of the dropped rows, in batch order.
+        dropped_scores: Their alignment scores.
+        scale: Factor applied to the kept samples' contribution (``B / (B - k)`` with
+            ``renormalize=True``, else 1).
+    """
+
+    step: int
+    kept_hashes: list[str]
+    kept_scores: list[float]
+    dropped_hashes: list[str]
+    dropped_scores: list[float]
+    scale: float = 1.0
+
+
+def _site_weighted_sum(site: Factorized | Materialized, w: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i * grad_i`` as a dense ``(1, P)`` row, without per-sample materialisation."""
+    idx = w.nonzero().flatten()
+    if isinstance(site, Materialized):
+        return (w[idx].to(site.data.dtype) @ site.data[idx]).unsqueeze(0)
+    s = site.slice(idx)
+    g = s.g * w[idx].to(s.g.dtype).reshape(-1, *([1] * (s.g.dim() - 1)))
+    rule = s.rule
+    n = len(idx)
+    # the gradient is linear in g and additive over tokens: one sample holding every token
+    a1 = rule.concat_tokens([s.a[i : i + 1] for i in range(n)])
+    g1 = rule.concat_tokens([g[i : i + 1] for i in range(n)])
+    return rule.materialize(a1, g1, s.module_kwargs)
+
+
+def _mean_direction(grad: Gradient) -> Gradient:
+    """The mean over samples of ``grad`` as a one-sample dense :class:`Gradient`."""
+    b = grad.batch_size
+    w = torch.full((b,), 1.0 / b, dtype=torch.float64, device=grad.device)
+    layers = {}
+    for name, lg in grad.layers.items():
+        sites = lg.sites if isinstance(lg, Shared) else [lg]
+        data = sum(_site_weighted_sum(s, w) for s in sites)
+        layers[name] = Materialized(data, lg.layer_type, lg.module_kwargs)
+    return Gradient(layers)
+
+
+class DataSelectionCallback(HookCallback):
+    """Drop the training samples least aligned with a reference direction, inside the step.
+
+    Add it to the :class:`~dattri_llm.HookManager` of a training loop; ``loss.backward()``
+    then leaves in ``param.grad`` the gradient of the loss over the kept samples only, so any
+    ``torch.optim`` optimizer steps as if the dropped samples were never in the batch. Each
+    backward pass is selected on its own (gradient accumulation stays exact).
+
+    Args:
+        reference: Direction to align with: a :class:`~dattri_llm.Gradient` (e.g. validation
+            samples' per-sample gradients captured with the same hook config; their mean is
+            the target) or a zero-argument callable returning one, called every
+            ``refresh_interval`` steps so the target follows the model. The callable runs with
+            this manager paused and the training ``.grad`` set aside, so it may run its own
+            forward / backward passes. Its layers may be a subset of the hooked layers (the
+            score then uses only those).
+        score: ``"dot"`` (Grad-Dot) or ``"cos"`` (Grad-Cos).
+        drop_fraction: Drop the lowest-scoring ``floor(drop_fraction * B)`` samples of each
+            micro-batch of ``B`` (never all of them). Exclusive with ``threshold``.
+        threshold: Drop the samples scoring below it (the best sample is always kept).
+        renormalize: For a batch-*mean* loss: rescale the kept samples' contribution by
+            ``B / (B - k)`` so ``.grad`` is the mean-loss gradient of the kept samples.
+        refresh_interval: Steps between calls of a callable ``reference``.
+        warmup_steps: Number of first steps that select nothing (and are not logged).
+        enabled: Turn selection off (``callback.enabled = False``) without removing it.
+
+    Attributes:
+        history: One :class:`SelectionStep` per selecting step.
+
+    Example:
+        >>> sel = DataSelectionCallback(reference=val_grad, score="cos", drop_fraction=0.25)
+        >>> hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[sel])
+        >>> with hm.collect():
+        ...     for batch in loader:
+        ...         opt.zero_grad(); loss_fn(model, batch).backward(); opt.step()
+    """
+
+    def __init__(
+        self,
+        *,
+        reference: Reference,
+        score: str = "dot",
+        drop_fraction: float | None = None,
+        threshold: float | None = None,
+        renormalize: bool = False,
+        refresh_interval: int = 1,
+        warmup_steps: int = 0,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(reference, Gradient) and not callable(reference):
+            raise TypeError(
+                "reference must be a Gradient or a zero-argument callable returning one, got "
+                f"{type(reference).__name__}"
+            )
+        if score not in ("dot", "cos"):
+            raise ValueError(f"score must be 'dot' or 'cos', got {score!r}")
+        if (drop_fraction is None) == (threshold is None):
+            raise ValueError(
+                "give exactly one of drop_fraction (drop the lowest-scoring fraction of each "
+                "batch) and threshold (drop samples scoring below it); got "
+                f"drop_fraction={drop_fraction!r}, threshold={threshold!r}"
+            )
+        if drop_fraction is not None and not 0.0 <= float(drop_fraction) < 1.0:
+            raise ValueError(f"drop_fraction must be in [0, 1), got {drop_fraction!r}")
+        if threshold is not None and not math.isfinite(float(threshold)):
+            raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+        for arg, val, lo in (
+            ("refresh_interval", refresh_interval, 1),
+            ("warmup_steps", warmup_steps, 0),
+        ):
+            if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+                raise ValueError(f"{arg} must be an integer >= {lo}, got {val!r}")
+        self.reference = reference
+        self.score = score
+        self.drop_fraction = drop_fraction
+        self.threshold = threshold
+        self.renormalize = bool(renormalize)
+        self.refresh_interval = refresh_interval
+        self.warmup_steps = warmup_steps
+        self.enabled = enabled
+        self.history: list[SelectionStep] = []
+        self._direction: Gradient | None = None
+        self._direction_norm: float | None = None
+        self._seen = 0
+
+    # ---- checks ------------------------------------------------------------------------------
+    def on_register(self, manager: HookManager) -> None:
+        """Refuse configurations under which dropping cannot be exact."""
+        super().on_register(manager)
+        if manager.config.projection is not None:
+            raise ValueError(
+                "DataSelectionCallback needs the exact per-sample gradients: a capture-time "
+                "projection (HookManagerConfig.projection) cannot be subtracted from param.grad. "
+                "Use a HookManager without projection for training."
+            )
+        pg = [s.name for s in manager.layers if s.hook_type == "param_grad"]
+        if pg:
+            raise ValueError(
+                f"DataSelectionCallback: layers {pg} are hooked with param_grad, which gives no "
+                "per-sample gradients; hook them with linear_io."
+            )
+        from dattri_llm.gradient.streaming import is_distributed_wrapper  # lazy: no cycle
+
+        if is_data_parallel(manager.model) or is_distributed_wrapper(manager.model):
+            raise ValueError(
+                "DataSelectionCallback does not support DataParallel / DDP / FSDP models: "
+                "param.grad is reduced across ranks during backward, so local samples cannot be "
+                "removed exactly. Select on a single device (or unwrapped model)."
+            )
+        covered: set[int] = set()
+        for spec in manager.layers:
+            for pname in spec.rule.param_names(spec.module_kwargs):
+                p = getattr(spec.module, pname, None)
+                if isinstance(p, torch.Tensor):
+                    covered.add(id(p))
+        uncovered = [
+            n
+            for n, p in manager.model.named_parameters()
+            if p.requires_grad and id(p) not in covered
+        ]
+        if uncovered:
+            shown = ", ".join(uncovered[:10]) + (" ..." if len(uncovered) > 10 else "")
+            raise ValueError(
+                f"DataSelectionCallback: trainable parameters not covered by a hooked layer: "
+                f"{shown}. Their .grad would keep the dropped samples' contribution. Hook them "
+                "(HookManagerConfig(linear_io=REGISTER_ALL), or layer_types for custom norms) "
+                "or freeze them (requires_grad_(False))."
+            )
+
+    # ---- reference -----------------------------------------------------------------------------
+    def _refresh(self, like: Gradient) -> None:
+        ref = self.reference
+        if callable(ref) and not isinstance(ref, Gradient):
+            ref = self._call_reference()
+        if not isinstance(ref, Gradient) or ref.batch_size == 0:
+            raise TypeError(
+                "reference must give a non-empty Gradient, got "
+                f"{type(ref).__name__ if not isinstance(ref, Gradient) else 'an empty one'}"
+            )
+        missing = [n for n in ref.layer_names if n not in like.layers]
+        if missing:
+            raise ValueError(
+                f"reference has layers {missing} that the training step does not; hooked: "
+                f"{like.layer_names}. Capture the reference with the same hook config."
+            )
+        ref = ref.to(device=like.device, dtype=like.dtype)
+        direction = _mean_direction(ref)
+        for n, lg in direction.layers.items():
+            k, d = like.layers[n].rule.matrix_shape(like.layers[n].module_kwargs)
+            if lg.data.shape[1] != k * d:
+                raise ValueError(
+                    f"reference layer {n!r} has {lg.data.shape[1]} gradient entries, the training "
+                    f"layer {k * d}: capture the reference without projection, same hook config."
+                )
+        self._direction = direction
+        self._direction_norm = float(ops.grad_norm_sq(direction).sqrt())
+
+    def _call_reference(self) -> Gradient:
+        """Call the reference with this manager paused and the training ``.grad`` set aside."""
+        m = self.manager
+        params = [p for p in m.model.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        active, m._active = m._active, False
+        try:
+            for p in params:
+                p.grad = None
+            with torch.enable_grad():  # the engine runs step-end callbacks with grad disabled
+                return self.reference()
+        finally:
+            m._active = active
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    def scores(self, gradient: Gradient) -> torch.Tensor:
+        """Alignment scores ``(B,)`` of ``gradient``'s samples with the current direction."""
+        if self._direction is None:
+            self._refresh(gradient)
+        d = self._direction
+        train = gradient.select_layers(d.layer_names)
+        s = ops.cross_dot(train, d)[:, 0]
+        if self.score == "cos":
+            norms = ops.grad_norm_sq(train).clamp_min(0).sqrt()
+            s = s / (norms * self._direction_norm).clamp_min(torch.finfo(s.dtype).tiny)
+        return s
+
+    # ---- the step ------------------------------------------------------------------------------
+    def on_step_end(self, record: GradientRecord) -> None:
+        """Score the step's samples and remove the dropped ones from ``param.grad``."""
+        step = self._seen
+        self._seen += 1
+        if not self.enabled or step < self.warmup_steps:
+            return
+        if getattr(self.manager, "_transforms", None):
+            raise ValueError(
+                "DataSelectionCallback: the hook manager has transforms (add_transform, e.g. "
+                "preconditioned capture); the record no longer holds the raw per-sample "
+                "gradients, so they cannot be subtracted from param.grad."
+            )
+        grad = record.gradient
+        b = grad.batch_size
+        if callable(self.reference) and not isinstance(self.reference, Gradient):
+            if (step - self.warmup_steps) % self.refresh_interval == 0:
+                self._direction = None
+        s = self.scores(grad)
+        drop = self._select(s)
+        k = int(drop.sum())
+        scale = b / (b - k) if self.renormalize and k else 1.0
+        if k:
+            # weight of each sample's contribution to add to .grad: -1 removes it, and with
+            # renormalize the kept ones gain (scale - 1) of theirs
+            w = torch.full((b,), scale - 1.0, dtype=torch.float64, device=s.device)
+            w[drop] = -1.0
+            self._apply(grad, w)
+        keep = ~drop
+        hashes = list(record.hashes)
+        sl = s.tolist()
+        self.history.append(
+            SelectionStep(
+                step=record.step,
+                kept_hashes=[h for h, m in zip(hashes, keep.tolist()) if m],
+                kept_scores=[v for v, m in zip(sl, keep.tolist()) if m],
+                dropped_hashes=[h for h, m in zip(hashes, drop.tolist()) if m],
+                dropped_scores=[v for v, m in zip(sl, drop.tolist()) if m],
+                scale=scale,
+            )
+        )
+
+    def _select(self, s: torch.Tensor) -> torch.Tensor:
+        """Boolean ``(B,)`` mask of the samples to drop."""
+        b = s.shape[0]
+        drop = torch.zeros(b, dtype=torch.bool, device=s.device)
+        if self.drop_fraction is not None:
+            k = min(int(math.floor(self.drop_fraction * b)), b - 1)
+            drop[torch.argsort(s, stable=True)[:k]] = True
+        else:
+            drop = s < self.threshold
+            if bool(drop.all()):
+                drop[torch.argmax(s)] = False
+        return drop
+
+    def _apply(self, grad: Gradient, w: torch.Tensor) -> None:
+        modules = {spec.name: spec.module for spec in self.manager.layers}
+        if grad.dtype in (torch.float16, torch.bfloat16):  # sum in float32, as .grad usually is
+            grad = grad.to(torch.float32)
+        with torch.no_grad():
+            for name, lg in grad.layers.items():
+                if isinstance(lg, Shared):
+                    parts = list(zip(lg.site_names, lg.sites))
+                else:
+                    parts = [(name, lg)]
+                for site_name, site in parts:
+                    dense = _site_weighted_sum(site, w)
+                    module = modules[site_name]
+                    for pname, delta in site.rule.unflatten(dense, site.module_kwargs).items():
+                        p = getattr(module, pname)
+                        if not p.requires_grad or p.grad is None:
+                            continue
+                        p.grad.add_(delta[0].to(p.grad.dtype))
