@@ -316,3 +316,17 @@ def test_canonical_name_drops_wrapper_segments_anywhere() -> None:
     assert canonical_name("h.0._checkpoint_wrapped_module.mlp._orig_mod.fc") == "h.0.mlp.fc"
     assert canonical_name("module.h.0", data_parallel=True) == "h.0"
     assert canonical_name("my_fsdp_wrapped_module_x.fc") == "my_fsdp_wrapped_module_x.fc"
+
+
+def test_paused_suspends_capture_and_restores_it() -> None:
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    cb = CaptureCallback(keep_all=True)
+    hm = HookManager(model, callbacks=[cb])
+    x = torch.randint(0, 17, (2, 5))
+    with hm.collect(deregister_on_exit=True):
+        with hm.paused():
+            lm_loss(model, {"input_ids": x}).backward()  # not recorded
+        assert cb.records == [] and hm.transforms == ()
+        lm_loss(model, {"input_ids": x}).backward()  # recorded again
+    assert len(cb.records) == 1 and cb.records[0].step == 0

@@ -244,14 +244,13 @@ class DataSelectionCallback(HookCallback):
         m = self.manager
         params = [p for p in m.model.parameters() if p.requires_grad]
         saved = [p.grad for p in params]
-        active, m._active = m._active, False
         try:
             for p in params:
                 p.grad = None
-            with torch.enable_grad():  # the engine runs step-end callbacks with grad disabled
+            # the engine runs step-end callbacks with grad disabled
+            with m.paused(), torch.enable_grad():
                 return self.reference()
         finally:
-            m._active = active
             for p, g in zip(params, saved):
                 p.grad = g
 
@@ -274,7 +273,7 @@ class DataSelectionCallback(HookCallback):
         self._seen += 1
         if not self.enabled or step < self.warmup_steps:
             return
-        if getattr(self.manager, "_transforms", None):
+        if self.manager is not None and self.manager.transforms:
             raise ValueError(
                 "DataSelectionCallback: the hook manager has transforms (add_transform, e.g. "
                 "preconditioned capture); the record no longer holds the raw per-sample "

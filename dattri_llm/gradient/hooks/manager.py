@@ -226,6 +226,23 @@ class HookManager:
             if deregister_on_exit:
                 self.remove()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[HookManager]:
+        """Suspend capture inside a ``collect()`` block; the previous state is restored on exit.
+
+        For an evaluation forward/backward run by a callback in the middle of training.
+        """
+        active, self._active = self._active, False
+        try:
+            yield self
+        finally:
+            self._active = active
+
+    @property
+    def transforms(self) -> tuple[Any, ...]:
+        """The per-layer transforms added with :meth:`add_transform`, in order (read-only)."""
+        return tuple(self._transforms)
+
     def set_sample_ids(self, ids: Sequence[str]) -> None:
         """Use these ids for the next captured step instead of content hashes."""
         self._manual_ids = [str(i) for i in ids]
