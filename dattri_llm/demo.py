@@ -51,7 +51,13 @@ def load_corpus(topics: Sequence[str] = TOPICS, min_words: int = 25) -> list[tup
     return out
 
 
-def _tokenizer(texts: Sequence[str], vocab_size: int) -> object:
+def build_tokenizer(texts: Sequence[str], vocab_size: int) -> object:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (offline, no download).
+
+    Args:
+        texts: Training text.
+        vocab_size: Target vocabulary size (special tokens included).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -113,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     by_topic: dict[str, list[str]] = {}
     for topic, text in corpus:
         by_topic.setdefault(topic, []).append(text)
-    tok = _tokenizer([t for _, t in corpus], vocab_size=2048)
+    tok = build_tokenizer([t for _, t in corpus], vocab_size=2048)
     gen = torch.Generator().manual_seed(args.seed)
     train, queries = [], []
     for topic, paras in by_topic.items():
