@@ -289,6 +289,17 @@ def test_from_cache_multi_checkpoint_pairing(tmp_path):
         args(tmp_path), checkpoint_weights={0: 3.0, 1: 0.25}
     ).attribute_from_cache(str(tmp_path / "train"), str(tmp_path / "test"))
     assert rel(score.query(train, test), 3.0 * per[0] + 0.25 * per[1]) < 1e-10
+    # checkpoints=[1]: Grad-Dot at the last checkpoint only, from the same two stores
+    last = TracInAttributor(args(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", checkpoints=[1]
+    )
+    assert rel(last.query(train, test), per[1]) < 1e-10
+    from dattri_llm import DiskGradientSource
+
+    src = DiskGradientSource(tmp_path / "train", checkpoints=[0])
+    assert len(src) == 2 and src.num_samples == 4 and {b.checkpoint for b in src} == {0}
+    with pytest.raises(KeyError, match=r"checkpoint labels \[0, 1\] \(missing: \[5\]\)"):
+        DiskGradientSource(tmp_path / "train", checkpoints=[5])
 
     # a test store with a single checkpoint pairs with every train checkpoint
     model.load_state_dict(states[1])

@@ -223,6 +223,7 @@ class BaseAttributor:
         test_dir: str | os.PathLike | Any,
         attribution_granularity: str = "sample",
         layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
         """Attribute from two gradient stores (no model, no backward).
@@ -233,6 +234,9 @@ class BaseAttributor:
             test_dir: Store of the test gradients, captured on the same layers.
             attribution_granularity: ``"sample"`` or ``"token"``.
             layers: Score only these layers (default: all captured).
+            checkpoints: Read only records with these checkpoint labels from both stores
+                (e.g. ``[last]`` for Grad-Dot on stores captured at several checkpoints);
+                default: all.
             **kwargs: Passed to :meth:`fit`.
         """
         _check_granularity(attribution_granularity)
@@ -247,8 +251,8 @@ class BaseAttributor:
         from dattri_llm.gradient.sources import DiskGradientSource
 
         device = self.device
-        train = DiskGradientSource(train_dir, layers=layers, device=device)
-        test = DiskGradientSource(test_dir, layers=layers, device=device)
+        train = DiskGradientSource(train_dir, layers=layers, device=device, checkpoints=checkpoints)
+        test = DiskGradientSource(test_dir, layers=layers, device=device, checkpoints=checkpoints)
         return self.attribute_sources(train, test, attribution_granularity, **kwargs)
 
     def attribute_sources(

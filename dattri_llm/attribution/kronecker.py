@@ -384,7 +384,8 @@ class KFACAttributor(BaseAttributor):
             damping: ``λ``, as in :meth:`attribute` (``None``: ``0.1 ×`` each layer's mean
                 eigenvalue).
             relative: Scale ``damping`` by each layer's mean eigenvalue.
-            **kwargs: Passed to :meth:`fit`.
+            **kwargs: ``checkpoints`` (read only these checkpoint labels, see
+                :meth:`BaseAttributor.attribute_from_cache`); the rest is passed to :meth:`fit`.
         """
         self._set_damping(damping, relative, reset=True)
         return super().attribute_from_cache(

@@ -80,11 +80,14 @@ class DiskGradientSource:
         layers: Read only these layers (default: every stored layer).
         device: Where blocks are loaded.
         dtype: Cast floating tensors (integer index factors keep their dtype).
+        checkpoints: Only records with these checkpoint labels (e.g. the last checkpoint of a
+            store captured at several, for a single-checkpoint method); default: all.
 
     Raises:
         FileNotFoundError: the directory does not exist.
         StoreFormatError: the directory is not a gradient store (or holds no records).
-        KeyError: ``layers`` names a layer the store does not hold.
+        KeyError: ``layers`` names a layer, or ``checkpoints`` a label, the store does not
+            hold.
     """
 
     rereadable = True
@@ -95,6 +98,7 @@ class DiskGradientSource:
         layers: Sequence[str] | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        checkpoints: Sequence[int] | None = None,
     ) -> None:
         from dattri_llm.gradient.store import GradientStorageManager, StoreFormatError
         from dattri_llm.gradient.store.format import META_FILE
@@ -120,14 +124,17 @@ class DiskGradientSource:
             raise StoreFormatError(f"the gradient store {store.save_dir} holds no records.")
         self.store = store
         self.layers = store.check_layers(layers)
+        self.checkpoints = store.check_checkpoints(checkpoints)
         self.device = device
         self.dtype = dtype
 
     def __iter__(self) -> Iterator[GradientBlock]:
-        return self.store.iter_blocks(self.layers, self.device, self.dtype)
+        return self.store.iter_blocks(self.layers, self.device, self.dtype, self.checkpoints)
 
     def __len__(self) -> int:
-        return len(self.store)
+        if self.checkpoints is None:
+            return len(self.store)
+        return sum(r.checkpoint in self.checkpoints for r in self.store.records())
 
     @property
     def layer_names(self) -> list[str]:
@@ -137,4 +144,6 @@ class DiskGradientSource:
     @property
     def num_samples(self) -> int:
         """Total rows over all blocks."""
-        return self.store.num_samples
+        if self.checkpoints is None:
+            return self.store.num_samples
+        return sum(len(r.hashes) for r in self.store.records() if r.checkpoint in self.checkpoints)

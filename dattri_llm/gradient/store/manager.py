@@ -304,6 +304,23 @@ class GradientStorageManager:
         """The distinct checkpoint labels in the store, ascending."""
         return sorted({e["checkpoint"] for _, e in self._entries})
 
+    def check_checkpoints(self, checkpoints: Sequence[int] | None) -> set[int] | None:
+        """Validate a checkpoint filter against the store (``None``: no filter).
+
+        Raises:
+            KeyError: a label the store does not hold (the available ones are listed).
+        """
+        if checkpoints is None:
+            return None
+        wanted = {int(c) for c in checkpoints}
+        missing = sorted(wanted - set(self.available_checkpoints()))
+        if missing or not wanted:
+            raise KeyError(
+                f"checkpoints={sorted(wanted)}: the store {self.save_dir} holds checkpoint labels "
+                f"{self.available_checkpoints()} (missing: {missing or 'none given'})."
+            )
+        return wanted
+
     def sample_hashes(self) -> list[str]:
         """Distinct sample identities in order of first occurrence (store order)."""
         self._ordered()
@@ -471,6 +488,7 @@ class GradientStorageManager:
         layers: Sequence[str] | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        checkpoints: Sequence[int] | None = None,
     ) -> Iterator[GradientBlock]:
         """Yield one :class:`GradientBlock` per record, in store order.
 
@@ -478,9 +496,13 @@ class GradientStorageManager:
             layers: Only these layers (default: all).
             device: Where the tensors are loaded.
             dtype: Cast floating tensors (integer index factors keep their dtype).
+            checkpoints: Only records with these checkpoint labels (default: all).
         """
         layers = self.check_layers(layers)
+        wanted = self.check_checkpoints(checkpoints)
         for part, e in self._ordered():
+            if wanted is not None and e["checkpoint"] not in wanted:
+                continue
             grad = self._load(part, e, layers, device, dtype)
             yield GradientBlock(e["step"], grad, list(e["hashes"]), e["checkpoint"])
 
