@@ -7,13 +7,14 @@ documentation topics (``pydoc_data.topics``, shipped with Python; corpus and tok
 training loop is untouched). Held-out paragraphs of the same topics are the queries.
 
 Every method then runs live (``attribute``: gradients streamed from the model) and from the
-stores (``attribute_from_cache`` on the last checkpoint's stores, ``attribute_sources`` over all
-three for TracIn; no model, no backward): Grad-Dot, Grad-Cos, TracIn over the three
-checkpoints, K-FAC and EK-FAC (default and an explicit damping; the cached runs fit the
-Kronecker factors from the store), and a live Grad-Dot on gradients projected at capture
-time. One line per run: the share of each query's top-5 proponents from the query's own topic
-(chance: about 1/8), the wall time, the Spearman correlation with EK-FAC's scores and, for
-cached runs, the relative difference to the live run (asserted < 1e-5 for Grad-Dot).
+stores (``attribute_from_cache``; one train and one query store hold all three checkpoints,
+``checkpoints=[last]`` selects the last one for the one-checkpoint methods; no model, no
+backward): Grad-Dot, Grad-Cos, TracIn over the three checkpoints, K-FAC and EK-FAC (default
+and an explicit damping; the cached runs fit the Kronecker factors from the store), and a live
+Grad-Dot on gradients projected at capture time. One line per run: the share of each query's
+top-5 proponents from the query's own topic (chance: about 1/8), the wall time, the Spearman
+correlation with EK-FAC's scores and, for cached runs, the relative difference to the live run
+(asserted < 1e-5 for Grad-Dot).
 
     OMP_NUM_THREADS=1 python examples/attribution/method_tour.py [--steps 60 --per-topic 12]
 """
@@ -33,7 +34,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from dattri_llm import (
     AttributionArguments,
     AttributionTask,
-    DiskGradientSource,
     EKFACAttributor,
     GradientStorageManager,
     HookManager,
@@ -73,7 +73,8 @@ def backward(model: nn.Module, items: list[torch.Tensor], batch_size: int = 32) 
 
 
 def capture(model: nn.Module, items: list[torch.Tensor], save_dir: str, checkpoint: int) -> None:
-    """The same pass with hooks on: per-sample gradients go to a store, labelled ``checkpoint``."""
+    """The same pass with hooks on: per-sample gradients go to a store, labelled ``checkpoint``
+    (reopening a store appends to it)."""
     store = GradientStorageManager(save_dir)
     hm = HookManager(
         model,
@@ -132,13 +133,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if step in ckpt_steps:
             c = len(ckpts)
             ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-            capture(model, train_ids, f"{out}/train_c{c}", c)
+            capture(model, train_ids, f"{out}/train", c)
         else:
             backward(model, train_ids)
         opt.step()
     for c, state in enumerate(ckpts):  # the queries' gradients at each checkpoint
         model.load_state_dict(state)
-        capture(model, [ids for _, ids in queries], f"{out}/query_c{c}", c)
+        capture(model, [ids for _, ids in queries], f"{out}/query", c)
     model.zero_grad(set_to_none=True)
     topics, last = [t for t, _ in train], len(ckpts) - 1  # one-checkpoint methods: the last
     print(
@@ -155,18 +156,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         linear_io=BLOCKS, projection=ProjectionConfig("logra", proj_dim=args.proj_dim, seed=0)
     )
     weights = [args.lr] * len(ckpts)  # TracIn's w_c: the learning rate at each checkpoint
-    tr_last, te_last = f"{out}/train_c{last}", f"{out}/query_c{last}"
+    tr, te, at_last = f"{out}/train", f"{out}/query", {"checkpoints": [last]}
     kfac, ekfac = KFACAttributor(a, task=single), EKFACAttributor(a, task=single)
     kfac_c, ekfac_c = KFACAttributor(a), EKFACAttributor(a)
     lam = args.damping
-
-    def tracin_cache() -> object:
-        def blocks(kind: str) -> list:
-            return [b for c in range(len(ckpts)) for b in DiskGradientSource(f"{out}/{kind}_c{c}")]
-
-        return TracInAttributor(a, checkpoint_weights=weights).attribute_sources(
-            blocks("train"), blocks("query")
-        )
 
     def gd(task=single, **kw):  # Grad-Dot / Grad-Cos / TracIn, live or from the stores
         return TracInAttributor(a, task, **kw)
@@ -174,25 +167,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
     runs = [  # (method, workflow, run); "cache" rows are compared with the "live" row
         ("EK-FAC", "live", lambda: ekfac.attribute(train_items, query_items, hook)),
         ("Grad-Dot", "live", lambda: gd().attribute(train_items, query_items, hook)),
-        ("Grad-Dot", "cache", lambda: gd(None).attribute_from_cache(tr_last, te_last)),
+        ("Grad-Dot", "cache", lambda: gd(None).attribute_from_cache(tr, te, **at_last)),
         ("Grad-Cos", "live", lambda: gd(normalized_grad=True).attribute(
             train_items, query_items, hook)),
         ("Grad-Cos", "cache", lambda: gd(None, normalized_grad=True).attribute_from_cache(
-            tr_last, te_last)),
+            tr, te, **at_last)),
         (f"TracIn x{len(ckpts)}", "live", lambda: gd(multi, checkpoint_weights=weights).attribute(
             train_items, query_items, hook)),
-        (f"TracIn x{len(ckpts)}", "cache", tracin_cache),
+        (f"TracIn x{len(ckpts)}", "cache", lambda: gd(None, checkpoint_weights=weights)
+            .attribute_from_cache(tr, te)),  # every checkpoint of the stores, paired
         ("K-FAC", "live", lambda: kfac.attribute(train_items, query_items, hook)),
-        ("K-FAC", "cache", lambda: kfac_c.attribute_from_cache(tr_last, te_last)),
+        ("K-FAC", "cache", lambda: kfac_c.attribute_from_cache(tr, te, **at_last)),
         (f"K-FAC l={lam:g}", "live", lambda: kfac.attribute(
             train_items, query_items, hook, damping=lam)),
         (f"K-FAC l={lam:g}", "cache", lambda: kfac_c.attribute_from_cache(
-            tr_last, te_last, damping=lam)),
-        ("EK-FAC", "cache", lambda: ekfac_c.attribute_from_cache(tr_last, te_last)),
+            tr, te, damping=lam, **at_last)),
+        ("EK-FAC", "cache", lambda: ekfac_c.attribute_from_cache(tr, te, **at_last)),
         (f"EK-FAC l={lam:g}", "live", lambda: ekfac.attribute(
             train_items, query_items, hook, damping=lam)),
         (f"EK-FAC l={lam:g}", "cache", lambda: ekfac_c.attribute_from_cache(
-            tr_last, te_last, damping=lam)),
+            tr, te, damping=lam, **at_last)),
         (f"Grad-Dot logra {args.proj_dim}", "live", lambda: gd().attribute(
             train_items, query_items, proj)),
     ]  # fmt: skip
