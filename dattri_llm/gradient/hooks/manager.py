@@ -78,6 +78,10 @@ class HookManager:
         ...     trainer.train()
         >>> hm.remove()
 
+    The hooks live on the model's modules, so ``copy.deepcopy(model)`` while they are
+    registered copies them too: make copies before building the manager, or after
+    :meth:`remove`. FSDP1 units need ``use_orig_params=True`` (FSDP2 works as is).
+
     Args:
         model: Any ``nn.Module`` (DDP / FSDP wrappers included).
         config: Which layers to hook and how; default: every supported trainable layer.
