@@ -294,7 +294,10 @@ def test_weight_used_outside_its_module_warns_once(tie: bool) -> None:
     batches = [torch.randint(0, 17, (3, 5)) for _ in range(2)]
     with pytest.warns(UserWarning, match=r"layer 'head': its weight received a gradient") as rec:
         records = run(FusedHeadLM(tie=tie).double(), batches, linear_io=REGISTER_ALL)
-    assert sum("'head'" in str(w.message) for w in rec) == 1  # once, not per step
+    bypass = [w for w in rec if "its weight received a gradient" in str(w.message)]
+    assert len(bypass) == 1  # once, not per step
+    if tie:  # the first-step coverage check sees the tied weight's missing share too
+        assert any("layer 'emb': the captured per-sample gradients" in str(w.message) for w in rec)
     head = records[0].gradient.layers["emb" if tie else "head"]
     if not tie:  # the bypassed layer is what the warning says: recorded as exact zeros
         assert float(head.materialize().data.abs().max()) == 0.0
@@ -330,3 +333,30 @@ def test_paused_suspends_capture_and_restores_it() -> None:
         assert cb.records == [] and hm.transforms == ()
         lm_loss(model, {"input_ids": x}).backward()  # recorded again
     assert len(cb.records) == 1 and cb.records[0].step == 0
+
+
+class FunctionalTieLM(TinyLM):
+    """Calls its embedding module, then reuses its weight functionally for the logits (the
+    way OLMo ties: ``F.linear(h, wte.weight)``): no forward is bypassed, a share is missing."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.block(self.emb(input_ids)))
+        return nn.functional.linear(h, self.emb.weight)
+
+
+def test_coverage_check_catches_a_functional_tie_once() -> None:
+    import dattri_llm.gradient.hooks.manager as manager
+
+    manager._WARNED.clear()
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 17, (3, 5)) for _ in range(2)]
+    model = FunctionalTieLM(tie=False).double()
+    with pytest.warns(UserWarning, match=r"layer 'emb': the captured per-sample gradients") as rec:
+        run(model, batches, linear_io=["emb", "fc", "norm"])
+    assert sum("coverage" in str(w.message) or "'emb'" in str(w.message) for w in rec) == 1
+    # opted out: silent; and the same check passes quietly on a correct capture (fc reused)
+    manager._WARNED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, batches, linear_io=["emb", "fc", "norm"], check_coverage=False)
+        run(TinyLM(tie=False).double(), batches, linear_io=["emb", "fc", "norm", "head"])

@@ -66,6 +66,10 @@ class HookManagerConfig:
         shared_parameters: ``"sum"`` (default) treats modules that share a weight (tied
             embeddings) as one parameter whose gradient is the sum over sites, with exact
             cross terms; ``"separate"`` keeps each site as its own block.
+        check_coverage: On the first captured step, check that each hooked weight's captured
+            per-sample gradients sum to the gradient autograd computes for it, and warn once
+            per layer where they do not (the weight is also used outside its module, e.g. a
+            functional tie ``F.linear(h, wte.weight)``). Costs one extra GEMM per layer, once.
 
     With no selector and no ``hook_types`` at all, every eligible layer is captured
     (``linear_io=REGISTER_ALL``).
@@ -82,6 +86,7 @@ class HookManagerConfig:
     sample_id_key: str | None = None
     exclude: Sequence[str] = ()
     shared_parameters: str = "sum"
+    check_coverage: bool = True
 
     def __post_init__(self) -> None:
         if self.projection is not None:

@@ -45,6 +45,7 @@ from dattri_llm.gradient.hooks.config import (
     is_data_parallel,
     resolve_layers,
 )
+from dattri_llm.gradient.hooks.coverage import coverage_message
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 from dattri_llm.utils.hashing import hash_batch
 
@@ -126,7 +127,11 @@ class HookManager:
         #: weight gradient without a forward means the weight was used outside the module.
         self._forward_seen: set[str] = set()
         self._weight_grad_seen: set[str] = set()
+        self._partly_hooked: set[str] = set()  # share a weight with an unhooked module
         self._shared_groups = self._find_shared_groups()
+        #: The first captured step checks that captured gradients cover each weight's gradient.
+        self._coverage_pending = bool(self.config.check_coverage)
+        self._weight_sites: dict[str, list[LayerSpec]] = {}
         #: Capture-time projection resolved per layer (``None`` without ``config.projection``).
         self.projection = None
         if self.config.projection is not None:
@@ -168,6 +173,7 @@ class HookManager:
                 continue
             for spec in linear_io:
                 if getattr(spec.module, "weight", None) is w:
+                    self._partly_hooked.add(spec.name)
                     warn_once(
                         f"shared-unhooked:{spec.name}:{name}",
                         f"layer {spec.name!r} shares its weight with {name!r}, which is not "
@@ -185,6 +191,16 @@ class HookManager:
                 weight = getattr(spec.module, "weight", None)
                 if isinstance(weight, nn.Parameter) and weight.requires_grad:
                     self._handles.append(weight.register_hook(self._weight_hook(spec.name)))
+                    sites = [
+                        s
+                        for s in self.layers
+                        if s.hook_type == "linear_io"
+                        and getattr(s.module, "weight", None) is weight
+                    ]
+                    if sites[0] is spec and not self._partly_hooked & {x.name for x in sites}:
+                        # one check per weight, over all of its sites (a weight shared with an
+                        # unhooked module was already warned about)
+                        self._weight_sites[spec.name] = sites
             else:
                 for pname, p in spec.module.named_parameters(recurse=False):
                     if p.requires_grad:
@@ -366,8 +382,18 @@ class HookManager:
         def hook(grad: torch.Tensor) -> None:
             if self._active:
                 self._weight_grad_seen.add(name)
+                if self._coverage_pending and name in self._weight_sites:
+                    self._check_coverage(name, grad)
 
         return hook
+
+    def _check_coverage(self, name: str, grad: torch.Tensor) -> None:
+        """Warn once if the captured gradients of ``name``'s weight miss part of ``grad``."""
+        if self._transforms or self.projection is not None:
+            return  # the items are no longer the raw per-sample gradients
+        message = coverage_message(name, self._weight_sites[name], self._buffers, grad)
+        if message is not None:
+            warn_once(f"coverage:{name}", message)
 
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -467,6 +493,8 @@ class HookManager:
                 f"site's share is missing). Exclude it (HookManagerConfig(exclude=[{name!r}])) "
                 "or make the model call the module.",
             )
+        if merged:
+            self._coverage_pending = False  # checked on the first captured step only
         ref = _ref_tensor(merged)
         layers: dict[str, LayerGradient] = {}
         for spec in self.layers:
