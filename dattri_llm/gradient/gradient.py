@@ -79,6 +79,18 @@ class Factorized:
             _index(self.a, idx), _index(self.g, idx), self.layer_type, self.module_kwargs
         )
 
+    def batch_sum(self) -> Materialized:
+        """Sum over samples as a one-sample dense gradient, in one contraction.
+
+        The gradient is additive over tokens, so one "sample" holding every sample's tokens
+        gives the batch sum without forming a dense gradient per sample.
+        """
+        rule, b = self.rule, self.batch_size
+        a = rule.concat_tokens([self.a[i : i + 1] for i in range(b)])
+        g = rule.concat_tokens([self.g[i : i + 1] for i in range(b)])
+        dense = rule.materialize(a, g, self.module_kwargs)
+        return Materialized(dense, self.layer_type, self.module_kwargs)
+
     def apply(self, fn: callable) -> Factorized:
         """Apply ``fn`` to both factors (device / dtype moves, cloning)."""
         a = fn(self.a) if self.a.is_floating_point() else _move_int(self.a, fn)
@@ -131,6 +143,10 @@ class Materialized:
     def slice(self, idx: slice | Sequence[int] | torch.Tensor) -> Materialized:
         """Select samples."""
         return Materialized(_index(self.data, idx), self.layer_type, self.module_kwargs)
+
+    def batch_sum(self) -> Materialized:
+        """Sum over samples as a one-sample dense gradient."""
+        return Materialized(self.data.sum(0, keepdim=True), self.layer_type, self.module_kwargs)
 
     def apply(self, fn: callable) -> Materialized:
         """Apply ``fn`` to the data."""
@@ -190,6 +206,11 @@ class Shared:
     def slice(self, idx: slice | Sequence[int] | torch.Tensor) -> Shared:
         """Select samples."""
         return Shared([s.slice(idx) for s in self.sites], list(self.site_names))
+
+    def batch_sum(self) -> Materialized:
+        """Sum over samples (and sites) as a one-sample dense gradient."""
+        total = sum(site.batch_sum().data for site in self.sites)
+        return Materialized(total, self.layer_type, self.module_kwargs)
 
     def apply(self, fn: callable) -> Shared:
         """Apply ``fn`` to every site."""
@@ -321,14 +342,7 @@ class Gradient:
 
     def aggregate(self) -> Gradient:
         """Sum over the batch: the batch gradient as a one-sample dense ``Gradient``."""
-        return Gradient(
-            {
-                n: Materialized(
-                    lg.materialize().data.sum(0, keepdim=True), lg.layer_type, lg.module_kwargs
-                )
-                for n, lg in self.layers.items()
-            }
-        )
+        return Gradient({n: lg.batch_sum() for n, lg in self.layers.items()})
 
     def apply(self, fn: callable) -> Gradient:
         """Apply ``fn`` to every floating tensor (integer index factors only move device)."""
@@ -354,7 +368,13 @@ class Gradient:
         def one(lg: LayerGradient) -> LayerGradient:
             if isinstance(lg, Shared):
                 return Shared([one(s) for s in lg.sites], list(lg.site_names))
-            f = torch.as_tensor(factor)
+            # a Python number is kept in float64 until cast to the gradient's dtype (as_tensor
+            # would round it to the default float32 first)
+            f = (
+                factor
+                if isinstance(factor, torch.Tensor)
+                else torch.tensor(float(factor), dtype=torch.float64)
+            )
             if isinstance(lg, Factorized):
                 f = f.to(lg.g).reshape(-1, *([1] * (lg.g.dim() - 1))) if f.dim() else f.to(lg.g)
                 return Factorized(lg.a, lg.g * f, lg.layer_type, lg.module_kwargs)

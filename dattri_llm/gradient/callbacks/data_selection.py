@@ -58,28 +58,8 @@ class SelectionStep:
 def _site_weighted_sum(site: Factorized | Materialized, w: torch.Tensor) -> torch.Tensor:
     """``sum_i w_i * grad_i`` as a dense ``(1, P)`` row, without per-sample materialisation."""
     idx = w.nonzero().flatten()
-    if isinstance(site, Materialized):
-        return (w[idx].to(site.data.dtype) @ site.data[idx]).unsqueeze(0)
-    s = site.slice(idx)
-    g = s.g * w[idx].to(s.g.dtype).reshape(-1, *([1] * (s.g.dim() - 1)))
-    rule = s.rule
-    n = len(idx)
-    # the gradient is linear in g and additive over tokens: one sample holding every token
-    a1 = rule.concat_tokens([s.a[i : i + 1] for i in range(n)])
-    g1 = rule.concat_tokens([g[i : i + 1] for i in range(n)])
-    return rule.materialize(a1, g1, s.module_kwargs)
-
-
-def _mean_direction(grad: Gradient) -> Gradient:
-    """The mean over samples of ``grad`` as a one-sample dense :class:`Gradient`."""
-    b = grad.batch_size
-    w = torch.full((b,), 1.0 / b, dtype=torch.float64, device=grad.device)
-    layers = {}
-    for name, lg in grad.layers.items():
-        sites = lg.sites if isinstance(lg, Shared) else [lg]
-        data = sum(_site_weighted_sum(s, w) for s in sites)
-        layers[name] = Materialized(data, lg.layer_type, lg.module_kwargs)
-    return Gradient(layers)
+    part = Gradient({"site": site.slice(idx)}).scale(w[idx])
+    return part.aggregate().layers["site"].data
 
 
 class DataSelectionCallback(HookCallback):
@@ -228,7 +208,7 @@ class DataSelectionCallback(HookCallback):
                 f"{like.layer_names}. Capture the reference with the same hook config."
             )
         ref = ref.to(device=like.device, dtype=like.dtype)
-        direction = _mean_direction(ref)
+        direction = ref.scale(1.0 / ref.batch_size).aggregate()  # the mean, one dense row
         for n, lg in direction.layers.items():
             k, d = like.layers[n].rule.matrix_shape(like.layers[n].module_kwargs)
             if lg.data.shape[1] != k * d:

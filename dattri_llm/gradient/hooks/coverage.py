@@ -5,8 +5,8 @@ Hooks see a weight only through its module's forward. A weight also used *outsid
 ``lm_head.weight``) gets gradient the hooks never see, and the captured per-sample gradients
 silently miss that share. The check runs once per manager, on the first captured step: in the
 weight's gradient hook (which receives the whole gradient of this backward pass), the captured
-per-sample gradients of every site of that weight are summed over the batch in one GEMM per
-site and compared with it.
+per-sample gradients of every site of that weight are summed over the batch (one contraction
+per site, ``batch_sum``) and compared with it.
 """
 
 from __future__ import annotations
@@ -42,18 +42,9 @@ def batch_weight_gradient(items: Sequence[Any], rule: Any, kwargs: dict) -> torc
     """
     total = None
     for item in items:
-        if isinstance(item, Factorized):
-            b = item.batch_size
-            # the per-sample gradient is additive over tokens: one "sample" holding every
-            # token of every sample gives the batch sum in one GEMM
-            a = rule.concat_tokens([item.a[i : i + 1] for i in range(b)])
-            g = rule.concat_tokens([item.g[i : i + 1] for i in range(b)])
-            dense = rule.materialize(a, g, kwargs)
-        elif isinstance(item, Materialized):
-            dense = item.data.sum(0, keepdim=True)
-        else:
+        if not isinstance(item, (Factorized, Materialized)):
             return None
-        part = rule.unflatten(dense, kwargs).get("weight")
+        part = rule.unflatten(item.batch_sum().data, kwargs).get("weight")
         if part is None:
             return None
         part = part[0].to(torch.float64)

@@ -185,26 +185,23 @@ class HookManager:
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
         )
+        by_weight: dict[int, list[LayerSpec]] = {}
         for spec in self.layers:
             if spec.hook_type == "linear_io":
                 self._handles.append(spec.module.register_forward_hook(self._layer_hook(spec)))
                 weight = getattr(spec.module, "weight", None)
                 if isinstance(weight, nn.Parameter) and weight.requires_grad:
                     self._handles.append(weight.register_hook(self._weight_hook(spec.name)))
-                    sites = [
-                        s
-                        for s in self.layers
-                        if s.hook_type == "linear_io"
-                        and getattr(s.module, "weight", None) is weight
-                    ]
-                    if sites[0] is spec and not self._partly_hooked & {x.name for x in sites}:
-                        # one check per weight, over all of its sites (a weight shared with an
-                        # unhooked module was already warned about)
-                        self._weight_sites[spec.name] = sites
+                    by_weight.setdefault(id(weight), []).append(spec)
             else:
                 for pname, p in spec.module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_hook(self._param_hook(spec, pname)))
+        # one coverage check per weight, over all of its sites, run by its first site's hook (a
+        # weight shared with an unhooked module was already warned about)
+        for sites in by_weight.values():
+            if not self._partly_hooked & {s.name for s in sites}:
+                self._weight_sites[sites[0].name] = sites
 
     def remove(self) -> None:
         """Take every hook down (idempotent); the model is left as it was."""
