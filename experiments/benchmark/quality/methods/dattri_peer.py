@@ -181,11 +181,8 @@ def if_ekfac(damping: float, patched: bool = False) -> Any:
                 "dattri 0.3.0's EK-FAC takes 2-D layer inputs only: on (B, T, D) activations "
                 "dattri/func/fisher.py:267-270 leaves a_prev unset (UnboundLocalError)"
             )
-        if patched:
-            IFAttributorEKFAC = _patched_ekfac_class()  # noqa: N806
-
-        task = _task(ctx, ctx.final)
-        attributor = IFAttributorEKFAC(task, damping=damping)
+        cls = _patched_ekfac_class() if patched else IFAttributorEKFAC
+        attributor = cls(_task(ctx, ctx.final), damping=damping)
         train, test = _loaders(ctx)
         attributor.cache(train)
         return attributor.attribute(train, test)
