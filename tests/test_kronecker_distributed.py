@@ -42,10 +42,9 @@ def _capture(model: nn.Module, batches: list[dict], callbacks: list) -> list:
 
 
 def _fit(records: list, callback_cov: object | None = None) -> tuple:
-    from dattri_llm.gradient.ops.ekfac import fit_eigenvalue_correction
+    from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
     from dattri_llm.gradient.ops.kronecker import (
         KroneckerCovariances,
-        eigendecompose,
     )
 
     cov = callback_cov or KroneckerCovariances(non_kronecker="diagonal").accumulate(records)

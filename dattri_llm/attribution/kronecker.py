@@ -27,13 +27,12 @@ from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
-from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection
+from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection, eigendecompose
 from dattri_llm.gradient.ops.kronecker import (
     KroneckerCovariances,
     KroneckerFactors,
     NonKronecker,
     TokenCount,
-    eigendecompose,
 )
 from dattri_llm.gradient.sources import GradientBlock, GradientSource, InMemoryGradientSource
 

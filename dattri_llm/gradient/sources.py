@@ -10,32 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.gradient import GradientBlock, GradientRecord
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.store import GradientStorageManager
 
 __all__ = ["GradientBlock", "GradientSource", "InMemoryGradientSource", "DiskGradientSource"]
-
-
-class GradientBlock(NamedTuple):
-    """One block of per-sample gradients.
-
-    Attributes:
-        step: Step index of the block (record step on disk, checkpoint index when live).
-        gradient: Per-sample gradients of the block's samples.
-        hashes: One sample identity per row of ``gradient``.
-        checkpoint: Model state the block was captured at (pairs train and test blocks).
-    """
-
-    step: int
-    gradient: Gradient
-    hashes: list[str]
-    checkpoint: int = 0
 
 
 @runtime_checkable
@@ -59,7 +43,9 @@ class InMemoryGradientSource:
         self._blocks: list[GradientBlock] = []
         for r in records:
             if isinstance(r, GradientRecord):
-                self._blocks.append(GradientBlock(r.step, r.gradient, list(r.hashes), r.checkpoint))
+                self._blocks.append(
+                    GradientBlock(r.step, r.gradient, list(r.hashes), r.checkpoint, r.metadata)
+                )
             else:
                 self._blocks.append(r)
 

@@ -101,7 +101,9 @@ class OffloadCallback(HookCallback):
             return
         if self.recording_type == "per_sample":
             self.file_manager.write(
-                GradientRecord(step, list(record.hashes), record.gradient, record.checkpoint)
+                GradientRecord(
+                    step, list(record.hashes), record.gradient, record.checkpoint, record.metadata
+                )
             )
             self.num_written += 1
             return

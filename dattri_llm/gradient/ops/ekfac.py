@@ -1,4 +1,7 @@
-"""EK-FAC eigenvalue correction: empirical second moments in a fixed Kronecker eigenbasis.
+"""Fitting Kronecker curvature: the K-FAC eigenbasis and the EK-FAC eigenvalue correction.
+
+:func:`eigendecompose` gives the K-FAC fit (eigenvectors and eigenvalues of ``A`` and ``G``).
+EK-FAC replaces the eigenvalues with empirical second moments in that fixed basis:
 
 ``Λ = (1/N) sum_n (Q_G^T M_n Q_A)^2`` (elementwise) with ``Q_G``, ``Q_A`` the eigenvectors of a
 K-FAC fit (George et al., 2018; Grosse et al., 2023). The conventions (matrix form, token
@@ -7,12 +10,14 @@ counting, distributed all-reduce) are those of :mod:`dattri_llm.gradient.ops.kro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
 
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.ops.kronecker import (
+    KroneckerCovariances,
     KroneckerFactors,
     LayerEigen,
     _acc_dtype,
@@ -23,9 +28,82 @@ from dattri_llm.gradient.ops.kronecker import (
     _ref,
     _rotated,
 )
-from dattri_llm.utils.distributed import all_reduce_sum, get_world_size, is_distributed
+from dattri_llm.utils.distributed import (
+    all_reduce_sum,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
 
-__all__ = ["EigenvalueCorrection", "fit_eigenvalue_correction"]
+__all__ = ["eigendecompose", "EigenvalueCorrection", "fit_eigenvalue_correction"]
+
+
+def eigendecompose(
+    covariances: KroneckerCovariances,
+    dtype: torch.dtype = torch.float64,
+    progress: bool = False,
+    warn_skipped: bool = True,
+) -> KroneckerFactors:
+    """K-FAC fit: eigendecompose every layer's ``A`` and ``G`` (batched over equal sizes).
+
+    All-reduces the covariances first under ``torch.distributed`` and broadcasts rank 0's
+    eigenvectors, so every rank holds the same basis.
+
+    Args:
+        covariances: Accumulated sums.
+        dtype: Eigendecomposition dtype (float64 by default even for float32 models).
+        progress: Show a progress bar.
+        warn_skipped: Warn once, listing the layers left out.
+    """
+    covariances.all_reduce()
+    if not covariances.layers and not covariances.diagonal:
+        raise ValueError(
+            "no Kronecker-eligible layer was seen: nothing to fit. Hook linear / "
+            "convolution layers (linear_io) for K-FAC."
+        )
+    mats: dict[tuple[str, str], torch.Tensor] = {}
+    for name, c in covariances.layers.items():
+        if c.num_samples <= 0 or c.num_tokens <= 0:
+            raise ValueError(f"layer {name!r} has no samples or no tokens carrying gradient.")
+        mats[(name, "a")] = (c.a_sum / c.num_tokens).to(dtype)
+        mats[(name, "g")] = (c.g_sum / c.num_samples).to(dtype)
+    eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    groups: dict[tuple[int, torch.device], list[tuple[str, str]]] = {}
+    for key, m in mats.items():
+        groups.setdefault((m.shape[0], m.device), []).append(key)
+    for (_, _), keys in _progress(list(groups.items()), "eigendecomposition", progress):
+        stacked = torch.stack([0.5 * (mats[k] + mats[k].T) for k in keys])
+        s, q = torch.linalg.eigh(stacked)
+        for i, key in enumerate(keys):
+            eig[key] = (s[i].clamp_min(0), q[i].contiguous())
+    if is_distributed() and get_world_size() > 1:
+        for key in sorted(eig):
+            for t in eig[key]:
+                torch.distributed.broadcast(t, src=0)
+    layers = {
+        name: LayerEigen(
+            c.layer_type,
+            c.module_kwargs,
+            eig[(name, "a")][1],
+            eig[(name, "a")][0],
+            eig[(name, "g")][1],
+            eig[(name, "g")][0],
+            None,
+            c.num_samples,
+        )
+        for name, c in covariances.layers.items()
+    }
+    skipped = dict(covariances.skipped)
+    if skipped and warn_skipped and get_rank() == 0:
+        warnings.warn(
+            "K-FAC/EK-FAC applies to linear and convolution layers only; these layers are left "
+            f"out of the preconditioner and of the scores: {skipped}. Pass "
+            "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
+            "exclude them from the hook config.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return KroneckerFactors("kfac", layers, dict(covariances.diagonal), skipped)
 
 
 class EigenvalueCorrection:

@@ -6,10 +6,15 @@ types themselves.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from dattri_llm.gradient.gradient import Factorized, Gradient, LayerGradient, Materialized, Shared
+from dattri_llm.gradient.layer_gradient import Factorized, LayerGradient, Materialized, Shared
 from dattri_llm.gradient.layers.shared import cross_site_per_token
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.gradient import Gradient
 
 __all__ = [
     "dot",

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ import torch
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, LayerGradient, Materialized, Shared
 from dattri_llm.gradient.layers import get_rule
+from dattri_llm.gradient.ops.kronecker_io import checked_tensor, read_bundle, write_bundle
 from dattri_llm.utils.distributed import all_reduce_sum, get_rank, get_world_size, is_distributed
 
 __all__ = [
@@ -66,7 +66,6 @@ __all__ = [
     "LayerEigen",
     "KroneckerFactors",
     "is_kronecker_layer",
-    "eigendecompose",
 ]
 
 #: Version of the on-disk format of covariances and factors.
@@ -279,16 +278,43 @@ class KroneckerCovariances:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``kronecker_covariances.{safetensors,json}`` into the directory ``path``."""
-        from dattri_llm.gradient.ops.kronecker_io import save_covariances
-
-        save_covariances(self, path)
+        tensors, layers = {}, {}
+        for name, c in self.layers.items():
+            tensors[f"{name}|a_sum"], tensors[f"{name}|g_sum"] = c.a_sum, c.g_sum
+            layers[name] = {
+                "layer_type": c.layer_type,
+                "module_kwargs": c.module_kwargs,
+                "num_tokens": c.num_tokens,
+                "num_samples": c.num_samples,
+            }
+        meta = {
+            "non_kronecker": self.non_kronecker,
+            "tokens": self.tokens,
+            "reduced": self.reduced,
+            "layers": layers,
+            "diagonal": _put_diagonal(self.diagonal, tensors),
+            "skipped": self.skipped,
+        }
+        write_bundle(path, "kronecker_covariances", tensors, meta, FORMAT_VERSION)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> KroneckerCovariances:
         """Read what :meth:`save` wrote, checking the format, version and shapes."""
-        from dattri_llm.gradient.ops.kronecker_io import load_covariances
-
-        return load_covariances(path)
+        tensors, meta = read_bundle(path, "kronecker_covariances", FORMAT_VERSION)
+        out = cls(meta["non_kronecker"], meta["tokens"])
+        out.reduced, out.skipped = bool(meta["reduced"]), dict(meta["skipped"])
+        for name, m in meta["layers"].items():
+            k, d = get_rule(m["layer_type"]).matrix_shape(m["module_kwargs"])
+            out.layers[name] = LayerCovariance(
+                m["layer_type"],
+                m["module_kwargs"],
+                checked_tensor(tensors, path, f"{name}|a_sum", (d, d)),
+                checked_tensor(tensors, path, f"{name}|g_sum", (k, k)),
+                float(m["num_tokens"]),
+                float(m["num_samples"]),
+            )
+        out.diagonal.update(_get_diagonal(tensors, meta, path))
+        return out
 
 
 @dataclass
@@ -412,85 +438,70 @@ class KroneckerFactors:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``kronecker_factors.{safetensors,json}`` into the directory ``path``."""
-        from dattri_llm.gradient.ops.kronecker_io import save_factors
-
-        save_factors(self, path)
+        tensors, layers = {}, {}
+        for name, e in self.layers.items():
+            for key in ("q_a", "s_a", "q_g", "s_g"):
+                tensors[f"{name}|{key}"] = getattr(e, key)
+            if e.corrected is not None:
+                tensors[f"{name}|corrected"] = e.corrected
+            layers[name] = {
+                "layer_type": e.layer_type,
+                "module_kwargs": e.module_kwargs,
+                "num_samples": e.num_samples,
+            }
+        diags = _put_diagonal(self.diagonal, tensors)
+        meta = {"kind": self.kind, "layers": layers, "diagonal": diags, "skipped": self.skipped}
+        write_bundle(path, "kronecker_factors", tensors, meta, FORMAT_VERSION)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> KroneckerFactors:
         """Read what :meth:`save` wrote, validating format, version, layers and shapes."""
-        from dattri_llm.gradient.ops.kronecker_io import load_factors
+        tensors, meta = read_bundle(path, "kronecker_factors", FORMAT_VERSION)
+        kind = meta.get("kind")
+        if kind not in ("kfac", "ekfac"):
+            raise ValueError(f"{path}: unknown kind {kind!r} (expected 'kfac' or 'ekfac').")
+        layers = {}
+        for name, m in meta["layers"].items():
+            k, d = get_rule(m["layer_type"]).matrix_shape(m["module_kwargs"])
+            get = lambda key, shape, name=name: checked_tensor(  # noqa: E731
+                tensors, path, f"{name}|{key}", shape
+            )
+            layers[name] = LayerEigen(
+                m["layer_type"],
+                m["module_kwargs"],
+                get("q_a", (d, d)),
+                get("s_a", (d,)),
+                get("q_g", (k, k)),
+                get("s_g", (k,)),
+                get("corrected", (k, d)) if kind == "ekfac" else None,
+                float(m["num_samples"]),
+            )
+        diags = _get_diagonal(tensors, meta, path)
+        return cls(kind, layers, diags, dict(meta["skipped"]))
 
-        return load_factors(path)
+
+def _put_diagonal(diagonal: dict[str, DiagonalFisher], tensors: dict) -> dict:
+    """Add the diagonal Fishers' tensors to ``tensors``; return their JSON metadata."""
+    meta = {}
+    for name, dg in diagonal.items():
+        tensors[f"{name}|sq_sum"] = dg.sq_sum
+        meta[name] = {
+            "layer_type": dg.layer_type,
+            "module_kwargs": dg.module_kwargs,
+            "num_samples": dg.num_samples,
+        }
+    return meta
 
 
-# ---- fitting ---------------------------------------------------------------------------------
-def eigendecompose(
-    covariances: KroneckerCovariances,
-    dtype: torch.dtype = torch.float64,
-    progress: bool = False,
-    warn_skipped: bool = True,
-) -> KroneckerFactors:
-    """K-FAC fit: eigendecompose every layer's ``A`` and ``G`` (batched over equal sizes).
-
-    All-reduces the covariances first under ``torch.distributed`` and broadcasts rank 0's
-    eigenvectors, so every rank holds the same basis.
-
-    Args:
-        covariances: Accumulated sums.
-        dtype: Eigendecomposition dtype (float64 by default even for float32 models).
-        progress: Show a progress bar.
-        warn_skipped: Warn once, listing the layers left out.
-    """
-    covariances.all_reduce()
-    if not covariances.layers and not covariances.diagonal:
-        raise ValueError(
-            "no Kronecker-eligible layer was seen: nothing to fit. Hook linear / "
-            "convolution layers (linear_io) for K-FAC."
-        )
-    mats: dict[tuple[str, str], torch.Tensor] = {}
-    for name, c in covariances.layers.items():
-        if c.num_samples <= 0 or c.num_tokens <= 0:
-            raise ValueError(f"layer {name!r} has no samples or no tokens carrying gradient.")
-        mats[(name, "a")] = (c.a_sum / c.num_tokens).to(dtype)
-        mats[(name, "g")] = (c.g_sum / c.num_samples).to(dtype)
-    eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    groups: dict[tuple[int, torch.device], list[tuple[str, str]]] = {}
-    for key, m in mats.items():
-        groups.setdefault((m.shape[0], m.device), []).append(key)
-    for (_, _), keys in _progress(list(groups.items()), "eigendecomposition", progress):
-        stacked = torch.stack([0.5 * (mats[k] + mats[k].T) for k in keys])
-        s, q = torch.linalg.eigh(stacked)
-        for i, key in enumerate(keys):
-            eig[key] = (s[i].clamp_min(0), q[i].contiguous())
-    if is_distributed() and get_world_size() > 1:
-        for key in sorted(eig):
-            for t in eig[key]:
-                torch.distributed.broadcast(t, src=0)
-    layers = {
-        name: LayerEigen(
-            c.layer_type,
-            c.module_kwargs,
-            eig[(name, "a")][1],
-            eig[(name, "a")][0],
-            eig[(name, "g")][1],
-            eig[(name, "g")][0],
-            None,
-            c.num_samples,
-        )
-        for name, c in covariances.layers.items()
-    }
-    skipped = dict(covariances.skipped)
-    if skipped and warn_skipped and get_rank() == 0:
-        warnings.warn(
-            "K-FAC/EK-FAC applies to linear and convolution layers only; these layers are left "
-            f"out of the preconditioner and of the scores: {skipped}. Pass "
-            "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
-            "exclude them from the hook config.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return KroneckerFactors("kfac", layers, dict(covariances.diagonal), skipped)
+def _get_diagonal(tensors: dict, meta: dict, path: str | os.PathLike) -> dict:
+    """The diagonal Fishers described by ``meta["diagonal"]``, validated."""
+    out = {}
+    for name, m in meta["diagonal"].items():
+        t = tensors.get(f"{name}|sq_sum")
+        if t is None or t.dim() != 1:
+            raise ValueError(f"{path}: diagonal Fisher of {name!r} is missing or not 1-D.")
+        out[name] = DiagonalFisher(m["layer_type"], m["module_kwargs"], t, float(m["num_samples"]))
+    return out
 
 
 # ---- helpers ---------------------------------------------------------------------------------

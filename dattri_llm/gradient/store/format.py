@@ -197,7 +197,7 @@ def encode_record(record: GradientRecord) -> tuple[dict[str, torch.Tensor], dict
 
     Returns:
         ``(tensors, header)``; ``header`` = ``{"layers": schema, "step", "checkpoint",
-        "hashes"}``.
+        "hashes"}`` and ``"metadata"`` when the record carries any.
     """
     n = record.gradient.batch_size
     if len(record.hashes) != n:
@@ -225,6 +225,10 @@ def encode_record(record: GradientRecord) -> tuple[dict[str, torch.Tensor], dict
         "checkpoint": int(record.checkpoint),
         "hashes": [str(h) for h in record.hashes],
     }
+    if record.metadata:
+        header["metadata"] = encode_json(
+            dict(record.metadata), f"record metadata at step {record.step}"
+        )
     return _unalias(tensors), header
 
 

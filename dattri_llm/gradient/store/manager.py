@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dattri_llm.gradient.gradient import Gradient, GradientRecord
-from dattri_llm.gradient.sources import GradientBlock
+from dattri_llm.gradient.gradient import Gradient, GradientBlock, GradientRecord
 from dattri_llm.gradient.store.format import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -26,6 +25,7 @@ from dattri_llm.gradient.store.format import (
     SHARD_METADATA_KEY,
     StoreFormatError,
     decode_gradient,
+    decode_json,
     decode_schema,
     read_meta,
     tensor_keys,
@@ -73,6 +73,11 @@ class SampleLocation(NamedTuple):
 class _Partition(NamedTuple):
     rank: int
     directory: Path
+
+
+def _metadata(entry: IndexEntry) -> dict:
+    """A record's metadata (see ``GradientRecord.metadata``), decoded from its index line."""
+    return decode_json(entry.get("metadata", {}))
 
 
 def _is_rank_dir(p: Path) -> bool:
@@ -451,7 +456,11 @@ class GradientStorageManager:
         path = part.directory / entry["shard"]
         with self._open(part, entry, self.verify, device) as f:
             header = decode_schema(f.metadata().get(SHARD_METADATA_KEY), path)
-            if header.get("hashes") != entry["hashes"] or header.get("step") != entry["step"]:
+            if (
+                header.get("hashes") != entry["hashes"]
+                or header.get("step") != entry["step"]
+                or header.get("metadata") != entry.get("metadata")
+            ):
                 raise StoreFormatError(
                     f"shard {path} does not hold the record its index line describes (step or "
                     "hashes differ); the store is corrupted."
@@ -481,7 +490,7 @@ class GradientStorageManager:
             raise IndexError(f"record {index} out of range; the store has {len(ordered)}.")
         part, e = ordered[index]
         grad = self._load(part, e, self.check_layers(layers), device, dtype)
-        return GradientRecord(e["step"], list(e["hashes"]), grad, e["checkpoint"])
+        return GradientRecord(e["step"], list(e["hashes"]), grad, e["checkpoint"], _metadata(e))
 
     def iter_blocks(
         self,
@@ -504,7 +513,7 @@ class GradientStorageManager:
             if wanted is not None and e["checkpoint"] not in wanted:
                 continue
             grad = self._load(part, e, layers, device, dtype)
-            yield GradientBlock(e["step"], grad, list(e["hashes"]), e["checkpoint"])
+            yield GradientBlock(e["step"], grad, list(e["hashes"]), e["checkpoint"], _metadata(e))
 
     def __iter__(self) -> Iterator[GradientBlock]:
         return self.iter_blocks()

@@ -214,6 +214,8 @@ class PartitionWriter:
             "crc32": crc,
             "schema": schema_fingerprint(header["layers"]),
         }
+        if "metadata" in header:
+            entry["metadata"] = header["metadata"]
         if extra is not None:
             entry["extra"] = extra
         self._index.append(entry)
