@@ -30,6 +30,12 @@ _EXPORTS: dict[str, str] = {
     "OffloadCallback": "dattri_llm.gradient.callbacks",
     "KroneckerCovarianceCallback": "dattri_llm.gradient.callbacks",
     "DataSelectionCallback": "dattri_llm.gradient.callbacks.data_selection",
+    "OptimizerStateCallback": "dattri_llm.gradient.callbacks.optimizer_state",
+    "ParameterSnapshotCallback": "dattri_llm.gradient.callbacks.parameter_snapshot",
+    # training trajectories
+    "TrajectorySnapshots": "dattri_llm.gradient.trajectory",
+    "OptimizerDynamics": "dattri_llm.gradient.trajectory",
+    "ReplayGradientSource": "dattri_llm.gradient.trajectory",
     # store and sources
     "GradientStorageManager": "dattri_llm.gradient.store",
     "GradientSource": "dattri_llm.gradient.sources",
@@ -45,6 +51,11 @@ _EXPORTS: dict[str, str] = {
     "TracInAttributor": "dattri_llm.attribution",
     "KFACAttributor": "dattri_llm.attribution",
     "EKFACAttributor": "dattri_llm.attribution",
+    "LESSAttributor": "dattri_llm.attribution",
+    "TrajectoryAttributor": "dattri_llm.attribution",
+    "AdamWInfluenceAttributor": "dattri_llm.attribution",
+    "DVEmbAttributor": "dattri_llm.attribution",
+    "DataValueEmbeddings": "dattri_llm.attribution",
     # sample identity
     "hash_sample": "dattri_llm.utils.hashing",
     "hash_batch": "dattri_llm.utils.hashing",

@@ -65,6 +65,14 @@ class BaseAttributor:
     * ``prepare_train(gradient, checkpoint) -> Gradient`` — applied to every chunk of at most
       ``score_block_size`` train rows (row-wise maps only: normalisation, weights). Default:
       identity.
+    * ``block_weight(block) -> float`` — a weight multiplying every score of a train block
+      (e.g. LESS's learning rate of the block's step). Default: 1.
+    * ``pairing_key(block) -> int`` — which test gradients a train block is scored against:
+      train and test blocks with equal keys pair. Default: ``block.checkpoint``.
+    * ``check_block(block, side)`` — validate each train / test block (``side`` is
+      ``"train"`` or ``"test"``) before use, e.g. that a train store was preconditioned.
+    * ``streamer_options(checkpoint, side) -> dict`` — extra ``GradientStreamer`` arguments
+      of the live path (e.g. the optimizer of a preconditioned train side).
     * ``score_block(train_grad, test_grad, granularity) -> Tensor`` — scores of a train chunk
       against a test chunk: ``(B_train, B_test)`` for ``"sample"``, ``(B_train, T, B_test)``
       for ``"token"`` (rows summed over ``T`` are the instance scores, so the per-token split
@@ -110,6 +118,21 @@ class BaseAttributor:
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Map a chunk of train gradients before scoring (default: identity)."""
         return gradient
+
+    def block_weight(self, block: GradientBlock) -> float:
+        """A weight multiplying every score of a train block (default: 1)."""
+        return 1.0
+
+    def pairing_key(self, block: GradientBlock) -> int:
+        """Train and test blocks with equal keys are scored together (default: checkpoint)."""
+        return int(block.checkpoint)
+
+    def check_block(self, block: GradientBlock, side: str) -> None:
+        """Validate a train or test block before use (default: nothing to check)."""
+
+    def streamer_options(self, checkpoint: int, side: str) -> dict[str, Any]:
+        """Extra ``GradientStreamer`` arguments of the live path (default: none)."""
+        return {}
 
     def score_block(
         self, train_grad: Gradient, test_grad: Gradient, granularity: str
@@ -160,6 +183,7 @@ class BaseAttributor:
             collate_fn = pad_collate(args.dataloader_pad_value)
 
         def stream(ds: Any, loss: Callable, bs: int, c: int, desc: str) -> GradientStreamer:
+            side = "test" if desc.startswith("test") else "train"
             return GradientStreamer(
                 task.model,
                 ds,
@@ -172,6 +196,7 @@ class BaseAttributor:
                 drop_last=args.dataloader_drop_last,
                 show_progress=args.show_progress,
                 desc=desc,
+                **self.streamer_options(c, side),
             )
 
         def train_source() -> Iterator[GradientBlock]:
@@ -271,7 +296,7 @@ class BaseAttributor:
         self.fit(train_source, **kwargs)
         by_ckpt: dict[int, list[GradientBlock]] = {}
         for block in test_source:
-            by_ckpt.setdefault(int(block.checkpoint), []).append(block)
+            by_ckpt.setdefault(self.pairing_key(block), []).append(block)
         if not by_ckpt:
             raise ValueError("the test source yielded no gradients.")
         columns: dict[str, int] = {}
@@ -287,16 +312,18 @@ class BaseAttributor:
             total = len(train_source) if hasattr(train_source, "__len__") else None
             blocks = tqdm(train_source, total=total, desc="scoring", leave=False)
         for block in blocks:
-            c = int(block.checkpoint)
+            c = self.pairing_key(block)
             if c in tests:
                 test = tests[c]
             elif len(tests) == 1:
                 test = next(iter(tests.values()))
             else:
                 raise ValueError(
-                    f"train block at step {block.step} was captured at checkpoint {c}, but the "
-                    f"test gradients exist at checkpoints {sorted(tests)}: capture the test set "
-                    "at every train checkpoint, or at a single one (it then pairs with all)."
+                    f"train block at step {block.step} (checkpoint {block.checkpoint}) pairs with "
+                    f"test key {c}, but the test gradients exist at checkpoints {sorted(tests)} "
+                    "(pairing keys): capture "
+                    "the test set at every train checkpoint, or at a single one (it then pairs "
+                    "with all)."
                 )
             self._score_train_block(block, test, len(columns), acc)
         return acc.result(list(columns), self.args.output_dir)
@@ -310,8 +337,19 @@ class BaseAttributor:
                 f"no test gradients at checkpoint {checkpoint}: is the test set empty?"
             )
         hashes: list[str] = []
+        seen: dict[str, int] = {}
         for b in blocks:
             _check_block(b, "test")
+            self.check_block(b, "test")
+            for h in b.hashes:
+                if h in seen:
+                    raise ValueError(
+                        f"test sample {h!r} has several gradients for pairing key {checkpoint} "
+                        f"(steps {seen[h]} and {b.step}); they would be summed into one query "
+                        "silently. Capture each query once per checkpoint, or label the captures "
+                        "(HookManager.checkpoint) so each pairs with its train checkpoint."
+                    )
+                seen[h] = int(b.step)
             hashes += list(b.hashes)
         names = blocks[0].gradient.layer_names
         for b in blocks[1:]:
@@ -376,7 +414,9 @@ class BaseAttributor:
         self, block: GradientBlock, test: _TestSide, num_cols: int, acc: _Accumulator
     ) -> None:
         _check_block(block, "train")
+        self.check_block(block, "train")
         grad = block.gradient
+        weight = float(self.block_weight(block))
         if set(grad.layer_names) != set(test.layers):
             tr, te = set(grad.layer_names), set(test.layers)
             raise ValueError(
@@ -394,6 +434,8 @@ class BaseAttributor:
         for r0 in range(0, n, bs):
             rows = slice(r0, min(n, r0 + bs))
             tr = self.prepare_train(grad.slice(rows).to(self.device, dtype), block.checkpoint)
+            if weight != 1.0:
+                tr = tr.scale(weight)
             tok = None
             for te, cols in test.chunks:
                 s = self.score_block(tr, te.to(dtype), acc.granularity).detach()

@@ -151,6 +151,9 @@ class GradientStreamer:
         frozen: Use the frozen probe (default). Ignored for DDP / FSDP wrappers.
         show_progress: Show a tqdm bar.
         desc: Label of the bar.
+        optimizer: Preconditioned capture (LESS): each gradient mapped through this
+            optimizer's update (see ``HookManager(optimizer=...)``); default raw gradients.
+        precondition_scale: ``HookManager(precondition_scale=...)`` of that map.
 
     ``rereadable`` is ``False``: iterating again recomputes every block.
     """
@@ -173,6 +176,8 @@ class GradientStreamer:
         frozen: bool = True,
         show_progress: bool = False,
         desc: str = "gradients",
+        optimizer: Any = None,
+        precondition_scale: float | str = 1.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -201,6 +206,8 @@ class GradientStreamer:
         self.frozen = frozen and not is_distributed_wrapper(model)
         self.show_progress = show_progress
         self.desc = desc
+        self.optimizer = optimizer
+        self.precondition_scale = precondition_scale
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -250,7 +257,13 @@ class GradientStreamer:
     def __iter__(self) -> Iterator[GradientBlock]:
         device = self._device()
         cb = CaptureCallback()
-        hm = HookManager(self.model, config=self.hook_config, callbacks=[cb])
+        hm = HookManager(
+            self.model,
+            config=self.hook_config,
+            callbacks=[cb],
+            optimizer=self.optimizer,
+            precondition_scale=self.precondition_scale,
+        )
         hm.checkpoint = self.checkpoint
         loader = self._loader()
         bar = None
@@ -279,7 +292,9 @@ class GradientStreamer:
                 rec = cb.pop()
                 if bar is not None:
                     bar.update(1)
-                yield GradientBlock(self.step, rec.gradient, list(rec.hashes), self.checkpoint)
+                yield GradientBlock(
+                    self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
+                )
         finally:
             hm.remove()
             if bar is not None:

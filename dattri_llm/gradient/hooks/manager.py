@@ -87,8 +87,14 @@ class HookManager:
         model: Any ``nn.Module`` (DDP / FSDP wrappers included).
         config: Which layers to hook and how; default: every supported trainable layer.
         callbacks: Receive each completed step (see :class:`HookCallback`).
-        optimizer: The training optimizer; needed by preconditioned capture (LESS) and
+        optimizer: The training optimizer (or a callable returning it, for trainers that build
+            it late). With it, capture is *preconditioned* (LESS): each per-sample gradient is
+            mapped to the optimizer's update direction as if that sample alone were the batch
+            (see :mod:`dattri_llm.gradient.optim.precondition`; SGD, Adam and AdamW). Also
             available to callbacks as ``manager.optimizer``.
+        precondition: Set ``False`` to keep an ``optimizer`` for callbacks only (raw capture).
+        precondition_scale: Multiplies each captured gradient before the map: ``"batch_size"``
+            turns a mean loss's share ``∇ℓ/B`` into the sample's own ``∇ℓ`` (default ``1.0``).
 
     Attributes:
         step: Number of completed backward passes captured so far.
@@ -101,7 +107,9 @@ class HookManager:
         model: nn.Module,
         config: HookManagerConfig | None = None,
         callbacks: Sequence[HookCallback] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
+        precondition: bool = True,
+        precondition_scale: float | str = 1.0,
     ) -> None:
         self.model = model
         self.config = config or HookManagerConfig()
@@ -140,6 +148,13 @@ class HookManager:
             self.projection = CaptureProjection(
                 self.config.projection, self.layers, self._shared_groups
             )
+        #: The preconditioned-capture map (``None`` for raw capture).
+        self.preconditioner = None
+        if optimizer is not None and precondition:
+            from dattri_llm.gradient.optim.precondition import Preconditioner
+
+            self.preconditioner = Preconditioner(optimizer, precondition_scale)
+            self.preconditioner.bind(self)
         try:
             self._signature = inspect.signature(model.forward)
         except (TypeError, ValueError):  # pragma: no cover - exotic modules
@@ -153,6 +168,16 @@ class HookManager:
     def layer_names(self) -> list[str]:
         """Names of the hooked layers, in model order."""
         return [s.name for s in self.layers]
+
+    @property
+    def capturing(self) -> bool:
+        """Whether capture is on (inside :meth:`collect`, not :meth:`paused`)."""
+        return self._active
+
+    @property
+    def shared_groups(self) -> dict[str, list[str]]:
+        """``{lead name: [site names]}`` of hooked layers sharing one weight (tied parameters)."""
+        return {k: list(v) for k, v in self._shared_groups.items()}
 
     def _find_shared_groups(self) -> dict[str, list[str]]:
         if self.config.shared_parameters == "separate":
@@ -255,6 +280,19 @@ class HookManager:
         finally:
             self._active = active
 
+    @contextlib.contextmanager
+    def raw_gradients(self) -> Iterator[HookManager]:
+        """Capture raw (not preconditioned) gradients inside the block; a no-op without one."""
+        if self.preconditioner is None:
+            yield self
+            return
+        with self.preconditioner.disabled():
+            yield self
+
+    @property
+    def _preconditioning(self) -> bool:
+        return self.preconditioner is not None and self.preconditioner.enabled
+
     @property
     def transforms(self) -> tuple[Any, ...]:
         """The per-layer transforms added with :meth:`add_transform`, in order (read-only)."""
@@ -352,15 +390,11 @@ class HookManager:
         for cb in self.callbacks:
             cb.on_backward(spec.name, spec.module, item.a, item.g)
         style = self.config.capture_style
-        if style == "materialized" or (
+        materialize = style == "materialized" or (
             style == "auto"
             and item.rule.prefer_materialized_capture(item.num_tokens, item.module_kwargs)
-        ):
-            item = item.materialize()
-        for fn in self._transforms:
-            item = fn(spec, item)
-        if self.projection is not None:  # dense / mask: after the other transforms
-            item = self.projection.project_item(spec, item)
+        )
+        item = self._apply_transforms(spec, item, materialize)
         self._buffers.setdefault(spec.name, []).append((order, item))
         self._ensure_end_callback()
 
@@ -386,7 +420,7 @@ class HookManager:
 
     def _check_coverage(self, name: str, grad: torch.Tensor) -> None:
         """Warn once if the captured gradients of ``name``'s weight miss part of ``grad``."""
-        if self._transforms or self.projection is not None:
+        if self._transforms or self.projection is not None or self._preconditioning:
             return  # the items are no longer the raw per-sample gradients
         message = coverage_message(name, self._weight_sites[name], self._buffers, grad)
         if message is not None:
@@ -450,17 +484,29 @@ class HookManager:
         item = Factorized(a, g, spec.rule.layer_type, spec.module_kwargs)
         if self.projection is not None:
             item = self.projection.project_factors(spec, item)
-        return self._apply_transforms(spec, item, materialize_ok=True)
+        return self._apply_transforms(
+            spec, item, materialize=self.config.capture_style == "materialized"
+        )
 
     def _apply_transforms(
-        self, spec: LayerSpec, item: LayerGradient, materialize_ok: bool
+        self, spec: LayerSpec, item: LayerGradient, materialize: bool
     ) -> LayerGradient:
-        if self.config.capture_style == "materialized" and materialize_ok:
+        """Materialise if asked, run the transforms, then the dense / mask projection.
+
+        Under preconditioned capture an unmasked layer is materialised (the map needs its
+        entries) and a dense projection waits until after the map (:meth:`_finish_step`).
+        """
+        lp = self.projection[spec.name] if self.projection is not None else None
+        if self._preconditioning and (lp is None or lp.style != "mask"):
+            materialize = True
+        if materialize:
             item = item.materialize()
         for fn in self._transforms:
             item = fn(spec, item)
-        if self.projection is not None:
-            item = self.projection.project_item(spec, item)
+        if lp is not None and not (
+            self.preconditioner is not None and self.preconditioner.defers_projection(lp)
+        ):
+            item = lp.project_item(item)
         return item
 
     def _finish_step(self) -> None:
@@ -505,9 +551,12 @@ class HookManager:
             elif ref is not None:
                 layers[spec.name] = self._zero_like(spec, b, ref)
         layers = self._group_shared(layers)
+        metadata: dict[str, Any] = {}
+        if self._preconditioning and layers:
+            layers, metadata = self.preconditioner.apply(layers, b, self.projection)
         gradient = Gradient(layers)
         hashes = self._hashes(inputs, manual, gradient.batch_size)
-        record = GradientRecord(self.step, hashes, gradient, self.checkpoint)
+        record = GradientRecord(self.step, hashes, gradient, self.checkpoint, metadata)
         self.step += 1
         for cb in self.callbacks:
             cb.on_step_end(record)

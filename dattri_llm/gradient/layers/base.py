@@ -77,6 +77,30 @@ class LayerRule:
         """Map ``(B, P)`` matrix-form gradients to ``{param name: (B, *param.shape)}``."""
         raise NotImplementedError
 
+    def matrix_positions(self, kw: dict) -> dict[str, torch.Tensor]:
+        """Where each parameter entry sits in the flattened matrix form.
+
+        Returns:
+            ``{param name: LongTensor of param.shape}`` with values in ``[0, P)``: entry
+            ``idx`` of the parameter is coordinate ``positions[name][idx]`` of the per-sample
+            gradient. Derived from :meth:`unflatten` (a pure re-indexing), so per-parameter
+            tensors (optimizer moments, parameter values) can be laid out exactly like the
+            materialised gradient with :meth:`flatten_parameters`.
+        """
+        n = self.num_params(kw)
+        return {k: v[0] for k, v in self.unflatten(torch.arange(n).unsqueeze(0), kw).items()}
+
+    def flatten_parameters(
+        self, tensors: dict[str, torch.Tensor], kw: dict, positions: dict | None = None
+    ) -> torch.Tensor:
+        """Lay out per-parameter tensors ``{name: param-shaped}`` as the ``(P,)`` matrix form."""
+        positions = positions if positions is not None else self.matrix_positions(kw)
+        first = next(iter(tensors.values()))
+        out = first.new_zeros(self.num_params(kw))
+        for name, pos in positions.items():
+            out[pos.reshape(-1)] = tensors[name].reshape(-1).to(out.dtype)
+        return out
+
     # ---- maths -----------------------------------------------------------------------------
     def materialize(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         """Dense per-sample gradient ``(B, P)``."""

@@ -1,0 +1,292 @@
+"""``AdamWInfluenceAttributor``: first-order influence unrolled through an Adam / AdamW run.
+
+Removing a training sample ``z`` from its step ``t`` changes that step's consumed gradient by
+``−s_z``, hence the moments and parameters the step leaves; every later update carries the
+perturbation forward through the recorded moments and the batch curvature (Deng et al., 2026;
+the maths is in :mod:`dattri_llm.attribution.unroll`). The score is the first-order change of the
+query loss at the end of the run, ``q_Tᵀ δθ_T`` — positive when removing ``z`` would raise the
+query's loss (the sample helped), summed over the steps ``z`` occurs at by
+``AttributionScore.agnostic_matrix``.
+
+Exactly what the optimizer did, from :class:`~dattri_llm.OptimizerStateCallback`'s record:
+the optimizer's own update counts (bias corrections), per-parameter learning rates (the
+schedule), betas, ``ε``, AdamW's decoupled or Adam's coupled weight decay, AMSGrad's running
+maximum, and gradient-norm clipping — detected by comparing the consumed gradient (recovered
+from the moments, ``(m_post − β₁ m_pre)/(1−β₁)``) with the captured batch gradient, and
+modelled exactly (``κ_c (I − u uᵀ)`` on the push and the curvature) when every trainable
+parameter was captured without a mask; refused otherwise. ``maximize`` is refused. A consumed
+gradient that is not a multiple of the captured one (samples missing from the capture, noise,
+per-layer clipping, loss scaling) is refused with the step named.
+
+Curvature: the empirical Fisher of each step's batch loss from the captured per-sample
+gradients, ``κ Σ s sᵀ`` (``κ = B`` for a mean loss — pass ``loss_reduction="mean"`` — 1 for a
+sum). Per-layer random masks (``ProjectionConfig("mask", ...)`` at capture, recorded by the
+callback at the same coordinates) keep the propagated state small; the result then equals the
+full computation restricted to the masked coordinates.
+
+The default evaluation carries only the queries' adjoints backward through the run (memory
+``∝ queries × parameters``, never parameters²); ``method="forward"`` carries every sample's
+perturbation forward instead (the same numbers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from dattri_llm.attribution.trajectory import StepIndex, TrajectoryAttributor, dense_rows
+from dattri_llm.attribution.unroll import (
+    AdamStep,
+    Curvature,
+    StepPushes,
+    adjoint_sweep,
+    forward_sweep,
+)
+from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
+from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
+
+__all__ = ["AdamWInfluenceAttributor", "coerce_dynamics"]
+
+_METHODS = ("adjoint", "forward")
+_ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "maximize", "amsgrad")
+
+
+def coerce_dynamics(dynamics: Any, where: str) -> OptimizerDynamics:
+    """An :class:`OptimizerDynamics` from itself, a ``TrajectorySnapshots`` or a directory."""
+    if isinstance(dynamics, OptimizerDynamics):
+        return dynamics
+    if isinstance(dynamics, (TrajectorySnapshots, str, os.PathLike)):
+        return OptimizerDynamics(dynamics)
+    if dynamics is None:
+        raise ValueError(
+            f"{where} needs dynamics=: the optimizer moments around every update, recorded with "
+            "OptimizerStateCallback (pass callback.dynamics(), or the TrajectorySnapshots "
+            "directory it wrote)."
+        )
+    raise TypeError(
+        f"{where}: dynamics must be an OptimizerDynamics, a TrajectorySnapshots or its directory, "
+        f"got {type(dynamics).__name__}."
+    )
+
+
+def check_dynamics_layout(
+    dyn: OptimizerDynamics, layers: list[str], widths: dict[str, int], where: str
+) -> None:
+    """The dynamics must cover exactly the captured layers, coordinate for coordinate."""
+    if set(dyn.layer_names) != set(layers):
+        raise ValueError(
+            f"{where}: the dynamics cover layers {sorted(dyn.layer_names)} but the gradients hold "
+            f"{sorted(layers)}; record them with the same HookManager as the gradients."
+        )
+    bad = {n: (dyn.num_coords(n), widths[n]) for n in layers if dyn.num_coords(n) != widths[n]}
+    if bad:
+        raise ValueError(
+            f"{where}: dynamics and gradients disagree on the coordinates of {bad} (recorded, "
+            "captured); a 'mask' projection must be the same for both (same HookManager)."
+        )
+
+
+class AdamWInfluenceAttributor(TrajectoryAttributor):
+    """Influence of each training sample unrolled through the recorded Adam / AdamW run.
+
+    Args:
+        args: Run options.
+        task: For the live path.
+        dynamics: Default ``dynamics=`` of the calls (``OptimizerStateCallback.dynamics()``, a
+            ``TrajectorySnapshots`` or its directory); a call's own ``dynamics=`` wins.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+        method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
+        compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
+
+    Example:
+        >>> rec = OptimizerStateCallback(model, opt)
+        >>> ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
+        >>> ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
+        >>> score = AdamWInfluenceAttributor(args).attribute_from_cache(
+        ...     "train_grads", "query_grads", dynamics=rec.dynamics())
+    """
+
+    def __init__(
+        self,
+        args: Any = None,
+        task: Any = None,
+        dynamics: Any = None,
+        loss_reduction: str = "sum",
+        method: str = "adjoint",
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        self.dynamics = dynamics
+        self.method = method
+
+    def attribute_from_cache(
+        self,
+        train_dir: Any,
+        test_dir: Any,
+        attribution_granularity: str = "sample",
+        layers: Any = None,
+        checkpoints: Any = None,
+        dynamics: Any = None,
+    ) -> Any:
+        """Unroll a captured run (see :meth:`TrajectoryAttributor.attribute_from_cache`).
+
+        Args:
+            train_dir: Store of the raw per-step per-sample gradients (or a
+                :class:`~dattri_llm.ReplayGradientSource`).
+            test_dir: Store of the queries' raw gradients at the end of the run.
+            attribution_granularity: ``"sample"``.
+            layers: Use only these layers.
+            checkpoints: Read only records with these checkpoint labels.
+            dynamics: ``OptimizerStateCallback.dynamics()`` (or its directory).
+        """
+        return super().attribute_from_cache(
+            train_dir, test_dir, attribution_granularity, layers, checkpoints, dynamics=dynamics
+        )
+
+    def run(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        queries: torch.Tensor,
+        query_hashes: list[str],
+        dtype: torch.dtype = torch.float64,
+        dynamics: Any = None,
+    ) -> tuple[torch.Tensor, list[str], list[int]]:
+        """The backward (or forward) sweep over the recorded run."""
+        where = type(self).__name__
+        dyn = coerce_dynamics(dynamics if dynamics is not None else self.dynamics, where)
+        if dyn.kind != "adam":
+            raise ValueError(
+                f"{where}: the run was trained with {dyn.optimizer}; AdamW-influence models "
+                "torch.optim.Adam / AdamW. For SGD use DVEmbAttributor."
+            )
+        missing = sorted(set(index.steps) - set(dyn.steps))
+        if missing:
+            raise ValueError(
+                f"{where}: no optimizer dynamics for steps {missing[:10]}; record_post(step) must "
+                "follow every optimizer.step() of the captured run."
+            )
+        widths = {n: 0 for n in layers}
+        first = index.load(index.steps[0])[0].gradient
+        for n in layers:
+            widths[n] = int(first.layers[n].materialize().data.shape[1])
+        check_dynamics_layout(dyn, layers, widths, where)
+        device = queries.device
+
+        def load(step: int) -> tuple[AdamStep, StepPushes]:
+            shares, hashes = dense_rows(index.load(step), layers, dtype, device)
+            return self._step(dyn, step, layers, shares, dtype, device), StepPushes(
+                step, shares, hashes
+            )
+
+        steps = index.steps
+        if self.method == "forward":
+            emb, hashes, rows = forward_sweep(steps, load, lambda s: self.progress(s, "unroll"))
+            return emb @ queries.T, hashes, rows
+        return adjoint_sweep(steps, load, queries, lambda s: self.progress(s, "unroll"))
+
+    def _step(
+        self,
+        dyn: OptimizerDynamics,
+        step: int,
+        layers: list[str],
+        shares: torch.Tensor,
+        dtype: torch.dtype,
+        device: Any,
+    ) -> AdamStep:
+        where = f"{type(self).__name__} (step {step})"
+        sd = dyn.step(step, device)
+
+        def cat(get: Any) -> torch.Tensor:
+            return torch.cat([get(n).to(device=device, dtype=dtype).reshape(-1) for n in layers])
+
+        h = {f: cat(lambda n, f=f: sd.hyper_vector(n, f, dtype, device)) for f in _ADAM_HYPERS}
+        if bool((h["maximize"] > 0).any()):
+            raise ValueError(f"{where}: the optimizer maximizes (maximize=True); not modelled.")
+        amsgrad = bool((h["amsgrad"] > 0).any())
+        if amsgrad and not bool((h["amsgrad"] > 0).all()):
+            raise ValueError(f"{where}: AMSGrad is on for some parameters only; not modelled.")
+        beta1 = h["beta1"]
+        if bool((beta1 >= 1).any()):
+            raise ValueError(f"{where}: beta1 = 1 leaves the consumed gradient unrecoverable.")
+        count = cat(lambda n: sd.count_vector(n, dtype, device))
+        m_pre, m_post = (
+            cat(lambda n: sd.tensor(n, "exp_avg")),
+            cat(lambda n: sd.tensor(n, "exp_avg.post")),
+        )
+        v_post = cat(lambda n: sd.tensor(n, "exp_avg_sq.post"))
+        consumed = (m_post - beta1 * m_pre) / (1 - beta1)
+        coupled = h["weight_decay"] * (1 - h["decoupled"])
+        decoupled = h["weight_decay"] * h["decoupled"]
+        batch_grad = consumed
+        if bool((coupled != 0).any()):
+            theta = cat(lambda n: sd.tensor(n, "param"))
+            batch_grad = consumed - coupled * theta
+        clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where)
+        curvature = Curvature(
+            vectors=shares,
+            kappa=self.kappa(shares.shape[0]),
+            clip=clip,
+            unit=unit,
+            coupled_decay=coupled if bool((coupled != 0).any()) else None,
+        )
+        vmax = vmax_pre = None
+        if amsgrad:
+            vmax = cat(lambda n: sd.tensor(n, "max_exp_avg_sq.post"))
+            vmax_pre = cat(lambda n: sd.tensor(n, "max_exp_avg_sq"))
+        return AdamStep(
+            curvature,
+            lr=h["lr"],
+            beta1=beta1,
+            beta2=h["beta2"],
+            eps=h["eps"],
+            count=count,
+            decoupled_decay=decoupled,
+            grad=consumed,
+            exp_avg=m_post,
+            exp_avg_sq=v_post,
+            max_exp_avg_sq=vmax,
+            max_exp_avg_sq_pre=vmax_pre,
+        )
+
+    def _clip(
+        self,
+        dyn: OptimizerDynamics,
+        captured: torch.Tensor,
+        consumed: torch.Tensor,
+        where: str,
+    ) -> tuple[float, torch.Tensor | None]:
+        """The clip factor ``κ_c`` and unit gradient ``u`` (``1, None`` without clipping)."""
+        tol = 10 * torch.finfo(consumed.dtype).eps ** 0.5
+        norm_sq = float(captured @ captured)
+        scale = max(float(consumed.norm()), float(captured.norm()))
+        if norm_sq == 0.0 or scale == 0.0:
+            return 1.0, None
+        c = float(consumed @ captured) / norm_sq
+        residual = float((consumed - c * captured).norm()) / scale
+        if residual > tol:
+            raise ValueError(
+                f"{where}: the gradient the optimizer consumed (recovered from the moments) is "
+                "not a multiple of the captured batch gradient (relative residual "
+                f"{residual:.2e}). Every sample of the step must be captured, and the loop may "
+                "change the gradient only by global norm clipping (no noise, per-layer "
+                "clipping, dropped samples or loss scaling left in the gradient)."
+            )
+        if abs(c - 1.0) <= tol:
+            return 1.0, None
+        if dyn.uncovered_parameters or dyn.masked:
+            what = (
+                f"trainable parameters {dyn.uncovered_parameters[:5]} were not captured"
+                if dyn.uncovered_parameters
+                else "the capture holds only masked coordinates"
+            )
+            raise ValueError(
+                f"{where}: gradient norm clipping was active (factor {c:.4g}), which acts through "
+                f"the norm of the whole gradient, but {what}. Capture every trainable parameter "
+                "without a mask to model it, or train without clipping."
+            )
+        return c, captured / norm_sq**0.5

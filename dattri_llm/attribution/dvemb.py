@@ -1,0 +1,452 @@
+"""``DVEmbAttributor``: data value embeddings, trajectory-specific influence for SGD runs.
+
+DVEmb (Wang et al., 2024) gives each occurrence of a training sample ``z`` at step ``t`` an
+embedding, the first-order change of the final parameters had ``z`` been removed from that step:
+
+    e_t(z) = η_t (I − η_{T−1} H_{T−1}) ⋯ (I − η_{t+1} H_{t+1}) s_z
+
+for plain SGD (momentum and coupled weight decay are modelled too, see
+:mod:`dattri_llm.attribution.unroll`), and scores a query by ``⟨Σ_t e_t(z), ∇ℓ(q; θ_T)⟩`` —
+positive when the sample helped. Embeddings are computed once (:meth:`DVEmbAttributor.embed`)
+and re-scored against any queries without the trajectory (:class:`DataValueEmbeddings`).
+
+Inputs: raw per-step per-sample gradients (a store, or a :class:`~dattri_llm.ReplayGradientSource`
+recomputing them from parameter snapshots) and the learning-rate schedule ``learning_rate=``
+(a number, a sequence by step, a mapping, a callable, or the record of an
+``OptimizerStateCallback`` / ``ParameterSnapshotCallback(optimizer=...)``) — a missing one is an
+error, never a silent 1.
+
+Curvature ``H_k`` of each step's batch loss:
+
+* ``"empirical_fisher"`` (the paper's): ``κ Σ_z s_z s_zᵀ`` from the captured gradients.
+* ``"mc_fisher"``: the Monte-Carlo Fisher, ``κ Σ_z ŝ_z ŝ_zᵀ`` with ``ŝ`` the gradients of the
+  loss at labels *sampled from the model's prediction* (:func:`sampled_cross_entropy`), captured
+  through the same hooks into a second store or replayed (``curvature_source=``); for
+  cross-entropy it is an unbiased estimate of the Gauss-Newton matrix, and far more accurate than
+  the empirical Fisher on small checks. Rows of one sample at one step are averaged.
+* ``"none"``: no propagation (``e_t(z) = η_t s_z``).
+
+A run trained with Adam / AdamW gets a warning pointing to ``AdamWInfluenceAttributor``: DVEmb's
+propagation assumes SGD. Gradient clipping is not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dattri_llm.attribution.adamw_influence import check_dynamics_layout, coerce_dynamics
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.trajectory import (
+    StepIndex,
+    TrajectoryAttributor,
+    as_schedule,
+    dense_rows,
+    step_index,
+)
+from dattri_llm.attribution.unroll import (
+    Curvature,
+    SGDStep,
+    StepPushes,
+    adjoint_sweep,
+    forward_sweep,
+)
+
+__all__ = ["DVEmbAttributor", "DataValueEmbeddings", "sampled_cross_entropy"]
+
+_CURVATURES = ("empirical_fisher", "mc_fisher", "none")
+_METHODS = ("forward", "adjoint")
+_FORMAT = "dattri_llm.data_value_embeddings"
+
+
+def sampled_cross_entropy(
+    logits: torch.Tensor,
+    reduction: str = "sum",
+    generator: torch.Generator | None = None,
+    ignore_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy at labels sampled from the model's own prediction (Monte-Carlo Fisher).
+
+    The gradient of this loss is ``ŝ`` of the ``"mc_fisher"`` curvature: its outer products
+    average to the Fisher (= Gauss-Newton for softmax cross-entropy) of the model. Use it as the
+    loss of a curvature capture, with the same reduction as the training loss.
+
+    Args:
+        logits: ``(..., C)`` the model's logits (e.g. ``(B, C)`` or ``(B, T, V)``).
+        reduction: ``"sum"`` or ``"mean"`` over the batch (as the training loss).
+        generator: Random generator of the sampled labels (reproducibility).
+        ignore_mask: Optional boolean ``logits.shape[:-1]`` mask of the positions in the loss.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    probs = torch.softmax(flat.detach().double(), dim=-1)
+    labels = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    losses = torch.nn.functional.cross_entropy(flat, labels, reduction="none")
+    losses = losses.reshape(logits.shape[:-1])
+    if ignore_mask is not None:
+        losses = losses * ignore_mask.to(losses.dtype)
+    per_sample = losses.reshape(logits.shape[0], -1).sum(1)
+    if reduction == "sum":
+        return per_sample.sum()
+    if reduction == "mean":
+        return per_sample.mean()
+    raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}.")
+
+
+class DataValueEmbeddings:
+    """Data value embeddings: one row ``Σ``-ready per sample occurrence, re-scorable.
+
+    Attributes:
+        embeddings: ``(N_occ, P)`` the rows (layers concatenated in ``layers`` order).
+        hashes: Sample identity per row; steps: the step of each row.
+        layers: ``{layer name: captured coordinates}`` in row order.
+    """
+
+    def __init__(
+        self,
+        embeddings: torch.Tensor,
+        hashes: Sequence[str],
+        steps: Sequence[int],
+        layers: dict[str, int],
+        output_dir: str | None = None,
+    ) -> None:
+        if embeddings.shape[0] != len(hashes) or len(hashes) != len(steps):
+            raise ValueError("DataValueEmbeddings: one hash and one step per embedding row.")
+        if embeddings.shape[1] != sum(layers.values()):
+            raise ValueError("DataValueEmbeddings: the layer widths do not add up to the rows.")
+        self.embeddings = embeddings
+        self.hashes = [str(h) for h in hashes]
+        self.steps = [int(s) for s in steps]
+        self.layers = dict(layers)
+        self.output_dir = output_dir
+
+    def score(self, test: Any, device: str | torch.device = "cpu") -> AttributionScore:
+        """Scores against the queries of a store / directory / source (gradients at θ_T)."""
+        from dattri_llm.gradient.sources import DiskGradientSource
+
+        if isinstance(test, (str, os.PathLike)):
+            test = DiskGradientSource(test, device=device)
+        blocks = list(test)
+        if not blocks:
+            raise ValueError("the test source yielded no gradients.")
+        names = list(self.layers)
+        widths = {
+            n: int(blocks[0].gradient.layers[n].materialize().data.shape[1])
+            for n in blocks[0].gradient.layer_names
+        }
+        if widths != self.layers:
+            raise ValueError(
+                f"the queries hold layers {widths} (coordinates), the embeddings {self.layers}; "
+                "capture the queries like the training run."
+            )
+        dtype = torch.promote_types(self.embeddings.dtype, blocks[0].gradient.dtype)
+        queries, query_hashes = dense_rows(blocks, names, dtype, device)
+        if len(set(query_hashes)) != len(query_hashes):
+            raise ValueError("a query has several gradients; capture each query once.")
+        scores = self.embeddings.to(device, dtype) @ queries.T
+        return AttributionScore(
+            scores.cpu(), self.hashes, self.steps, query_hashes, output_dir=self.output_dir
+        )
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write ``embeddings.safetensors`` + ``embeddings.json`` (no pickle)."""
+        from safetensors.torch import save_file
+
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        tmp = os.path.join(path, ".embeddings.safetensors.tmp")
+        save_file({"embeddings": self.embeddings.detach().cpu().contiguous()}, tmp)
+        os.replace(tmp, os.path.join(path, "embeddings.safetensors"))
+        meta = {
+            "format": _FORMAT,
+            "version": 1,
+            "hashes": self.hashes,
+            "steps": self.steps,
+            "layers": list(self.layers.items()),
+        }
+        tmp = os.path.join(path, ".embeddings.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(path, "embeddings.json"))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> DataValueEmbeddings:
+        """Read embeddings written by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        path = os.fspath(path)
+        meta_path = os.path.join(path, "embeddings.json")
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{meta_path}: not readable data value embeddings ({e}).") from None
+        if meta.get("format") != _FORMAT or meta.get("version") != 1:
+            raise ValueError(f"{meta_path} does not describe data value embeddings (version 1).")
+        tensors = load_file(os.path.join(path, "embeddings.safetensors"))
+        return cls(
+            tensors["embeddings"],
+            meta["hashes"],
+            meta["steps"],
+            {n: int(w) for n, w in meta["layers"]},
+            output_dir=path,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DataValueEmbeddings(rows={len(self.hashes)}, samples={len(set(self.hashes))}, "
+            f"dim={self.embeddings.shape[1]})"
+        )
+
+
+class DVEmbAttributor(TrajectoryAttributor):
+    """Data value embeddings for an SGD run (positive score = the sample helped the query).
+
+    Args:
+        args: Run options.
+        task: For the live path.
+        learning_rate: Default schedule (a number, sequence by step, mapping or callable).
+        momentum, dampening, nesterov, weight_decay: ``torch.optim.SGD``'s (ignored when the
+            call passes recorded ``dynamics=``, which carry them).
+        curvature: ``"empirical_fisher"``, ``"mc_fisher"`` or ``"none"``.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+        method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
+            queries; no embeddings kept).
+        compute_dtype: Raise the propagation's precision.
+    """
+
+    def __init__(
+        self,
+        args: Any = None,
+        task: Any = None,
+        learning_rate: Any = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        curvature: str = "empirical_fisher",
+        loss_reduction: str = "sum",
+        method: str = "forward",
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
+        if curvature not in _CURVATURES:
+            raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}.")
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        self.learning_rate = learning_rate
+        self.momentum, self.dampening = float(momentum), float(dampening)
+        self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
+        self.curvature = curvature
+        self.method = method
+
+    def attribute_from_cache(
+        self,
+        train_dir: Any,
+        test_dir: Any,
+        attribution_granularity: str = "sample",
+        layers: Any = None,
+        checkpoints: Any = None,
+        learning_rate: Any = None,
+        dynamics: Any = None,
+        curvature_source: Any = None,
+    ) -> AttributionScore:
+        """Embed the captured run and score the queries (gradients at the end of the run).
+
+        Args:
+            train_dir: Store of the raw per-step per-sample gradients (or a replay source).
+            test_dir: Store of the queries' gradients at θ_T.
+            attribution_granularity: ``"sample"``.
+            layers: Use only these layers.
+            checkpoints: Read only records with these checkpoint labels.
+            learning_rate: The schedule (overrides the constructor's); or
+            dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
+                rates, momentum and weight decay are used.
+            curvature_source: ``"mc_fisher"``: store / source of the sampled-label gradients.
+        """
+        return super().attribute_from_cache(
+            train_dir,
+            test_dir,
+            attribution_granularity,
+            layers,
+            checkpoints,
+            learning_rate=learning_rate,
+            dynamics=dynamics,
+            curvature_source=curvature_source,
+        )
+
+    def embed(
+        self,
+        train: Any,
+        learning_rate: Any = None,
+        dynamics: Any = None,
+        curvature_source: Any = None,
+        save_to: str | os.PathLike | None = None,
+    ) -> DataValueEmbeddings:
+        """Compute (and optionally save) the data value embeddings of a captured run."""
+        index = step_index(train, device=self.device)
+        index.check_contiguous(type(self).__name__)
+        first = index.load(index.steps[0])[0].gradient
+        layers = first.layer_names
+        dtype = (
+            first.dtype
+            if self.compute_dtype is None
+            else torch.promote_types(first.dtype, self.compute_dtype)
+        )
+        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
+        widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
+        out = DataValueEmbeddings(emb.cpu(), hashes, steps, widths)
+        if save_to is not None:
+            out.save(save_to)
+            out.output_dir = os.fspath(save_to)
+        return out
+
+    def run(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        queries: torch.Tensor,
+        query_hashes: list[str],
+        dtype: torch.dtype = torch.float64,
+        learning_rate: Any = None,
+        dynamics: Any = None,
+        curvature_source: Any = None,
+    ) -> tuple[torch.Tensor, list[str], list[int]]:
+        """Embeddings then scores (``method="forward"``), or the adjoint sweep."""
+        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+        if self.method == "adjoint":
+            return adjoint_sweep(index.steps, load, queries, lambda s: self.progress(s, "unroll"))
+        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
+        return emb @ queries.T, hashes, steps
+
+    # ---- per-step operators -------------------------------------------------------------------
+    def _loader(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        dtype: torch.dtype,
+        learning_rate: Any,
+        dynamics: Any,
+        curvature_source: Any,
+    ) -> Any:
+        where = type(self).__name__
+        device = self.device
+        dyn = None
+        if dynamics is not None:
+            dyn = coerce_dynamics(dynamics, where)
+            first = index.load(index.steps[0])[0].gradient
+            widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
+            check_dynamics_layout(dyn, layers, widths, where)
+            if dyn.kind != "sgd":
+                warnings.warn(
+                    f"{where}: this run was trained with {dyn.optimizer}, but DVEmb's propagation "
+                    "assumes SGD; its scores can be far from the run's real influence. Use "
+                    "AdamWInfluenceAttributor for Adam / AdamW runs (its learning rates are used "
+                    "here as an SGD schedule).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            missing = sorted(set(index.steps) - set(dyn.steps))
+            if missing:
+                raise ValueError(f"{where}: no recorded dynamics for steps {missing[:10]}.")
+        schedule = self._schedule(learning_rate, dyn, where)
+        curv_index = None
+        if self.curvature == "mc_fisher":
+            if curvature_source is None:
+                raise ValueError(
+                    f"{where}(curvature='mc_fisher') needs curvature_source=: the per-sample "
+                    "gradients of the loss at sampled labels (sampled_cross_entropy), captured "
+                    "with the same hooks at every step."
+                )
+            curv_index = step_index(curvature_source, device=device)
+            missing = sorted(set(index.steps) - set(curv_index.steps))
+            if missing:
+                raise ValueError(f"{where}: curvature_source lacks steps {missing[:10]}.")
+        elif curvature_source is not None:
+            raise ValueError(f"{where}: curvature_source= is used with curvature='mc_fisher' only.")
+        first_step = index.steps[0]
+
+        def load(step: int) -> tuple[SGDStep, StepPushes]:
+            shares, hashes = dense_rows(index.load(step), layers, dtype, device)
+            kappa = self.kappa(shares.shape[0])
+            vectors, weights = shares, None
+            if curv_index is not None:
+                vectors, rows = dense_rows(curv_index.load(step), layers, dtype, device)
+                counts: dict[str, int] = {}
+                for h in rows:
+                    counts[h] = counts.get(h, 0) + 1
+                weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
+            elif self.curvature == "none":
+                vectors = None
+            p = shares.shape[1]
+            lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
+            hyper = self._sgd_hyper(dyn, step, layers, p, dtype, device, lr)
+            curvature = Curvature(
+                vectors=vectors,
+                kappa=kappa,
+                weights=weights,
+                coupled_decay=hyper["weight_decay"]
+                if bool((hyper["weight_decay"] != 0).any())
+                else None,
+            )
+            op = SGDStep(
+                curvature,
+                lr=hyper["lr"],
+                momentum=hyper["momentum"],
+                dampening=hyper["dampening"],
+                nesterov=hyper["nesterov"],
+                first_buffer=hyper["first"] if dyn is not None else step == first_step,
+            )
+            return op, StepPushes(step, shares, hashes)
+
+        return load
+
+    def _schedule(self, learning_rate: Any, dyn: Any, where: str) -> Any:
+        value = learning_rate if learning_rate is not None else self.learning_rate
+        if value is not None:
+            return as_schedule(value, "learning_rate")
+        if dyn is not None:
+            return as_schedule(dyn.learning_rates(), "the recorded learning rates")
+        raise ValueError(
+            f"{where} needs the learning-rate schedule: pass learning_rate= (a number, a sequence "
+            "by step, a {step: lr} mapping or a callable), or dynamics= recorded with "
+            "OptimizerStateCallback. It is never assumed to be 1."
+        )
+
+    def _sgd_hyper(
+        self, dyn: Any, step: int, layers: list[str], p: int, dtype: Any, device: Any, lr: Any
+    ) -> dict[str, Any]:
+        def full(v: float) -> torch.Tensor:
+            return torch.full((p,), float(v), dtype=dtype, device=device)
+
+        if dyn is None or dyn.kind != "sgd":
+            return {
+                "lr": lr,
+                "momentum": full(self.momentum),
+                "dampening": full(self.dampening),
+                "nesterov": full(float(self.nesterov)),
+                "weight_decay": full(self.weight_decay),
+                "first": False,
+            }
+        sd = dyn.step(step, device)
+
+        def cat(field: str) -> torch.Tensor:
+            return torch.cat([sd.hyper_vector(n, field, dtype, device) for n in layers])
+
+        if bool((cat("maximize") > 0).any()):
+            raise ValueError(f"{type(self).__name__}: step {step} maximizes; not modelled.")
+        has_buf = [sd.has(n, "momentum_buffer") for n in layers]
+        return {
+            "lr": lr,
+            "momentum": cat("momentum"),
+            "dampening": cat("dampening"),
+            "nesterov": cat("nesterov"),
+            "weight_decay": cat("weight_decay"),
+            "first": not any(has_buf),
+        }

@@ -1,0 +1,253 @@
+"""``LESSAttributor``: cosine between a query's gradient and a sample's Adam update direction.
+
+LESS (Xia et al., 2024) scores a training sample ``z`` for a query ``q`` by
+
+    score(z, q) = Σ_t w_t · cos(Γ_t(z), ∇ℓ(q; θ_t))
+
+with ``Γ_t(z)`` the optimizer's update direction for ``z`` alone from the state at ``t`` (see
+:mod:`dattri_llm.gradient.optim.precondition`: the *train side is preconditioned at capture*,
+``HookManager(model, optimizer=opt)``), the query's raw gradient, and ``w_t`` the learning rate.
+Norms are over all captured layers together.
+
+Two forms:
+
+* **Trajectory form** (from a cache): the train store holds Γ of every captured step (recorded
+  during training with ``HookManager(optimizer=...)``, which also records each step's learning
+  rate); the weights default to those learning rates. ``learning_rates=`` overrides them; a
+  store without them and no ``learning_rates=`` is an error, never a silent 1.
+* **Frozen form** (the paper's): checkpoints ``k`` with their optimizer states;
+  ``LESSAttributor(args, task=AttributionTask(..., checkpoints=[...]), optimizers=[...])``
+  computes Γ at each checkpoint with its optimizer and the queries' gradients at the same
+  weights; the weights default to each optimizer's learning rate (``checkpoint_weights=``
+  overrides).
+
+Pairing: a train block is scored against the query gradients of the same checkpoint label
+(``pair_by="checkpoint"``) or the same step (``pair_by="step"``, for queries captured at every
+step); a single query set pairs with every train block. A query with several gradients under
+one key is refused, never collapsed.
+
+Sign: as for every attributor, a positive score means the training sample helped the query.
+Numerics follow the inputs (float64 in, float64 out); nothing is carried between calls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.tracin import TracInAttributor
+from dattri_llm.gradient.gradient import Gradient, GradientBlock
+
+__all__ = ["LESSAttributor"]
+
+LearningRates = float | Sequence[float] | Mapping[int, float] | Callable[[int], float]
+_PAIRINGS = ("checkpoint", "step")
+
+
+class LESSAttributor(TracInAttributor):
+    """LESS data selection scores (positive = the training sample helped the query).
+
+    Args:
+        args: Run options.
+        task: For the live (frozen) form: the model, the loss and the checkpoints.
+        optimizers: Frozen form: one optimizer per checkpoint of ``task`` (or callables
+            returning them), holding that checkpoint's state for the task's model parameters.
+        checkpoint_weights: Frozen form: ``w_k`` per checkpoint (sequence or mapping);
+            default: each optimizer's learning rate.
+        precondition_scale: See ``HookManager(precondition_scale=...)`` (live form):
+            ``"batch_size"`` maps a mean loss's ``∇ℓ`` instead of its share ``∇ℓ/B``.
+        mode: Routing of the inner products.
+
+    Example:
+        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
+        ...                  optimizer=opt)        # train side: Adam directions + learning rates
+        >>> ...                                    # train; capture raw query gradients
+        >>> score = LESSAttributor(args).attribute_from_cache("train_grads", "query_grads")
+    """
+
+    def __init__(
+        self,
+        args: AttributionArguments | None = None,
+        task: Any = None,
+        optimizers: Sequence[Any] | None = None,
+        checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
+        precondition_scale: float | str = 1.0,
+        mode: str = "auto",
+    ) -> None:
+        super().__init__(args, task, normalized_grad=True, mode=mode)
+        self.checkpoint_weights = None  # TracIn's weighting is replaced by block_weight
+        self._frozen_weights = (
+            None if checkpoint_weights is None else _as_weights(checkpoint_weights, "checkpoint")
+        )
+        if optimizers is not None:
+            optimizers = list(optimizers)
+            n = self.task.num_checkpoints if self.task is not None else None
+            if n is not None and len(optimizers) != n:
+                raise ValueError(
+                    f"LESSAttributor: {len(optimizers)} optimizers for {n} checkpoint(s) of the "
+                    "task; give one optimizer (its state at that checkpoint) per checkpoint."
+                )
+        self.optimizers = optimizers
+        self.precondition_scale = precondition_scale
+        self._call: dict[str, Any] = {}
+
+    # ---- entry points -------------------------------------------------------------------------
+    def attribute(
+        self, train_set: Any, test_set: Any, *args: Any, **kwargs: Any
+    ) -> AttributionScore:
+        """Frozen form, live: Γ at each checkpoint with its optimizer, raw queries."""
+        if self.optimizers is None:
+            raise ValueError(
+                "LESSAttributor.attribute needs optimizers=[...] (one per checkpoint of the task, "
+                "holding its state): Γ is the optimizer's update direction. Or score a "
+                "preconditioned capture with attribute_from_cache."
+            )
+        try:
+            return super().attribute(train_set, test_set, *args, **kwargs)
+        finally:
+            self._call = {}
+
+    def attribute_from_cache(
+        self,
+        train_dir: str | os.PathLike | Any,
+        test_dir: str | os.PathLike | Any,
+        attribution_granularity: str = "sample",
+        layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
+        learning_rates: LearningRates | None = None,
+        pair_by: str = "checkpoint",
+    ) -> AttributionScore:
+        """Score a preconditioned train store against a raw query store.
+
+        Args:
+            train_dir: Store captured with ``HookManager(optimizer=...)``.
+            test_dir: Store of the queries' raw gradients.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            layers: Score only these layers.
+            checkpoints: Read only records with these checkpoint labels.
+            learning_rates: The weights ``w_t`` by step: a number, a sequence indexed by step,
+                a ``{step: lr}`` mapping or a callable; default: the learning rates recorded
+                at capture.
+            pair_by: ``"checkpoint"`` or ``"step"`` (queries captured at every step).
+        """
+        return super().attribute_from_cache(
+            train_dir,
+            test_dir,
+            attribution_granularity,
+            layers=layers,
+            checkpoints=checkpoints,
+            learning_rates=learning_rates,
+            pair_by=pair_by,
+        )
+
+    # ---- per call ---------------------------------------------------------------------------
+    def fit(
+        self,
+        train_source: Any,
+        learning_rates: LearningRates | None = None,
+        pair_by: str = "checkpoint",
+    ) -> None:
+        """Take this call's weights and pairing (nothing from an earlier call survives)."""
+        if pair_by not in _PAIRINGS:
+            raise ValueError(f"pair_by must be one of {_PAIRINGS}, got {pair_by!r}.")
+        if learning_rates is not None and self._frozen_weights is not None:
+            raise ValueError(
+                "LESSAttributor: pass learning_rates= (by step) or checkpoint_weights= (by "
+                "checkpoint), not both."
+            )
+        self._call = {
+            "weights": None if learning_rates is None else _as_weights(learning_rates, "step"),
+            "pair_by": pair_by,
+        }
+
+    def attribute_sources(self, *args: Any, **kwargs: Any) -> AttributionScore:
+        """See :meth:`BaseAttributor.attribute_sources` (``learning_rates=``, ``pair_by=``)."""
+        try:
+            return super().attribute_sources(*args, **kwargs)
+        finally:
+            self._call = {}
+
+    def pairing_key(self, block: GradientBlock) -> int:
+        """The block's checkpoint label, or its step with ``pair_by="step"``."""
+        return int(block.step if self._call.get("pair_by") == "step" else block.checkpoint)
+
+    def check_block(self, block: GradientBlock, side: str) -> None:
+        """Train blocks must be preconditioned, test blocks raw."""
+        pre = "preconditioned" in block.metadata
+        if side == "train" and not pre:
+            raise ValueError(
+                f"LESSAttributor: train gradients at step {block.step} are raw, not "
+                "preconditioned. Capture the train side with HookManager(model, optimizer=opt) "
+                "(or score raw gradients with TracInAttributor(normalized_grad=True))."
+            )
+        if side == "test" and pre:
+            raise ValueError(
+                f"LESSAttributor: query gradients at step {block.step} are preconditioned; LESS "
+                "compares Adam directions with raw query gradients. Capture the queries without "
+                "optimizer= (or inside HookManager.raw_gradients())."
+            )
+
+    def block_weight(self, block: GradientBlock) -> float:
+        """``w_t``: the call's ``learning_rates``, ``checkpoint_weights`` or the recorded rate."""
+        weights = self._call.get("weights")
+        if weights is not None:
+            return weights(int(block.step))
+        if self._frozen_weights is not None:
+            return self._frozen_weights(int(block.checkpoint))
+        lr = block.metadata.get("learning_rate")
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            return float(lr)
+        if "learning_rates" in block.metadata:
+            raise ValueError(
+                f"LESSAttributor: step {block.step} was trained with several learning rates "
+                f"{block.metadata['learning_rates']} (parameter groups); one weight per step is "
+                "needed: pass learning_rates=."
+            )
+        raise ValueError(
+            f"LESSAttributor: train step {block.step} has no recorded learning rate; pass "
+            "learning_rates= (the weight of each step) or capture with HookManager(optimizer=...)."
+        )
+
+    def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """Normalise each Γ (the weight is applied per block)."""
+        return self._normalize(gradient)
+
+    def streamer_options(self, checkpoint: int, side: str) -> dict[str, Any]:
+        """The live train side is preconditioned with the checkpoint's optimizer."""
+        if side != "train" or self.optimizers is None:
+            return {}
+        return {
+            "optimizer": self.optimizers[checkpoint],
+            "precondition_scale": self.precondition_scale,
+        }
+
+
+def _as_weights(weights: Any, by: str) -> Callable[[int], float]:
+    """A ``key -> weight`` function from a number, sequence, mapping or callable."""
+    if isinstance(weights, bool):
+        raise TypeError(f"weights by {by} must be numbers, got {weights!r}.")
+    if isinstance(weights, (int, float)):
+        value = float(weights)
+        return lambda key: value
+    if callable(weights):
+        return lambda key: float(weights(key))
+    if isinstance(weights, Mapping):
+        table = {int(k): float(v) for k, v in weights.items()}
+
+        def from_mapping(key: int) -> float:
+            if key not in table:
+                raise KeyError(f"no weight for {by} {key}; the weights cover {sorted(table)}.")
+            return table[key]
+
+        return from_mapping
+    values = [float(w) for w in weights]
+
+    def from_sequence(key: int) -> float:
+        if not 0 <= key < len(values):
+            raise KeyError(f"no weight for {by} {key}; {len(values)} weights were given.")
+        return values[key]
+
+    return from_sequence

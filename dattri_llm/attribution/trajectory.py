@@ -1,0 +1,326 @@
+"""``TrajectoryAttributor``: base of methods unrolling a training run (DVEmb, AdamW-influence).
+
+What a new trajectory method gets from it:
+
+* **Steps in order.** :func:`step_index` turns a train source into random access by step —
+  a gradient store (records grouped by step label, micro-batches and rank partitions
+  together), a :class:`~dattri_llm.ReplayGradientSource` (recomputed from snapshots), or any
+  in-memory source — and checks that no step in between is missing.
+* **Dense rows.** Per step, the per-sample shares as one ``(B, P)`` matrix over the captured
+  coordinates (layers concatenated in a fixed order), and the queries' gradients the same way.
+* **Schedules.** :func:`as_schedule` reads a learning rate (a number, a sequence by step, a
+  mapping, a callable) and refuses a missing one instead of defaulting to 1.
+* **The score container**: one row per (sample, step it occurred at); ``agnostic_matrix`` sums
+  a sample's occurrences.
+
+Subclasses implement :meth:`TrajectoryAttributor.run` (the sweep). The linearised optimizer
+steps are in :mod:`dattri_llm.attribution.unroll`.
+
+Conventions: a positive score means removing the sample would raise the query's loss (it
+helped); the training loss's reduction must be given (``loss_reduction="sum"`` — the
+library's convention — or ``"mean"``), since it sets the scale of the curvature; numerics follow
+the inputs (float64 stays float64; ``compute_dtype`` may raise precision, never lower it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.gradient import Gradient, GradientBlock
+
+__all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
+
+_REDUCTIONS = ("sum", "mean")
+
+
+def as_schedule(value: Any, name: str, by: str = "step") -> Callable[[int], float]:
+    """A ``key -> value`` function from a number, sequence, mapping or callable.
+
+    Raises:
+        TypeError: for anything else (e.g. ``None``: a missing learning rate is an error).
+    """
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"{name} must be a number, a sequence, a mapping or a callable.")
+    if isinstance(value, (int, float)):
+        constant = float(value)
+        return lambda key: constant
+    if callable(value):
+        return lambda key: float(value(key))
+    if isinstance(value, Mapping):
+        table = {int(k): float(v) for k, v in value.items()}
+
+        def from_mapping(key: int) -> float:
+            if key not in table:
+                raise KeyError(f"{name} has no value for {by} {key}; it covers {sorted(table)}.")
+            return table[key]
+
+        return from_mapping
+    if isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, str):
+        values = [float(v) for v in value]
+
+        def from_sequence(key: int) -> float:
+            if not 0 <= key < len(values):
+                raise KeyError(f"{name} has no value for {by} {key}; it has {len(values)} values.")
+            return values[key]
+
+        return from_sequence
+    raise TypeError(
+        f"{name} must be a number, a sequence, a mapping or a callable, got {type(value).__name__}."
+    )
+
+
+class StepIndex:
+    """Random access to a train source's blocks by step."""
+
+    def __init__(self, steps: Sequence[int], load: Callable[[int], list[GradientBlock]]) -> None:
+        self.steps = sorted(int(s) for s in steps)
+        self._load = load
+
+    def load(self, step: int) -> list[GradientBlock]:
+        """Every block of one step (micro-batches and rank partitions)."""
+        return self._load(int(step))
+
+    def check_contiguous(self, where: str) -> None:
+        """Refuse a trajectory with steps missing in between."""
+        if not self.steps:
+            raise ValueError(f"{where}: the train gradients hold no steps.")
+        missing = sorted(set(range(self.steps[0], self.steps[-1] + 1)) - set(self.steps))
+        if missing:
+            raise ValueError(
+                f"{where}: the train gradients skip steps {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}; unrolling a training run needs every "
+                "step between the first and the last (capture with offload_interval=1)."
+            )
+
+
+def step_index(
+    source: Any,
+    layers: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+) -> StepIndex:
+    """Random access by step to a store, a store directory, a replay source or any source."""
+    from dattri_llm.gradient.sources import DiskGradientSource
+    from dattri_llm.gradient.store import GradientStorageManager
+
+    if isinstance(source, (str, os.PathLike, GradientStorageManager)):
+        source = DiskGradientSource(source, layers=layers, device=device)
+    if isinstance(source, DiskGradientSource):
+        store = source.store
+        by_step: dict[int, list[int]] = {}
+        for i, rec in enumerate(store.records()):
+            if source.checkpoints is None or rec.checkpoint in source.checkpoints:
+                by_step.setdefault(rec.step, []).append(i)
+
+        def load_disk(step: int) -> list[GradientBlock]:
+            out = []
+            for i in by_step[step]:
+                r = store.load_record(i, layers=source.layers, device=source.device)
+                out.append(GradientBlock(r.step, r.gradient, r.hashes, r.checkpoint, r.metadata))
+            return out
+
+        return StepIndex(list(by_step), load_disk)
+    if hasattr(source, "load_step") and hasattr(source, "steps"):
+        return StepIndex(source.steps(), source.load_step)
+    blocks: dict[int, list[GradientBlock]] = {}
+    for b in source:
+        blocks.setdefault(int(b.step), []).append(b)
+    return StepIndex(list(blocks), lambda step: blocks[step])
+
+
+def dense_rows(
+    blocks: Iterable[GradientBlock], layers: Sequence[str], dtype: torch.dtype, device: Any
+) -> tuple[torch.Tensor, list[str]]:
+    """``(B, P)`` rows over ``layers`` (in that order) and the rows' identities."""
+    mats, hashes = [], []
+    for b in blocks:
+        names = b.gradient.layer_names
+        if set(names) != set(layers):
+            raise ValueError(
+                f"the gradients at step {b.step} hold layers {sorted(names)}, expected "
+                f"{sorted(layers)}; capture every step (and the queries) with one hook config."
+            )
+        mats.append(b.gradient.select_layers(layers).flatten().to(device, dtype))
+        hashes += [str(h) for h in b.hashes]
+    return torch.cat(mats), hashes
+
+
+def layer_widths(gradient: Gradient, layers: Sequence[str]) -> dict[str, int]:
+    """Captured coordinates per layer."""
+    return {n: int(gradient.layers[n].materialize().data.shape[1]) for n in layers}
+
+
+class TrajectoryAttributor(BaseAttributor):
+    """Base of the attributors that unroll the training trajectory.
+
+    Subclasses implement :meth:`run`; see the module docstring for what the base provides.
+
+    Args:
+        args: Run options.
+        task: For the live path.
+        loss_reduction: How the training loss combined the batch: ``"sum"`` (the library's
+            convention) or ``"mean"``. It sets ``κ`` in the batch curvature ``κ Σ s sᵀ``
+            (the captured ``s`` are the samples' shares either way).
+        compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
+            float32 run); never lowers it.
+    """
+
+    name = "trajectory"
+
+    def __init__(
+        self,
+        args: Any = None,
+        task: Any = None,
+        loss_reduction: str = "sum",
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(args, task)
+        if loss_reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {_REDUCTIONS} (how the training loss combined "
+                f"the batch), got {loss_reduction!r}."
+            )
+        if compute_dtype is not None and not (
+            isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
+        ):
+            raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}.")
+        self.loss_reduction = loss_reduction
+        self.compute_dtype = compute_dtype
+
+    # ---- what subclasses implement ---------------------------------------------------------
+    def run(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        queries: torch.Tensor,
+        query_hashes: list[str],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, list[str], list[int]]:
+        """Scores ``(N_occ, R)`` with each row's sample identity and step."""
+        raise NotImplementedError
+
+    # ---- entry points ------------------------------------------------------------------------
+    def attribute_from_cache(
+        self,
+        train_dir: Any,
+        test_dir: Any,
+        attribution_granularity: str = "sample",
+        layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Unroll the run captured in ``train_dir`` for the queries in ``test_dir``.
+
+        Args:
+            train_dir: Store of the raw per-step per-sample gradients (or a
+                ``ReplayGradientSource``).
+            test_dir: Store of the queries' gradients at the end of the run.
+            attribution_granularity: Only ``"sample"``.
+            layers: Use only these layers.
+            checkpoints: Read only records with these checkpoint labels.
+            **kwargs: Method options (``dynamics=``, ``learning_rate=``, ...).
+        """
+        from dattri_llm.gradient.sources import DiskGradientSource
+
+        if attribution_granularity != "sample":
+            raise ValueError(
+                f"{type(self).__name__} scores whole samples; attribution_granularity='token' "
+                "is not defined for an unrolled trajectory."
+            )
+        device = self.device
+        train = train_dir
+        if isinstance(train_dir, (str, os.PathLike)):
+            if not os.path.isdir(train_dir):
+                raise FileNotFoundError(f"train_dir {os.fspath(train_dir)!r} is not a directory.")
+            train = DiskGradientSource(
+                train_dir, layers=layers, device=device, checkpoints=checkpoints
+            )
+        test = test_dir
+        if isinstance(test_dir, (str, os.PathLike)):
+            if not os.path.isdir(test_dir):
+                raise FileNotFoundError(f"test_dir {os.fspath(test_dir)!r} is not a directory.")
+            test = DiskGradientSource(test_dir, layers=layers, device=device)
+        return self.attribute_sources(train, test, **kwargs)
+
+    def attribute_sources(
+        self,
+        train_source: Any,
+        test_source: Any,
+        attribution_granularity: str = "sample",
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Unroll a train source (store, replay, records) for the queries of a test source."""
+        if attribution_granularity != "sample":
+            raise ValueError(f"{type(self).__name__} supports attribution_granularity='sample'.")
+        index = step_index(train_source, device=self.device)
+        index.check_contiguous(type(self).__name__)
+        first = index.load(index.steps[0])
+        if not first:
+            raise ValueError(f"{type(self).__name__}: step {index.steps[0]} holds no gradients.")
+        layers = first[0].gradient.layer_names
+        test_blocks = list(test_source)
+        if not test_blocks:
+            raise ValueError("the test source yielded no gradients.")
+        dtype = first[0].gradient.dtype
+        for b in test_blocks:
+            dtype = torch.promote_types(dtype, b.gradient.dtype)
+        if self.compute_dtype is not None:
+            dtype = torch.promote_types(dtype, self.compute_dtype)
+        self._check_queries(test_blocks, first[0].gradient, layers)
+        queries, query_hashes = dense_rows(test_blocks, layers, dtype, self.device)
+        scores, hashes, steps = self.run(
+            index, layers, queries, query_hashes, dtype=dtype, **kwargs
+        )
+        return AttributionScore(
+            scores.detach().cpu(), hashes, steps, query_hashes, output_dir=self.args.output_dir
+        )
+
+    def _check_queries(
+        self, blocks: list[GradientBlock], train: Gradient, layers: list[str]
+    ) -> None:
+        seen: dict[str, int] = {}
+        checkpoints = {int(b.checkpoint) for b in blocks}
+        if len(checkpoints) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the queries were captured at checkpoints "
+                f"{sorted(checkpoints)}; an unrolled trajectory is scored against the queries' "
+                "gradients at the end of the run only (filter with checkpoints=[...])."
+            )
+        for b in blocks:
+            for h in b.hashes:
+                if h in seen:
+                    raise ValueError(
+                        f"query {h!r} has several gradients (steps {seen[h]} and {b.step}); "
+                        "capture each query once, at the end of the run."
+                    )
+                seen[h] = int(b.step)
+        want = layer_widths(train, layers)
+        got = (
+            layer_widths(blocks[0].gradient, layers)
+            if set(blocks[0].gradient.layer_names) == set(layers)
+            else None
+        )
+        if got != want:
+            raise ValueError(
+                f"{type(self).__name__}: the queries' layers {blocks[0].gradient.layer_names} "
+                f"(widths {got}) differ from the train gradients' {want}; capture both with "
+                "the same hook config and projection."
+            )
+
+    def progress(self, steps: Iterable[int], desc: str) -> Iterable[int]:
+        """A progress bar over steps when ``args.show_progress``."""
+        if not self.args.show_progress:
+            return steps
+        from tqdm.auto import tqdm
+
+        steps = list(steps)
+        return tqdm(steps, total=len(steps), desc=desc, leave=False)
+
+    def kappa(self, batch_size: int) -> float:
+        """``κ`` of the batch curvature: the batch size for a mean loss, 1 for a sum."""
+        return float(batch_size) if self.loss_reduction == "mean" else 1.0

@@ -1,0 +1,346 @@
+"""Linearised optimizer steps: how removing a sample perturbs the rest of a training run.
+
+A training step ``k`` maps the optimizer state ``x_k`` (parameters and moments) to ``x_{k+1}``.
+Removing a sample ``z`` of step ``t`` (weight 1 -> 0 in the batch loss as trained) changes the
+consumed batch gradient by ``-s_z`` (its captured share) and, to first order, every later step
+carries the perturbation through the step's Jacobian. All vectors are dense rows over the
+captured coordinates (layers concatenated in a fixed order), so every map is elementwise except
+the curvature term.
+
+Per step (torch's exact semantics; ``c`` the optimizer's update count):
+
+* the consumed gradient ``g = clip · (G + ...)``: its perturbation is
+  ``δg = A δθ + p`` with ``A = κ_c (I − u uᵀ) Ĥ + λ_c I`` — ``Ĥ = κ Σ_j ŝ_j ŝ_jᵀ`` the curvature
+  of the batch loss (by default its empirical Fisher, ``ŝ`` the per-sample shares,
+  ``κ = B`` for a mean loss and 1 for a sum), ``κ_c`` the clip factor and ``u`` the unit batch
+  gradient when norm clipping was active (1 and no projection otherwise), ``λ_c`` a coupled
+  weight decay — and ``p = −κ_c (I − u uᵀ) s_z`` the removal's direct push at its own step;
+* Adam / AdamW: ``δm = β₁δm + (1−β₁)δg``, ``δv = β₂δv + 2(1−β₂) g ⊙ δg`` (AMSGrad:
+  ``δv_max`` follows ``δv`` where ``v`` set the maximum), and
+  ``δθ' = (1 − ηλ_d) δθ − η (D δm / (1−β₁ᶜ) − S δv̂ / (1−β₂ᶜ))`` with ``D = 1/(√v̂+ε)``,
+  ``S = m̂ / (2√v̂ (√v̂+ε)²)`` (0 where ``v̂ = 0``);
+* SGD: ``δb = μ δb + (1−d) δg`` (``δb = δg`` at the buffer's first step),
+  ``δθ' = δθ − η (δb, or δg + μ δb with Nesterov, or δg without momentum)``.
+
+Two equivalent evaluations (tested equal): :func:`forward_sweep` carries every sample's
+perturbation forward (memory ∝ samples; gives DVEmb's data value embeddings), and
+:func:`adjoint_sweep` carries each query's adjoint backward (memory ∝ queries, matrix-free).
+The score of an occurrence is ``q_Tᵀ δθ_T`` of its removal: positive when removing the sample
+would raise the query's loss, i.e. the sample helped (the library's sign).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "Curvature",
+    "LinearStep",
+    "SGDStep",
+    "AdamStep",
+    "StepPushes",
+    "forward_sweep",
+    "adjoint_sweep",
+]
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Curvature:
+    """``A x = κ_c (I − u uᵀ) Ĥ x + λ_c x`` with ``Ĥ = κ Σ_j w_j ŝ_j ŝ_jᵀ``.
+
+    Attributes:
+        vectors: ``(M, P)`` the curvature vectors ``ŝ_j`` (``None``: no curvature term).
+        kappa: ``κ`` (the batch size for a mean loss, 1 for a sum).
+        weights: ``(M,)`` per-vector weights ``w_j`` (e.g. ``1/n`` for ``n`` sampled labels).
+        clip: ``κ_c`` (1 without active clipping).
+        unit: ``u`` ``(P,)`` when clipping is active.
+        coupled_decay: ``λ_c`` per coordinate ``(P,)`` or ``None``.
+    """
+
+    vectors: torch.Tensor | None
+    kappa: float = 1.0
+    weights: torch.Tensor | None = None
+    clip: float = 1.0
+    unit: torch.Tensor | None = None
+    coupled_decay: torch.Tensor | None = None
+
+    def _hessian(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vectors is None:
+            return torch.zeros_like(x)
+        proj = x @ self.vectors.T  # (R, M)
+        if self.weights is not None:
+            proj = proj * self.weights
+        return self.kappa * (proj @ self.vectors)
+
+    def _deflate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit is None:
+            return x
+        return x - (x @ self.unit)[:, None] * self.unit
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``A x`` for rows ``x`` ``(R, P)``."""
+        out = self.clip * self._deflate(self._hessian(x))
+        return out if self.coupled_decay is None else out + self.coupled_decay * x
+
+    def apply_transpose(self, y: torch.Tensor) -> torch.Tensor:
+        """``Aᵀ y`` for rows ``y`` ``(R, P)``."""
+        out = self.clip * self._hessian(self._deflate(y))
+        return out if self.coupled_decay is None else out + self.coupled_decay * y
+
+    def push(self, s: torch.Tensor) -> torch.Tensor:
+        """The removal's direct gradient change ``p = −κ_c (I − u uᵀ) s`` for rows ``s``."""
+        return -self.clip * self._deflate(s)
+
+    def push_scores(self, gamma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``⟨γ_r, p(s_n)⟩`` as an ``(N, R)`` matrix."""
+        return -self.clip * (self._deflate(s) @ gamma.T)
+
+
+class LinearStep:
+    """One step's linear map on state perturbations, and its transpose."""
+
+    components: tuple[str, ...] = ("theta",)
+
+    def __init__(self, curvature: Curvature) -> None:
+        self.curvature = curvature
+
+    def update(self, state: State, dg: torch.Tensor) -> State:
+        """The state after the step from the incoming state and the gradient change ``δg``."""
+        raise NotImplementedError
+
+    def update_adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
+        """Transpose of :meth:`update`: adjoints of the incoming state and of ``δg``."""
+        raise NotImplementedError
+
+    def forward(self, state: State) -> State:
+        """Carry incoming perturbations through the step (``δg = A δθ``)."""
+        return self.update(state, self.curvature.apply(state["theta"]))
+
+    def push(self, s: torch.Tensor) -> State:
+        """The state perturbation after this step from removing samples ``s`` ``(N, P)``."""
+        zero = {c: torch.zeros_like(s) for c in self.components}
+        return self.update(zero, self.curvature.push(s))
+
+    def adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
+        """Adjoints of the incoming state (curvature included) and of ``δg``."""
+        prev, gamma = self.update_adjoint(adj)
+        prev["theta"] = prev["theta"] + self.curvature.apply_transpose(gamma)
+        return prev, gamma
+
+
+class SGDStep(LinearStep):
+    """``torch.optim.SGD``'s update linearised (momentum, dampening, Nesterov)."""
+
+    def __init__(
+        self,
+        curvature: Curvature,
+        lr: torch.Tensor,
+        momentum: torch.Tensor | None = None,
+        dampening: torch.Tensor | None = None,
+        nesterov: torch.Tensor | None = None,
+        first_buffer: bool = False,
+    ) -> None:
+        super().__init__(curvature)
+        self.lr = lr
+        self.momentum = momentum if momentum is not None and bool((momentum != 0).any()) else None
+        self.dampening = dampening
+        self.nesterov = nesterov
+        self.first_buffer = first_buffer
+        self.components = ("theta", "b") if self.momentum is not None else ("theta",)
+
+    def _b_gain(self) -> torch.Tensor | float:
+        return 1.0 if self.first_buffer else 1 - self.dampening
+
+    def update(self, state: State, dg: torch.Tensor) -> State:
+        """``δθ' = δθ − η·direction`` with the momentum buffer's perturbation."""
+        if self.momentum is None:
+            return {"theta": state["theta"] - self.lr * dg}
+        mu = self.momentum
+        b = (0 if self.first_buffer else mu * state["b"]) + self._b_gain() * dg
+        direction = torch.where(self.nesterov > 0, dg + mu * b, b)
+        direction = torch.where(mu != 0, direction, dg)
+        return {"theta": state["theta"] - self.lr * direction, "b": torch.where(mu != 0, b, 0)}
+
+    def update_adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
+        """Transpose of :meth:`update`."""
+        lt = adj["theta"]
+        if self.momentum is None:
+            return {"theta": lt.clone()}, -self.lr * lt
+        mu = self.momentum
+        nest = self.nesterov > 0
+        on = mu != 0
+        # δθ' = δθ − η·dir; dir = b (or δg + μb); b = μ b_prev + gain δg
+        adj_dir = -self.lr * lt
+        adj_b = torch.where(on, adj["b"] + torch.where(nest, mu * adj_dir, adj_dir), 0)
+        gamma = self._b_gain() * adj_b + torch.where(on & nest, adj_dir, 0)
+        gamma = gamma + torch.where(on, 0, adj_dir)
+        prev_b = torch.zeros_like(adj_b) if self.first_buffer else mu * adj_b
+        return {"theta": lt.clone(), "b": prev_b}, gamma
+
+
+class AdamStep(LinearStep):
+    """``torch.optim.Adam`` / ``AdamW``'s update linearised around the recorded moments.
+
+    Args:
+        curvature: The step's ``A`` and push.
+        lr, beta1, beta2, eps, count: Per-coordinate ``(P,)`` hyper-parameters and update count.
+        decoupled_decay: ``λ_d`` per coordinate (AdamW; zeros for Adam).
+        grad: The consumed gradient ``g`` ``(P,)`` (recovered from the moments).
+        exp_avg: ``m`` after the update; ``exp_avg_sq``: ``v`` after it.
+        max_exp_avg_sq: ``v_max`` after the update (AMSGrad) and ``vmax_pre`` before it.
+    """
+
+    def __init__(
+        self,
+        curvature: Curvature,
+        lr: torch.Tensor,
+        beta1: torch.Tensor,
+        beta2: torch.Tensor,
+        eps: torch.Tensor,
+        count: torch.Tensor,
+        decoupled_decay: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        max_exp_avg_sq: torch.Tensor | None = None,
+        max_exp_avg_sq_pre: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(curvature)
+        self.lr, self.beta1, self.beta2 = lr, beta1, beta2
+        self.decay = 1 - lr * decoupled_decay
+        self.grad = grad
+        self.amsgrad = max_exp_avg_sq is not None
+        self.components = ("theta", "m", "v", "vmax") if self.amsgrad else ("theta", "m", "v")
+        bc1 = 1 - beta1**count
+        bc2 = 1 - beta2**count
+        v_used = max_exp_avg_sq if self.amsgrad else exp_avg_sq
+        v_hat = v_used / bc2
+        root = v_hat.sqrt()
+        denom = root + eps
+        m_hat = exp_avg / bc1
+        self.d_m = lr / (bc1 * denom)  # ∂θ'/∂m = −d_m
+        safe = torch.where(root > 0, root, torch.ones_like(root))
+        s = torch.where(root > 0, m_hat / (2 * safe * denom * denom), torch.zeros_like(root))
+        self.d_v = lr * s / bc2  # ∂θ'/∂v_used = +d_v
+        if self.amsgrad:
+            assert max_exp_avg_sq_pre is not None
+            self.branch = (exp_avg_sq >= max_exp_avg_sq_pre).to(exp_avg_sq.dtype)
+
+    def update(self, state: State, dg: torch.Tensor) -> State:
+        """Moments and parameters after the step, linearised."""
+        m = self.beta1 * state["m"] + (1 - self.beta1) * dg
+        v = self.beta2 * state["v"] + 2 * (1 - self.beta2) * self.grad * dg
+        out = {"m": m, "v": v}
+        used = v
+        if self.amsgrad:
+            used = self.branch * v + (1 - self.branch) * state["vmax"]
+            out["vmax"] = used
+        out["theta"] = self.decay * state["theta"] - self.d_m * m + self.d_v * used
+        return out
+
+    def update_adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
+        """Transpose of :meth:`update`."""
+        lt = adj["theta"]
+        adj_m = adj["m"] - self.d_m * lt
+        adj_used = self.d_v * lt
+        prev: State = {"theta": self.decay * lt}
+        if self.amsgrad:
+            adj_vmax = adj["vmax"] + adj_used
+            adj_v = adj["v"] + self.branch * adj_vmax
+            prev["vmax"] = (1 - self.branch) * adj_vmax
+        else:
+            adj_v = adj["v"] + adj_used
+        gamma = (1 - self.beta1) * adj_m + 2 * (1 - self.beta2) * self.grad * adj_v
+        prev["m"] = self.beta1 * adj_m
+        prev["v"] = self.beta2 * adj_v
+        return prev, gamma
+
+
+@dataclass
+class StepPushes:
+    """The samples removed at one step: their shares ``(N, P)`` and identities."""
+
+    step: int
+    shares: torch.Tensor
+    hashes: list[str] = field(default_factory=list)
+
+
+def _zeros(components: Iterable[str], rows: int, like: torch.Tensor) -> State:
+    return {c: like.new_zeros(rows, like.shape[-1]) for c in components}
+
+
+def _align(state: State, components: Sequence[str], like: torch.Tensor) -> State:
+    """Give a state the components a step expects (missing ones are zero perturbations)."""
+    return {c: state[c] if c in state else torch.zeros_like(like) for c in components}
+
+
+def forward_sweep(
+    steps: Sequence[int],
+    load: Callable[[int], tuple[LinearStep, StepPushes]],
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
+) -> tuple[torch.Tensor, list[str], list[int]]:
+    """Carry every removal forward to the end of the run.
+
+    Args:
+        steps: The steps in training order.
+        load: ``step -> (LinearStep, StepPushes)``.
+        progress: Wraps the steps (a progress bar).
+
+    Returns:
+        ``(E, hashes, steps)``: ``E`` ``(N_occ, P)`` the final parameter perturbations
+        ``δθ_T`` of removing each occurrence (DVEmb's data value embeddings, for SGD), in
+        step order, with each row's sample identity and step.
+    """
+    state: State | None = None
+    hashes: list[str] = []
+    rows: list[int] = []
+    for step in progress(steps):
+        op, pushes = load(step)
+        if state is not None:
+            state = op.forward(_align(state, op.components, state["theta"]))
+        new = op.push(pushes.shares)
+        state = new if state is None else {c: torch.cat([state[c], new[c]]) for c in new}
+        hashes += list(pushes.hashes)
+        rows += [pushes.step] * pushes.shares.shape[0]
+    if state is None:
+        raise ValueError("the trajectory holds no steps.")
+    return state["theta"], hashes, rows
+
+
+def adjoint_sweep(
+    steps: Sequence[int],
+    load: Callable[[int], tuple[LinearStep, StepPushes]],
+    queries: torch.Tensor,
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
+) -> tuple[torch.Tensor, list[str], list[int]]:
+    """Carry the queries' adjoints backward; score each occurrence at its own step.
+
+    Args:
+        steps: The steps in training order.
+        load: ``step -> (LinearStep, StepPushes)``.
+        queries: ``(R, P)`` the query gradients at the end of the run.
+        progress: Wraps the steps (a progress bar).
+
+    Returns:
+        ``(scores (N_occ, R), hashes, steps)`` in step order.
+    """
+    adj: State = {"theta": queries}
+    out: list[tuple[int, torch.Tensor, list[str]]] = []
+    for step in progress(list(reversed(list(steps)))):
+        op, pushes = load(step)
+        adj = _align(adj, op.components, queries)
+        prev, gamma = op.adjoint(adj)
+        out.append((pushes.step, op.curvature.push_scores(gamma, pushes.shares), pushes.hashes))
+        adj = prev
+    out.reverse()
+    if not out:
+        raise ValueError("the trajectory holds no steps.")
+    scores = torch.cat([s for _, s, _ in out])
+    hashes = [h for _, _, hs in out for h in hs]
+    rows = [st for st, s, _ in out for _ in range(s.shape[0])]
+    return scores, hashes, rows

@@ -1,0 +1,101 @@
+"""Per-parameter tensors laid out like a hooked layer's captured gradient.
+
+A captured layer gradient lives in the layer rule's *matrix form* (``(K, D)`` flattened, bias
+as a last column, see :mod:`dattri_llm.gradient.layers.base`), possibly reduced to the seeded
+coordinates of a ``"mask"`` projection. Optimizer moments, parameter values and per-parameter
+hyper-parameters (learning rate, betas, ...) are per *parameter*; :class:`LayerLayout` maps them
+onto exactly the captured coordinates, so maps such as Adam's update direction are elementwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from dattri_llm.gradient.hooks.manager import HookManager
+
+__all__ = ["LayerLayout", "layer_layouts"]
+
+
+class LayerLayout:
+    """The parameters of one captured layer and where their entries sit in its gradient.
+
+    Args:
+        name: The layer's name in captured gradients (a tied group's lead site).
+        module: The module owning the parameters.
+        rule: The layer's rule; ``kw`` its hyper-parameters.
+        projection: The layer's capture-time projection (``LayerProjection``) or ``None``.
+
+    Attributes:
+        params: ``[(parameter name, nn.Parameter)]`` in matrix-form order.
+        indices: The captured coordinates of a ``"mask"`` projection (``None``: all of them).
+        dense_projection: The layer is captured with a ``"dense"`` projection (a map that needs
+            exact entries runs before it).
+    """
+
+    def __init__(self, name: str, module: nn.Module, rule: Any, kw: dict, projection: Any) -> None:
+        self.name = name
+        self.rule, self.kw = rule, kw
+        names = rule.param_names(kw)
+        missing = [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
+        if missing:
+            raise ValueError(
+                f"layer {name!r}: its rule expects parameters {names}, but the module has no "
+                f"{missing}; relabel the layer with a matching layer_types entry."
+            )
+        self.params: list[tuple[str, nn.Parameter]] = [(n, getattr(module, n)) for n in names]
+        self.positions = rule.matrix_positions(kw)
+        self.num_coords = rule.num_params(kw)
+        self.indices: torch.Tensor | None = None
+        self.dense_projection = False
+        if projection is not None:
+            if projection.style == "mask":
+                self.indices = projection.matrices()["indices"]
+                self.num_coords = int(self.indices.numel())
+            elif projection.style == "dense":
+                self.dense_projection = True
+            else:
+                raise ValueError(
+                    f"layer {name!r} is captured with a {projection.style!r} projection, which "
+                    "mixes coordinates: per-coordinate optimizer quantities cannot be laid out "
+                    "on it. Use no projection, or 'mask' (or 'dense' for preconditioned capture)."
+                )
+
+    def gather(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``{param name: param-shaped tensor}`` -> the captured coordinates ``(P,)``."""
+        flat = self.rule.flatten_parameters(dict(tensors), self.kw, self.positions)
+        if self.indices is not None:
+            flat = flat[self.indices.to(flat.device)]
+        return flat
+
+    def expand(
+        self, values: Mapping[str, float], dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        """One number per parameter -> one per captured coordinate ``(P,)``."""
+        tensors = {
+            n: torch.full(p.shape, float(values[n]), dtype=dtype, device=device)
+            for n, p in self.params
+        }
+        return self.gather(tensors)
+
+
+def layer_layouts(manager: HookManager) -> dict[str, LayerLayout]:
+    """``{layer name: LayerLayout}`` for the ``linear_io`` layers of a hook manager.
+
+    A tied group is one entry under its lead name (the parameter is one parameter).
+    """
+    member_of = {m: lead for lead, ms in manager.shared_groups.items() for m in ms}
+    out: dict[str, LayerLayout] = {}
+    for spec in manager.layers:
+        if spec.hook_type != "linear_io":
+            continue
+        lead = member_of.get(spec.name, spec.name)
+        if lead in out:
+            continue
+        projection = manager.projection[spec.name] if manager.projection is not None else None
+        out[lead] = LayerLayout(lead, spec.module, spec.rule, spec.module_kwargs, projection)
+    return out
