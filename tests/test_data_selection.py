@@ -231,7 +231,7 @@ def test_sgd_step_as_if_never_in_batch() -> None:
     train, val = batch(8, 13), batch(4, 14)
     sel = DataSelectionCallback(reference=capture(m, val, HookManagerConfig()), drop_fraction=0.5)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    hm = HookManager(m, callbacks=[sel], optimizer=opt)
+    hm = HookManager(m, callbacks=[sel], optimizer=opt, precondition=False)
     with hm.collect():
         opt.zero_grad()
         mean_loss(m, train).backward()

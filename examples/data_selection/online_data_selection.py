@@ -83,7 +83,7 @@ def main() -> None:
         warmup_steps=WARMUP,
     )  # fmt: skip
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hm = HookManager(model, config=config, callbacks=[selector], optimizer=opt)
+    hm = HookManager(model, config=config, callbacks=[selector])
     noisy_dropped = dropped = 0
     with hm.collect():
         for step in range(STEPS):

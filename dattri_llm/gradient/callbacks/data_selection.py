@@ -253,11 +253,14 @@ class DataSelectionCallback(HookCallback):
         self._seen += 1
         if not self.enabled or step < self.warmup_steps:
             return
-        if self.manager is not None and self.manager.transforms:
+        if (self.manager is not None and self.manager.transforms) or (
+            "preconditioned" in record.metadata
+        ):
             raise ValueError(
-                "DataSelectionCallback: the hook manager has transforms (add_transform, e.g. "
-                "preconditioned capture); the record no longer holds the raw per-sample "
-                "gradients, so they cannot be subtracted from param.grad."
+                "DataSelectionCallback: the hook manager has transforms (add_transform) or "
+                "preconditions the gradients (HookManager(optimizer=...)); the record no longer "
+                "holds the raw per-sample gradients, so they cannot be subtracted from "
+                "param.grad. Build the manager without optimizer= (or precondition=False)."
             )
         grad = record.gradient
         b = grad.batch_size
