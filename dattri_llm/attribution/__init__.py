@@ -26,9 +26,8 @@ from dattri_llm.attribution.less import LESSAttributor  # noqa: E402
 __all__ += ["LESSAttributor"]
 
 from dattri_llm.attribution.adamw_influence import AdamWInfluenceAttributor  # noqa: E402
-from dattri_llm.attribution.trajectory import TrajectoryAttributor  # noqa: E402
-
 from dattri_llm.attribution.dvemb import DataValueEmbeddings, DVEmbAttributor  # noqa: E402
+from dattri_llm.attribution.trajectory import TrajectoryAttributor  # noqa: E402
 
 __all__ += ["TrajectoryAttributor", "AdamWInfluenceAttributor", "DVEmbAttributor"]
 __all__ += ["DataValueEmbeddings"]

@@ -220,6 +220,8 @@ class DVEmbAttributor(TrajectoryAttributor):
         compute_dtype: Raise the propagation's precision.
     """
 
+    default_optimizer = "sgd"
+
     def __init__(
         self,
         args: Any = None,

@@ -204,7 +204,83 @@ class TrajectoryAttributor(BaseAttributor):
         """Scores ``(N_occ, R)`` with each row's sample identity and step."""
         raise NotImplementedError
 
+    #: The optimizer ``AttributionArguments(optimizer="auto")`` means for the live path.
+    default_optimizer = "adamw_torch"
+
     # ---- entry points ------------------------------------------------------------------------
+    def attribute(
+        self,
+        train_set: Any,
+        test_set: Any,
+        hook_config: Any = None,
+        attribution_granularity: str = "sample",
+        collate_fn: Callable | None = None,
+        trajectory: Any = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Live: train a copy of the task's model while recording, then score the queries.
+
+        The run is set by ``AttributionArguments`` (``learning_rate``, ``optimizer``,
+        ``num_train_epochs``, ...; see :mod:`dattri_llm.attribution.training`); the task's model
+        is not modified, and the queries' gradients are taken at the trained weights. With
+        ``trajectory=`` (a :class:`~dattri_llm.TrajectorySnapshots` directory holding parameters,
+        batches and dynamics of a run already done) the run is replayed instead, and the queries
+        are taken at the task's model as it is (its final weights).
+
+        Args:
+            train_set: Sequence or ``Dataset`` of train samples.
+            test_set: Same for the queries.
+            hook_config: Which layers to capture.
+            attribution_granularity: ``"sample"``.
+            collate_fn: Overrides ``args.dataloader_collate``.
+            trajectory: Replay this recorded run instead of training.
+            **kwargs: Method options of :meth:`attribute_from_cache`.
+        """
+        from dattri_llm.attribution.training import record_training
+        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+        from dattri_llm.gradient.trajectory import (
+            OptimizerDynamics,
+            ReplayGradientSource,
+            TrajectorySnapshots,
+        )
+
+        if self.task is None:
+            raise ValueError(
+                f"{type(self).__name__}.attribute needs a task: pass task=AttributionTask("
+                "loss_func=..., model=...), or use attribute_from_cache."
+            )
+        args, task = self.args, self.task
+        if collate_fn is None and args.dataloader_collate == "pad":
+            collate_fn = pad_collate(args.dataloader_pad_value)
+        if trajectory is None:
+            run = record_training(
+                task.model,
+                train_set,
+                task.train_loss,
+                args,
+                self.default_optimizer,
+                hook_config,
+                collate_fn,
+            )
+            model, train, extra = run.model, run.gradients, {"dynamics": run.dynamics}
+        else:
+            snaps = TrajectorySnapshots(trajectory)
+            model = task.model
+            train = ReplayGradientSource(model, snaps, task.train_loss, hook_config)
+            extra = {"dynamics": OptimizerDynamics(snaps)} if snaps.has("layout", -1) else {}
+        extra.update(kwargs)
+        test = GradientStreamer(
+            model,
+            test_set,
+            task.test_loss,
+            hook_config=hook_config,
+            batch_size=args.per_device_eval_batch_size,
+            collate_fn=collate_fn,
+            show_progress=args.show_progress,
+            desc="queries",
+        )
+        return self.attribute_sources(train, test, attribution_granularity, **extra)
+
     def attribute_from_cache(
         self,
         train_dir: Any,
