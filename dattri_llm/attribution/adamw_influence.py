@@ -179,8 +179,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
         def load(step: int) -> tuple[AdamStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
+            pushes = self.removal_pushes(shares, step)
             return self._step(dyn, step, layers, shares, dtype, device), StepPushes(
-                step, shares, hashes
+                step, pushes, hashes
             )
 
         steps = index.steps

@@ -405,7 +405,7 @@ class DVEmbAttributor(TrajectoryAttributor):
                 nesterov=hyper["nesterov"],
                 first_buffer=hyper["first"] if dyn is not None else step == first_step,
             )
-            return op, StepPushes(step, shares, hashes)
+            return op, StepPushes(step, self.removal_pushes(shares, step), hashes)
 
         return load
 

@@ -18,8 +18,10 @@ steps are in :mod:`dattri_llm.attribution.unroll`.
 
 Conventions: a positive score means removing the sample would raise the query's loss (it
 helped); the training loss's reduction must be given (``loss_reduction="sum"`` — the
-library's convention — or ``"mean"``), since it sets the scale of the curvature; numerics follow
-the inputs (float64 stays float64; ``compute_dtype`` may raise precision, never lower it).
+library's convention — or ``"mean"``): it sets the scale of the curvature and what removing a
+sample does to its batch (a mean is then taken over the others, see
+:meth:`TrajectoryAttributor.removal_pushes`); numerics follow the inputs (float64 stays
+float64; ``compute_dtype`` may raise precision, never lower it).
 """
 
 from __future__ import annotations
@@ -400,3 +402,20 @@ class TrajectoryAttributor(BaseAttributor):
     def kappa(self, batch_size: int) -> float:
         """``κ`` of the batch curvature: the batch size for a mean loss, 1 for a sum."""
         return float(batch_size) if self.loss_reduction == "mean" else 1.0
+
+    def removal_pushes(self, shares: torch.Tensor, step: int) -> torch.Tensor:
+        """The change of a step's batch gradient when each sample is removed from its batch.
+
+        Sum loss: ``−s_z``, returned as ``s_z`` (the sign is the push's). Mean loss: the mean is
+        then over the ``B − 1`` others, ``(Σ_{z'≠z} s_{z'}) B/(B−1) − G = (G − B s_z)/(B−1)``
+        with ``G = Σ s``, returned as ``(B s_z − G)/(B − 1)``.
+        """
+        if self.loss_reduction == "sum":
+            return shares
+        b = shares.shape[0]
+        if b < 2:
+            raise ValueError(
+                f"{type(self).__name__}: step {step} has one sample; removing it from a "
+                "mean-reduced batch leaves no batch (loss_reduction='mean')."
+            )
+        return (b * shares - shares.sum(0)) / (b - 1)
