@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--workdir",
         type=str,
         default=None,
-        help="where gradients and scores go (default: a temporary directory)",
+        help="where gradients and scores go (default: a temporary directory, removed at exit)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -95,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="hook every layer (default) or only the transformer blocks' linears",
     )
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_demo_") as tmp:
+        return _run(args, Path(args.workdir or tmp))
 
+
+def _run(args: argparse.Namespace, workdir: Path) -> dict:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -163,7 +167,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ) / max(1, batch.shape[0])
 
     ids = torch.stack([x["input_ids"] for x in train_items])
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dattri_llm_demo_"))
     store = GradientStorageManager(str(workdir / "train_grads"))
     layers = HookManagerConfig(
         linear_io=REGISTER_ALL
@@ -175,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"corpus: {len(train)} training paragraphs and {len(queries)} held-out queries from "
         f"{len(by_topic)} Python documentation topics; GPT-2 2x128 from a config"
     )
+    kept = " (temporary, removed at exit; --workdir DIR keeps them)" if args.workdir is None else ""
+    print(f"per-sample gradients go to {workdir}{kept}")
     for epoch in range(args.epochs):
         last = epoch == args.epochs - 1
         hm = (
@@ -200,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 loss = loss_fn(batch)
                 loss.backward()  # an ordinary training step: hooks capture on the side
                 opt.step()
-                total += float(loss) * len(batch)
+                total += float(loss.detach()) * len(batch)
         note = "  (per-sample gradients offloaded)" if last else ""
         print(f"epoch {epoch + 1}: train loss {total / len(ids):.3f}{note}")
 
@@ -224,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             s.close()
 
     attributor = TracInAttributor(
-        AttributionArguments(output_dir=str(workdir / "scores")), normalized_grad=True
+        AttributionArguments(output_dir=str(workdir / "scores"), show_progress=_terminal()),
+        normalized_grad=True,
     )
     score = attributor.attribute_from_cache(
         str(workdir / "train_grads"), str(workdir / "query_grads")
@@ -257,11 +263,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     chance = 1 / len(by_topic)
     elapsed = time.perf_counter() - t0
     print(f"overall: {share:.0%} (chance: {chance:.0%}); {elapsed:.0f} s")
-    if args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        print(f"gradients and scores kept in {workdir}")
+    if args.workdir is not None:
+        print(f"gradients kept in {workdir}")
     return {"topic_share": share, "chance": chance, "seconds": elapsed, "workdir": str(workdir)}
+
+
+def _terminal() -> bool:
+    """Progress bars only on a terminal (they are noise in a log or a pipe)."""
+    return sys.stderr.isatty()
 
 
 class _null:
