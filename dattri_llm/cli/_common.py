@@ -66,7 +66,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         default = action.default
         if (
             "%(default)" not in text
-            and default not in (None, False, argparse.SUPPRESS)
+            and not any(default is x for x in (None, False, argparse.SUPPRESS))
             and (action.option_strings or action.nargs in ("?", "*"))
         ):
             text += " (default: %(default)s)"

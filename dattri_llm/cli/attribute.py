@@ -124,7 +124,13 @@ def add_parser(sub: Any) -> None:
         description=DESCRIPTION + methods,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--method", required=True, choices=sorted(METHODS), help="attribution method")
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=list(METHODS),
+        metavar="METHOD",
+        help=f"attribution method: {', '.join(METHODS)} (see above)",
+    )
     p.add_argument(
         "--train", required=True, metavar="STORE", help="gradient store of the train set"
     )

@@ -56,6 +56,12 @@ def _layer_rows(gradient: Any) -> list[dict]:
             return f"shared ({len(lg.sites)} sites)"
         return "factorized" if isinstance(lg, Factorized) else "materialized"
 
+    def projection(lg: Any) -> str:
+        kw = lg.module_kwargs or {}
+        if "proj_dim" not in kw:
+            return "none"
+        return f"dim {kw['proj_dim']}, seed {kw.get('seed')}"
+
     b = max(gradient.batch_size, 1)
     return [
         {
@@ -63,6 +69,7 @@ def _layer_rows(gradient: Any) -> list[dict]:
             "type": lg.layer_type,
             "kind": kind(lg),
             "shape per sample": shapes(lg),
+            "projection": projection(lg),
             "bytes per sample": lg.nbytes // b,
         }
         for name, lg in gradient.layers.items()
@@ -146,13 +153,20 @@ def _print(d: dict) -> None:
         ("dtype", d["dtype"]),
         ("size", f"{_size(d['bytes on disk'])} on disk, {_size(per_sample)} per sample"),
     ]
+    projected = [x for x in layers if x["projection"] != "none"]
+    kinds = sorted({f"{x['type']} ({x['projection']})" for x in projected})
+    lines.append(
+        ("projection", f"{', '.join(kinds)} on {len(projected)}/{len(layers)} layers")
+        if projected
+        else ("projection", "none")
+    )
     for k, v in {**d["capture settings"], **d["record metadata (first readable record)"]}.items():
         lines.append((k, json.dumps(v) if not isinstance(v, str) else v))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"{k:<{width}}  {v}")
     print(f"\nlayers ({len(layers)}; shapes per sample, from the first readable record):")
-    heads = ("name", "type", "kind", "shape per sample", "bytes per sample")
+    heads = ("name", "type", "kind", "shape per sample", "projection", "bytes per sample")
     rows = [[str(x[h]) if h != "bytes per sample" else _size(x[h]) for h in heads] for x in layers]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
     print("  " + "  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip())
