@@ -201,7 +201,10 @@ def test_tracin_checkpoints_weighted(tmp_path, as_files):
         calls.append(len(b["input_ids"]))
         return mlp_loss(m, b)
 
-    task = AttributionTask(mlp_loss, model, checkpoints=ckpts, target_func=target)
+    # a declared sum: "auto" would evaluate target on single samples once to decide
+    task = AttributionTask(
+        mlp_loss, model, checkpoints=ckpts, target_func=target, loss_reduction="sum"
+    )
     score = TracInAttributor(args(tmp_path), task=task, checkpoint_weights=weights).attribute(
         train, test
     )
@@ -424,7 +427,7 @@ def test_from_dattri_round_trip_matches_brute_force(tmp_path):
 
     ref = per_sample(train) @ per_sample(test).T
     assert rel(score.query(train, test), ref) < 1e-10
-    assert att.task.loss_func.reduction == "mean"  # detected on the first batch
+    assert att.task.train_loss.reduction == "mean"  # detected on the first batch
     # explicit reduction: "sum" would scale every per-sample gradient by 1/batch
     task_sum = AttributionTask.from_dattri(dtask, reduction="sum")
     s2 = TracInAttributor(
