@@ -310,19 +310,19 @@ class TrajectoryAttributor(BaseAttributor):
                 f"{type(self).__name__} scores whole samples; attribution_granularity='token' "
                 "is not defined for an unrolled trajectory."
             )
+        from dattri_llm.gradient.store import GradientStorageManager
+
         device = self.device
-        train = train_dir
-        if isinstance(train_dir, (str, os.PathLike)):
-            if not os.path.isdir(train_dir):
-                raise FileNotFoundError(f"train_dir {os.fspath(train_dir)!r} is not a directory.")
-            train = DiskGradientSource(
-                train_dir, layers=layers, device=device, checkpoints=checkpoints
-            )
-        test = test_dir
-        if isinstance(test_dir, (str, os.PathLike)):
-            if not os.path.isdir(test_dir):
-                raise FileNotFoundError(f"test_dir {os.fspath(test_dir)!r} is not a directory.")
-            test = DiskGradientSource(test_dir, layers=layers, device=device)
+
+        def source(where: Any, name: str, ckpts: Any) -> Any:
+            if isinstance(where, (str, os.PathLike)) and not os.path.isdir(where):
+                raise FileNotFoundError(f"{name} {os.fspath(where)!r} is not a directory.")
+            if isinstance(where, (str, os.PathLike, GradientStorageManager)):
+                return DiskGradientSource(where, layers=layers, device=device, checkpoints=ckpts)
+            return where  # a gradient source (e.g. a ReplayGradientSource)
+
+        train = source(train_dir, "train_dir", checkpoints)
+        test = source(test_dir, "test_dir", None)
         return self.attribute_sources(train, test, **kwargs)
 
     def attribute_sources(

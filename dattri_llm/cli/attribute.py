@@ -104,7 +104,43 @@ METHODS: dict[str, Method] = _registry(
         attributor("EKFACAttributor"),
         damping=True,
     ),
+    Method(
+        "less",
+        "LESS: cosines of preconditioned train gradients with raw queries, weighted by lr",
+        attributor("LESSAttributor"),
+        call_kwargs=lambda ns: {"learning_rates": ns.learning_rate, "pair_by": ns.pair_by},
+    ),
+    Method(
+        "adamw-influence",
+        "AdamW-influence: unrolled through the recorded Adam/AdamW run (needs --dynamics)",
+        lambda ns, args: _trajectory("AdamWInfluenceAttributor", ns, args),
+        call_kwargs=lambda ns: {"dynamics": _need(ns.dynamics, "--dynamics")},
+    ),
+    Method(
+        "dvemb",
+        "DVEmb: data value embeddings of an SGD run (needs --learning-rate or --dynamics)",
+        lambda ns, args: _trajectory("DVEmbAttributor", ns, args),
+        call_kwargs=lambda ns: {
+            "learning_rate": ns.learning_rate,
+            "dynamics": _need(ns.dynamics, "--dynamics or --learning-rate")
+            if ns.learning_rate is None
+            else ns.dynamics,
+        },
+    ),
 )
+
+
+def _trajectory(name: str, ns: argparse.Namespace, args: Any) -> Any:
+    import dattri_llm
+
+    return getattr(dattri_llm, name)(args, loss_reduction=ns.loss_reduction)
+
+
+def _need(value: Any, flag: str) -> Any:
+    if value is None:
+        raise UsageError(flag.split()[0], f"this method needs {flag}.")
+    return value
+
 
 DESCRIPTION = """Score every (training sample, query) pair from two gradient stores (no model
 needed) and write an AttributionScore to --out (scores.safetensors + scores.json, plus
@@ -169,6 +205,32 @@ def add_parser(sub: Any) -> None:
         default=0,
         metavar="K",
         help="also print the K top proponents and opponents of each query (0: none)",
+    )
+    p.add_argument(
+        "--dynamics",
+        metavar="DIR",
+        default=None,
+        help="adamw-influence, dvemb: the trajectory directory OptimizerStateCallback wrote",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        metavar="LR",
+        help="less: one weight for every step (default: the recorded learning rates); dvemb: "
+        "the constant learning rate (default: the recorded ones, --dynamics)",
+    )
+    p.add_argument(
+        "--loss-reduction",
+        choices=("sum", "mean"),
+        default="sum",
+        help="adamw-influence, dvemb: how the training loss combined each batch",
+    )
+    p.add_argument(
+        "--pair-by",
+        choices=("checkpoint", "step"),
+        default="checkpoint",
+        help="less: pair train and query gradients by checkpoint label or by step",
     )
     p.add_argument("--cpu", action="store_true", help="compute on the CPU even with a GPU")
     p.add_argument(
