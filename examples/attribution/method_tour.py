@@ -74,8 +74,8 @@ def backward(model: nn.Module, items: list[torch.Tensor], batch_size: int = 32) 
 
 def capture(model: nn.Module, items: list[torch.Tensor], save_dir: str, checkpoint: int) -> None:
     """The same pass with hooks on: per-sample gradients go to a store, labelled ``checkpoint``
-    (reopening a store appends to it)."""
-    store = GradientStorageManager(save_dir)
+    (mode="append": each checkpoint adds its records to the same store)."""
+    store = GradientStorageManager(save_dir, mode="append")
     hm = HookManager(
         model,
         config=HookManagerConfig(linear_io=BLOCKS),

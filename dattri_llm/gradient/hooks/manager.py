@@ -225,6 +225,11 @@ class HookManager:
     def collect(self, deregister_on_exit: bool = False) -> Iterator[HookManager]:
         """Capture while the block runs.
 
+        When the block ends, normally or with an exception (a ``KeyboardInterrupt`` too),
+        every callback's ``on_context_end`` runs (``OffloadCallback`` makes its records durable
+        and releases the store) and, with ``deregister_on_exit``, the hooks come down, even if
+        one of those steps fails; the first failure is then raised.
+
         Args:
             deregister_on_exit: Call :meth:`remove` when the block ends.
         """
@@ -238,10 +243,8 @@ class HookManager:
         finally:
             self._active = False
             self._reset_step()
-            for cb in self.callbacks:
-                cb.on_context_end()
-            if deregister_on_exit:
-                self.remove()
+            steps = [cb.on_context_end for cb in self.callbacks]
+            _run_all(steps + ([self.remove] if deregister_on_exit else []))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[HookManager]:
@@ -574,6 +577,18 @@ class HookManager:
             "row; call the model itself (or HookManager.set_sample_ids) for content hashes.",
         )
         return [f"step{self.step}:row{i}" for i in range(b)]
+
+
+def _run_all(steps: list[Any]) -> None:
+    """Call every step even if some fail; raise the first failure afterwards."""
+    error: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
