@@ -279,6 +279,7 @@ class HookManager:
                 bound = dict(kwargs)
         else:
             bound = dict(kwargs)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         for k, v in bound.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 fields[k] = v
@@ -290,8 +291,11 @@ class HookManager:
                         if isinstance(vv, torch.Tensor) and vv.dim() > 0
                     }
                 )
-        if not fields and args and isinstance(args[0], torch.Tensor):
-            fields["input_ids"] = args[0]
+        if first is not None and "input_ids" not in fields:
+            # sample identity (utils/hashing.py): the first positional tensor is the sample's
+            # ``input_ids`` whatever the forward calls it, so hash_sample(x[i]) finds model(x)
+            fields = {k: v for k, v in fields.items() if v is not first}
+            fields["input_ids"] = first
         self._inputs = fields
         if fields:
             key = "input_ids" if "input_ids" in fields else next(iter(fields))
