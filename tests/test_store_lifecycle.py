@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +157,8 @@ def test_interrupted_capture_releases_the_store_and_removes_the_hooks(tmp_path):
         f"GradientStorageManager({str(tmp_path)!r}, mode='append').write(toy_record(9))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    root = Path(__file__).resolve().parents[1]  # `tests` importable from the child
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=root)
 
 
 def test_a_failing_callback_does_not_leave_hooks_or_the_store_open(tmp_path):

@@ -207,7 +207,8 @@ class PartitionWriter:
             self._thread.start()
             # a normal interpreter exit without close() still makes accepted records durable
             ref = weakref.WeakMethod(self.close)
-            atexit.register(lambda: ref() and ref()())
+            self._atexit = lambda: ref() and ref()()
+            atexit.register(self._atexit)
 
     # ---- setup --------------------------------------------------------------------------------
     @property
@@ -342,6 +343,7 @@ class PartitionWriter:
                     self._queue.append(None)
                     self._cv.notify_all()
                 self._thread.join()
+                atexit.unregister(self._atexit)
             self._index.close()
             if self._lock_file is not None:
                 self._lock_file.close()
