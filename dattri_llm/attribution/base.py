@@ -8,6 +8,7 @@ time, and collected into an :class:`AttributionScore`.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -17,6 +18,12 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
+from dattri_llm.gradient.compat import (
+    CaptureFacts,
+    check_compatible,
+    check_same_capture,
+    facts_of,
+)
 from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
 from dattri_llm.gradient.hooks import HookManagerConfig
 from dattri_llm.gradient.sources import GradientBlock, GradientSource
@@ -34,11 +41,16 @@ class _TestSide:
     """The prepared test gradients of one checkpoint, cut into column chunks."""
 
     def __init__(
-        self, chunks: list[tuple[Gradient, torch.Tensor]], layers: list[str], dtype: torch.dtype
+        self,
+        chunks: list[tuple[Gradient, torch.Tensor]],
+        layers: list[str],
+        dtype: torch.dtype,
+        facts: CaptureFacts,
     ) -> None:
         self.chunks = chunks  # (gradient, global column indices)
         self.layers = layers
         self.dtype = dtype
+        self.facts = facts  # what the test gradients were captured as
 
 
 class BaseAttributor:
@@ -73,6 +85,11 @@ class BaseAttributor:
       ``"train"`` or ``"test"``) before use, e.g. that a train store was preconditioned.
     * ``streamer_options(checkpoint, side) -> dict`` — extra ``GradientStreamer`` arguments
       of the live path (e.g. the optimizer of a preconditioned train side).
+    * ``check_compatible(train_facts, test_facts)`` — refuse train and test gradients that
+      cannot be scored against each other (:class:`~dattri_llm.gradient.compat.CaptureFacts`:
+      layers, layer types / ``module_kwargs``, projection; the dtype and record metadata, e.g.
+      a preconditioned train capture, are recorded for an override to judge). Default:
+      :func:`~dattri_llm.gradient.compat.check_compatible` ignoring :attr:`compat_ignore`.
     * ``score_block(train_grad, test_grad, granularity) -> Tensor`` — scores of a train chunk
       against a test chunk: ``(B_train, B_test)`` for ``"sample"``, ``(B_train, T, B_test)``
       for ``"token"`` (rows summed over ``T`` are the instance scores, so the per-token split
@@ -86,6 +103,10 @@ class BaseAttributor:
         mode: Routing of the inner products: ``"auto"`` (cost model), ``"factorized"`` or
             ``"materialized"``; every mode is exact.
     """
+
+    #: What the train / test compatibility check does not compare (see
+    #: :func:`~dattri_llm.gradient.compat.compare_facts`).
+    compat_ignore: tuple[str, ...] = ()
 
     def __init__(
         self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
@@ -110,6 +131,14 @@ class BaseAttributor:
             raise TypeError(
                 f"{type(self).__name__} takes no extra arguments, got {sorted(kwargs)}."
             )
+
+    def check_compatible(self, train: CaptureFacts, test: CaptureFacts) -> None:
+        """Refuse train and test gradients captured incompatibly (before anything is scored).
+
+        Raises:
+            IncompatibleGradientsError: naming the two sources and every difference.
+        """
+        check_compatible(train, test, ignore=self.compat_ignore)
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Map the test gradients of one checkpoint before scoring (default: identity)."""
@@ -214,7 +243,7 @@ class BaseAttributor:
             torch.manual_seed(args.seed)
             live = _LiveSource(train_source, int(args.live_cache_gb * 2**30))
             self.fit(live, **kwargs)
-            acc = _Accumulator(attribution_granularity)
+            acc = _Accumulator(attribution_granularity, "the live train set")
             columns: dict[str, int] = {}
             for c in range(task.num_checkpoints):
                 task.load_checkpoint(c)
@@ -227,7 +256,9 @@ class BaseAttributor:
                         f"test ckpt {c}",
                     )
                 )
-                test = self._test_side(test_blocks, c, columns, grow=(c == 0))
+                test = self._test_side(
+                    test_blocks, c, columns, grow=(c == 0), source="the live test set"
+                )
                 train = live.cached(c)  # blocks fit already streamed, if they were kept
                 if train is None:
                     train = stream(
@@ -293,6 +324,10 @@ class BaseAttributor:
         source to such attributors.
         """
         _check_granularity(attribution_granularity)
+        names = (_source_name(train_source, "train"), _source_name(test_source, "test"))
+        if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
+            # stores: refuse an incompatible pair before any pass over the train gradients
+            self.check_compatible(train_source.capture_facts(), test_source.capture_facts())
         self.fit(train_source, **kwargs)
         by_ckpt: dict[int, list[GradientBlock]] = {}
         for block in test_source:
@@ -301,10 +336,10 @@ class BaseAttributor:
             raise ValueError("the test source yielded no gradients.")
         columns: dict[str, int] = {}
         tests = {
-            c: self._test_side(blocks, c, columns, grow=True)
+            c: self._test_side(blocks, c, columns, grow=True, source=names[1])
             for c, blocks in sorted(by_ckpt.items())
         }
-        acc = _Accumulator(attribution_granularity)
+        acc = _Accumulator(attribution_granularity, names[0])
         blocks: Iterable[GradientBlock] = train_source
         if self.args.show_progress:
             from tqdm.auto import tqdm
@@ -330,35 +365,49 @@ class BaseAttributor:
 
     # ---- the loop --------------------------------------------------------------------------
     def _test_side(
-        self, blocks: list[GradientBlock], checkpoint: int, columns: dict[str, int], grow: bool
+        self,
+        blocks: list[GradientBlock],
+        checkpoint: int,
+        columns: dict[str, int],
+        grow: bool,
+        source: str = "test source",
     ) -> _TestSide:
         if not blocks:
             raise ValueError(
                 f"no test gradients at checkpoint {checkpoint}: is the test set empty?"
             )
         hashes: list[str] = []
-        seen: dict[str, int] = {}
-        for b in blocks:
+        seen: dict[str, tuple[int, int]] = {}  # hash -> (block, step) of its first capture
+        for i, b in enumerate(blocks):
             _check_block(b, "test")
             self.check_block(b, "test")
             for h in b.hashes:
-                if h in seen:
+                # twice at one step: identical content at the same weights, identical gradient
+                # (one column keeps it, see _first_occurrences); at two steps: possibly other
+                # weights
+                if h in seen and seen[h][1] != int(b.step):
                     raise ValueError(
-                        f"test sample {h!r} has several gradients for pairing key {checkpoint} "
-                        f"(steps {seen[h]} and {b.step}); they would be summed into one query "
-                        "silently. Capture each query once per checkpoint, or label the captures "
-                        "(HookManager.checkpoint) so each pairs with its train checkpoint."
+                        f"test sample {h!r} has gradients from two captures for pairing key "
+                        f"{checkpoint} (steps {seen[h][1]} and {b.step}); they would be mixed "
+                        "into one query silently. Capture each query once per checkpoint, or "
+                        "label the captures (HookManager.checkpoint) so each pairs with its "
+                        "train checkpoint."
                     )
-                seen[h] = int(b.step)
+                seen.setdefault(h, (i, int(b.step)))
             hashes += list(b.hashes)
         names = blocks[0].gradient.layer_names
+        facts = facts_of(blocks[0].gradient, blocks[0].metadata, source)
         for b in blocks[1:]:
             if set(b.gradient.layer_names) != set(names):
                 raise ValueError(
                     f"test blocks disagree on their layers at checkpoint {checkpoint}: "
                     f"{sorted(names)} vs {sorted(b.gradient.layer_names)} (step {b.step})."
                 )
+            check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
         grad = Gradient.concatenate([b.gradient.select_layers(names) for b in blocks])
+        keep = _first_occurrences(hashes, checkpoint, source)
+        if len(keep) < len(hashes):
+            grad, hashes = grad.slice(keep), [hashes[i] for i in keep]
         grad = self.prepare_test(grad.to(self.device), checkpoint)
         if type(self).score_block is BaseAttributor.score_block:
             grad = self._densify_test(grad)
@@ -375,7 +424,7 @@ class BaseAttributor:
         chunks = [
             (grad.slice(slice(i, i + bs)), cols[i : i + bs]) for i in range(0, len(hashes), bs)
         ]
-        return _TestSide(chunks, names, grad.dtype)
+        return _TestSide(chunks, names, grad.dtype, facts)
 
     def _densify_test(self, grad: Gradient) -> Gradient:
         """Materialize, once, the test layers the router would materialize for every block.
@@ -425,6 +474,7 @@ class BaseAttributor:
                 f"test: {sorted(te - tr)}). Capture both with the same hook config, or score a "
                 "common subset (attribute_from_cache(..., layers=[...]))."
             )
+        acc.check_facts(self, block, test)
         if acc.granularity == "token":
             _check_token_axis(grad)
         dtype = torch.promote_types(grad.dtype, test.dtype)
@@ -490,12 +540,30 @@ class _LiveSource:
 
 
 class _Accumulator:
-    def __init__(self, granularity: str) -> None:
+    def __init__(self, granularity: str, source: str = "train source") -> None:
         self.granularity = granularity
+        self.source = source
+        self.facts: CaptureFacts | None = None  # of the first train block
+        self._checked: set[int] = set()  # test sides the train facts were checked against
         self.rows: list[torch.Tensor] = []
         self.hashes: list[str] = []
+        self.checkpoints: list[int] = []
         self.steps: list[int] = []
         self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
+
+    def check_facts(
+        self, attributor: BaseAttributor, block: GradientBlock, test: _TestSide
+    ) -> None:
+        """Check a train block against the first one and, once, the first against the test."""
+        if self.facts is None:
+            self.facts = facts_of(block.gradient, block.metadata, self.source)
+        else:
+            check_same_capture(
+                self.facts, block.gradient, self.source, f"the block at step {block.step}"
+            )
+        if id(test) not in self._checked:
+            attributor.check_compatible(self.facts, test.facts)
+            self._checked.add(id(test))
 
     def add(
         self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
@@ -503,6 +571,7 @@ class _Accumulator:
         self.rows.append(scores)
         self.hashes += [str(h) for h in block.hashes]
         self.steps += [int(block.step)] * scores.shape[0]
+        self.checkpoints += [int(block.checkpoint)] * scores.shape[0]
         if self.tokens is not None and tokens is not None:
             self.tokens += tokens
 
@@ -524,8 +593,39 @@ class _Accumulator:
                 for t in self.tokens
             ]
         return AttributionScore(
-            scores, self.hashes, self.steps, columns, token_scores=tokens, output_dir=output_dir
+            scores,
+            self.hashes,
+            self.steps,
+            columns,
+            token_scores=tokens,
+            output_dir=output_dir,
+            train_checkpoints=self.checkpoints,
         )
+
+
+def _source_name(source: Any, side: str) -> str:
+    store = getattr(source, "store", None)
+    if store is not None and hasattr(store, "save_dir"):
+        return f"{side} store {store.save_dir}"
+    return f"{side} source"
+
+
+def _first_occurrences(hashes: list[str], checkpoint: int, source: str) -> list[int]:
+    """Rows of the first occurrence of each test id (a duplicate would double its column)."""
+    first: dict[str, int] = {}
+    for i, h in enumerate(hashes):
+        first.setdefault(h, i)
+    if len(first) < len(hashes):
+        dup = next(h for i, h in enumerate(hashes) if first[h] != i)
+        warnings.warn(
+            f"test sample {dup!r} occurs {hashes.count(dup)} times in the {source} at checkpoint "
+            f"{checkpoint} ({len(hashes) - len(first)} duplicate row(s) in all): identical "
+            "samples share one id and one score column, which holds one occurrence's score. "
+            "Deduplicate the test set to silence this.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return sorted(first.values())
 
 
 def _check_granularity(g: str) -> None:

@@ -89,8 +89,9 @@ def capture(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
     """The same pass with hooks on: per-sample gradients go to a store, labelled ``checkpoint``
-    (reopening a store appends to it); with ``optimizer``, preconditioned (LESS's Γ)."""
-    store = GradientStorageManager(save_dir)
+    (mode="append": each checkpoint adds its records to the same store); with ``optimizer``,
+    preconditioned (LESS's Γ)."""
+    store = GradientStorageManager(save_dir, mode="append")
     hm = HookManager(
         model,
         config=HookManagerConfig(linear_io=BLOCKS),

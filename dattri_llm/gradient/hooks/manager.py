@@ -250,6 +250,11 @@ class HookManager:
     def collect(self, deregister_on_exit: bool = False) -> Iterator[HookManager]:
         """Capture while the block runs.
 
+        When the block ends, normally or with an exception (a ``KeyboardInterrupt`` too),
+        every callback's ``on_context_end`` runs (``OffloadCallback`` makes its records durable
+        and releases the store) and, with ``deregister_on_exit``, the hooks come down, even if
+        one of those steps fails; the first failure is then raised.
+
         Args:
             deregister_on_exit: Call :meth:`remove` when the block ends.
         """
@@ -263,10 +268,8 @@ class HookManager:
         finally:
             self._active = False
             self._reset_step()
-            for cb in self.callbacks:
-                cb.on_context_end()
-            if deregister_on_exit:
-                self.remove()
+            steps = [cb.on_context_end for cb in self.callbacks]
+            _run_all(steps + ([self.remove] if deregister_on_exit else []))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[HookManager]:
@@ -314,6 +317,7 @@ class HookManager:
                 bound = dict(kwargs)
         else:
             bound = dict(kwargs)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
         for k, v in bound.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 fields[k] = v
@@ -325,8 +329,11 @@ class HookManager:
                         if isinstance(vv, torch.Tensor) and vv.dim() > 0
                     }
                 )
-        if not fields and args and isinstance(args[0], torch.Tensor):
-            fields["input_ids"] = args[0]
+        if first is not None and "input_ids" not in fields:
+            # sample identity (utils/hashing.py): the first positional tensor is the sample's
+            # ``input_ids`` whatever the forward calls it, so hash_sample(x[i]) finds model(x)
+            fields = {k: v for k, v in fields.items() if v is not first}
+            fields["input_ids"] = first
         self._inputs = fields
         if fields:
             key = "input_ids" if "input_ids" in fields else next(iter(fields))
@@ -623,6 +630,18 @@ class HookManager:
             "row; call the model itself (or HookManager.set_sample_ids) for content hashes.",
         )
         return [f"step{self.step}:row{i}" for i in range(b)]
+
+
+def _run_all(steps: list[Any]) -> None:
+    """Call every step even if some fail; raise the first failure afterwards."""
+    error: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
