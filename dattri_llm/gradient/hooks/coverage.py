@@ -1,50 +1,63 @@
-"""Coverage check: do the captured per-sample gradients add up to autograd's weight gradient?
+"""Coverage: is every trainable parameter captured, and do the captures add up to autograd's?
 
-Hooks see a weight only through its module's forward. A weight also used *outside* the module
-(a functional tie such as ``F.linear(h, wte.weight)``, a fused LM head reading
+Hooks see a parameter only through its module's forward. A weight also used *outside* the
+module (a functional tie such as ``F.linear(h, wte.weight)``, a fused LM head reading
 ``lm_head.weight``) gets gradient the hooks never see, and the captured per-sample gradients
-silently miss that share. The check runs once per manager, on the first captured step: in the
-weight's gradient hook (which receives the whole gradient of this backward pass), the captured
-per-sample gradients of every site of that weight are summed over the batch (one contraction
-per site, ``batch_sum``) and compared with it.
+silently miss that share; a module that does not compute what its layer type says (an
+``nn.Linear`` subclass with its own forward) gives wrong ones. The check runs once per manager,
+on the first captured step, for every captured parameter (weights, biases, norm parameters):
+in the parameter's gradient hook (which receives the whole gradient of this backward pass),
+the captured per-sample gradients of every site of that parameter are summed over the batch
+(one contraction per site, ``batch_sum``) and compared with it.
+
+At construction, :func:`uncaptured_warning` names the trainable parameters no hook captures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from dattri_llm.gradient.gradient import Factorized, Materialized
 
 __all__ = [
-    "batch_weight_gradient",
+    "batch_param_gradient",
     "coverage_gap",
     "coverage_message",
     "site_coverage_gap",
     "tolerance",
+    "uncaptured_warning",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 
+#: One site of a parameter: ``(items, rule, module_kwargs, parameter name)``.
+Site = tuple[Sequence[Any], Any, dict, str]
 
-def batch_weight_gradient(items: Sequence[Any], rule: Any, kwargs: dict) -> torch.Tensor | None:
-    """Sum over samples (and calls) of one site's captured gradients, as the ``weight`` tensor.
+
+def batch_param_gradient(
+    items: Sequence[Any], rule: Any, kwargs: dict, pname: str = "weight"
+) -> torch.Tensor | None:
+    """Sum over samples (and calls) of one site's captured gradients, as parameter ``pname``.
 
     Args:
         items: The site's buffered :class:`Factorized` / :class:`Materialized` items.
         rule: The site's layer rule.
         kwargs: The site's module kwargs.
+        pname: The parameter (``"weight"``, ``"bias"``).
 
     Returns:
-        The batch-summed weight gradient, or ``None`` for items the check cannot sum.
+        The batch-summed gradient, or ``None`` for items the check cannot sum.
     """
     total = None
     for item in items:
         if not isinstance(item, (Factorized, Materialized)):
             return None
-        part = rule.unflatten(item.batch_sum().data, kwargs).get("weight")
+        part = rule.unflatten(item.batch_sum().data, kwargs).get(pname)
         if part is None:
             return None
         part = part[0].to(torch.float64)
@@ -61,14 +74,12 @@ def coverage_gap(captured: torch.Tensor, autograd: torch.Tensor) -> float:
     return float((captured - ref).abs().max()) / scale
 
 
-def site_coverage_gap(
-    sites: Sequence[tuple[Sequence[Any], Any, dict]], grad: torch.Tensor
-) -> float | None:
-    """Gap between a weight's autograd gradient and the batch sum over all its sites' items.
+def site_coverage_gap(sites: Sequence[Site], grad: torch.Tensor) -> float | None:
+    """Gap between a parameter's autograd gradient and the batch sum over all its sites' items.
 
     Args:
-        sites: ``(items, rule, module_kwargs)`` of every site sharing the weight.
-        grad: The weight's gradient of this backward pass.
+        sites: ``(items, rule, module_kwargs, parameter name)`` of every site of the parameter.
+        grad: The parameter's gradient of this backward pass.
 
     Returns:
         The relative gap, or ``None`` when the two cannot be compared (sparse, sharded, an
@@ -77,50 +88,130 @@ def site_coverage_gap(
     if grad.is_sparse or type(grad).__name__ == "DTensor":  # FSDP2 shard: not comparable
         return None
     total = None
-    for items, rule, kwargs in sites:
-        part = batch_weight_gradient(items, rule, kwargs)
+    for items, rule, kwargs, pname in sites:
+        part = batch_param_gradient(items, rule, kwargs, pname)
         if part is None or tuple(part.shape) != tuple(grad.shape):
             return None
         total = part if total is None else total + part
     return None if total is None else coverage_gap(total, grad)
 
 
-def tolerance(sites: Sequence[tuple[Sequence[Any], Any, dict]], grad: torch.Tensor) -> float:
+def tolerance(sites: Sequence[Site], grad: torch.Tensor) -> float:
     """Allowed gap: round-off of the captured dtype (half types sum far less exactly)."""
     dtypes = {grad.dtype}
-    for items, _, _ in sites:
+    for items, *_ in sites:
         for item in items:
             dtypes.add(item.g.dtype if isinstance(item, Factorized) else item.data.dtype)
     return 5e-2 if dtypes & set(_HALF) else 1e-3
 
 
 def coverage_message(
-    name: str, specs: Sequence[Any], buffers: dict[str, list], grad: torch.Tensor
+    sites: Sequence[tuple[Any, str]], buffers: dict[str, list], grad: torch.Tensor
 ) -> str | None:
-    """The warning for weight ``name`` if its captured gradients miss part of ``grad``.
+    """The warning for a parameter if its captured gradients miss part of ``grad``.
 
     Args:
-        name: The first hooked site of the weight.
-        specs: Every hooked site (``LayerSpec``) sharing the weight.
+        sites: ``(LayerSpec, parameter name)`` of every hooked site of the parameter.
         buffers: The manager's step buffers, ``{layer: [(order, item), ...]}``.
-        grad: The weight's gradient of this backward pass.
+        grad: The parameter's gradient of this backward pass.
 
     Returns:
         The message, or ``None`` when the gradients agree or cannot be compared.
     """
-    sites = [
-        ([item for _, item in buffers[s.name]], s.rule, s.module_kwargs)
-        for s in specs
+    parts = [
+        ([item for _, item in buffers[s.name]], s.rule, s.module_kwargs, pname)
+        for s, pname in sites
         if s.name in buffers
     ]
-    gap = site_coverage_gap(sites, grad) if sites else None  # no site ran: bypass warning
-    if gap is None or gap <= tolerance(sites, grad):
+    gap = site_coverage_gap(parts, grad) if parts else None  # no site ran: bypass warning
+    if gap is None or gap <= tolerance(parts, grad):
         return None
+    name, pname = sites[0][0].name, sites[0][1]
+    names = [s.name for s, _ in sites]
     return (
-        f"layer {name!r}: the captured per-sample gradients sum to a weight gradient that "
-        f"differs from autograd's by {gap:.1%} (relative, first step): the weight is also used "
-        f"outside the hooked module(s) {[s.name for s in specs]}, e.g. a functional tie such "
-        "as F.linear(h, wte.weight), so that share is missing from the captured gradients. "
-        f"Call the module instead, or exclude the layer (HookManagerConfig(exclude=[{name!r}]))"
-        "; check_coverage=False silences this."
+        f"layer {name!r}: the captured per-sample gradients sum to a {pname} gradient that "
+        f"differs from autograd's by {gap:.1%} (relative, first step): the {pname} is also "
+        f"used outside the hooked module(s) {names}, e.g. a functional tie such as "
+        "F.linear(h, wte.weight), so that share is missing from the captured gradients; or "
+        f"the module does not compute what its layer type ({sites[0][0].rule.layer_type}) "
+        "assumes (a subclass with its own forward). Call the module instead, or exclude the "
+        f"layer (HookManagerConfig(exclude=[{name!r}])); check_coverage=False silences this."
     )
+
+
+_WARNED_UNCAPTURED: set[str] = set()
+
+
+def _listed(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def uncaptured_warning(
+    modules: Mapping[str, nn.Module], specs: Sequence[Any], register_all: bool, skip: set[str]
+) -> None:
+    """Name every trainable parameter the hooks will not capture (construction time, once).
+
+    Two cases: a hooked module's own parameter that its layer type does not cover (an
+    ``nn.Linear`` subclass with an extra parameter; warned whatever the selection), and, under
+    ``REGISTER_ALL``, any other trainable parameter of the model (a module no rule covers, a
+    parameter registered on the root module).
+
+    Args:
+        modules: ``{canonical module name: module}`` of the model (the root as ``""``).
+        specs: The resolved ``LayerSpec`` list.
+        register_all: The selection is ``REGISTER_ALL`` (or the default).
+        skip: Module names the user excluded, or that were left out with a warning already.
+    """
+    captured: set[int] = set()
+    for spec in specs:
+        if spec.hook_type == "param_grad":
+            captured.update(id(p) for p in spec.module.parameters(recurse=False))
+            continue
+        for pname in spec.rule.param_names(spec.module_kwargs):
+            p = getattr(spec.module, pname, None)
+            if isinstance(p, torch.Tensor):
+                captured.add(id(p))
+    hooked = {s.name: s for s in specs}
+    seen: set[int] = set()
+    in_hooked: dict[str, list[str]] = {}
+    elsewhere: list[str] = []
+    for mname, module in modules.items():
+        if mname in skip:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in captured or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if mname in hooked:
+                in_hooked.setdefault(mname, []).append(pname)
+            elif register_all:
+                where = "the root module" if not mname else "a"
+                elsewhere.append(
+                    f"{mname + '.' if mname else ''}{pname} ({where} {type(module).__name__})"
+                )
+    for mname, pnames in in_hooked.items():
+        spec = hooked[mname]
+        _warn_once(
+            f"extra:{mname}:{pnames}",
+            f"layer {mname!r} is hooked as {spec.rule.layer_type}, but its trainable "
+            f"parameter(s) {pnames} are not part of that layer type's gradient, so they are "
+            "not captured (and if they change how the module uses its weight, the weight's "
+            "captured gradient is wrong as well: the first-step coverage check warns then). "
+            f"Exclude the layer (HookManagerConfig(exclude=[{mname!r}])) or hook it with "
+            "param_grad (batch size 1), or freeze those parameters.",
+        )
+    if elsewhere:
+        _warn_once(
+            "elsewhere:" + ",".join(elsewhere),
+            f"REGISTER_ALL captures no per-sample gradient for these trainable parameters: "
+            f"{_listed(elsewhere)}. No layer rule covers them. Declare their modules with "
+            "layer_types + module_kwargs (e.g. 'nn.RMSNorm' for an RMSNorm class), hook them "
+            "with param_grad, or freeze them; otherwise attribution ignores them.",
+        )
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED_UNCAPTURED:
+        _WARNED_UNCAPTURED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=5)
