@@ -39,7 +39,7 @@ from dattri_llm.gradient.gradient import (
     Shared,
 )
 from dattri_llm.gradient.hooks.config import HookManagerConfig, LayerSpec, resolve_layers
-from dattri_llm.gradient.hooks.coverage import coverage_message
+from dattri_llm.gradient.hooks.coverage import coverage_message, term_magnitude
 from dattri_llm.gradient.hooks.sharing import layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 from dattri_llm.utils.hashing import hash_batch
@@ -167,8 +167,13 @@ class HookManager:
         self._partly_hooked: set[str] = plan.partly_hooked  # share with an unhooked module
         self._shared_groups: dict[str, list[str]] = plan.groups
         self._param_sites = plan.params
-        #: The first captured step checks that captured gradients cover each parameter's.
+        #: The first captured step checks that captured gradients cover each parameter's:
+        #: the graph task each item was captured in (a parameter's gradient hook sees the
+        #: gradient of one task: a reentrant checkpoint's inner backward is a task of its own)
+        #: and the size of each layer's terms (round-off scale).
         self._coverage_pending = bool(self.config.check_coverage)
+        self._item_task: dict[tuple[str, int], int] = {}
+        self._magnitude: dict[str, float] = {}
         #: Capture-time projection resolved per layer (``None`` without ``config.projection``).
         self.projection = None
         if self.config.projection is not None:
@@ -369,6 +374,11 @@ class HookManager:
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
+        if self._coverage_pending:
+            self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
+            self._magnitude[spec.name] = max(
+                self._magnitude.get(spec.name, 0.0), term_magnitude(item)
+            )
         if self.projection is not None:  # logra: project the factors, relabel the layer
             item = self.projection.project_factors(spec, item)
         for cb in self.callbacks:
@@ -416,7 +426,12 @@ class HookManager:
         sites = self._param_sites[pid].sites
         if self._partly_hooked & {s.name for s, _ in sites}:
             return  # shared with an unhooked module: warned about at construction
-        message = coverage_message(sites, self._buffers, grad)
+        task = torch._C._current_graph_task_id()
+        buffers = {
+            name: [(o, it) for o, it in items if self._item_task.get((name, o)) == task]
+            for name, items in self._buffers.items()
+        }
+        message = coverage_message(sites, buffers, grad, self._magnitude)
         if message is not None:
             warn_once(f"coverage:{sites[0][0].name}:{sites[0][1]}", message)
 
@@ -444,6 +459,8 @@ class HookManager:
         self._forward_seen = set()
         self._grad_seen = set()
         self._grad_like = None
+        self._item_task = {}
+        self._magnitude = {}
         self._buffers = {}
         self._param_grads = {}
         self._inputs = None
