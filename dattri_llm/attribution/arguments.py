@@ -39,9 +39,6 @@ class AttributionArguments:
         lr_scheduler_type: Learning-rate schedule of the training run (trajectory methods).
         weight_decay: Weight decay of the training run (trajectory methods).
         gradient_accumulation_steps: Micro-batches per optimizer step of the training run.
-        bf16: The training run used bfloat16 autocast.
-        fp16: The training run used float16 autocast.
-        fsdp: FSDP options of the training run (as in ``transformers.TrainingArguments``).
         score_block_size: At most this many train rows and this many test columns are scored
             in one call of ``score_block``, which bounds the scoring memory for large N x M.
         show_progress: Show tqdm progress bars.
@@ -66,9 +63,6 @@ class AttributionArguments:
     lr_scheduler_type: str = "linear"
     weight_decay: float = 0.0
     gradient_accumulation_steps: int = 1
-    bf16: bool = False
-    fp16: bool = False
-    fsdp: str = ""
     score_block_size: int = 1024
     show_progress: bool = True
     live_cache_gb: float = 2.0
@@ -100,8 +94,13 @@ class AttributionArguments:
             raise ValueError(
                 f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
             )
-        if self.bf16 and self.fp16:
-            raise ValueError("AttributionArguments: bf16 and fp16 are exclusive; set one.")
+        for name in ("use_cpu", "dataloader_drop_last", "show_progress"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"AttributionArguments.{name} must be True or False, got {value!r} "
+                    f"({type(value).__name__})."
+                )
 
     @property
     def device(self) -> torch.device:

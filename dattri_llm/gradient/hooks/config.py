@@ -112,8 +112,8 @@ class HookManagerConfig:
             sel = getattr(self, name)
             if isinstance(sel, str):
                 setattr(self, name, [sel])
-            elif sel is not None and sel is not REGISTER_ALL:
-                _check_patterns(name, sel)
+            if sel is not None and sel is not REGISTER_ALL:
+                _check_patterns(name, getattr(self, name))
         if isinstance(self.exclude, str):
             self.exclude = [self.exclude]
         _check_patterns("exclude", self.exclude)
@@ -435,6 +435,11 @@ def _empty_selection_message(model: nn.Module, eligible: set[str]) -> str:
             "no gradient to capture. Unfreeze what should be attributed (e.g. "
             "model.requires_grad_(True)), or set HookManagerConfig(include_frozen=True) to "
             "capture the gradient with respect to frozen parameters"
+        )
+    elif rule_for_module(model) is not None:
+        why = (
+            f"the model itself is one {type(model).__name__}, and layers are hooked by their "
+            "name inside the model: wrap it (nn.Sequential(model))"
         )
     elif not eligible:
         from dattri_llm.gradient.layers import supported_layer_types
