@@ -423,3 +423,27 @@ def test_register_all_models_warn_about_nothing_when_everything_is_captured() ->
         warnings.simplefilter("error")
         hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL))
     hm.remove()
+
+
+def test_data_selection_is_exact_on_a_tied_head_with_a_bias() -> None:
+    """DataSelectionCallback maps layers to parameters the same way: the split-off bias too."""
+    import copy
+
+    from dattri_llm import DataSelectionCallback
+
+    torch.manual_seed(1)
+    model = MLMHead().double()
+    plain = copy.deepcopy(model)
+    ids, ref_ids = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (2, 5))
+    recs, _, _ = capture(model, [ref_ids], loss=ce_loss)
+    model.zero_grad()
+    sel = DataSelectionCallback(reference=recs[0].gradient, drop_fraction=0.5)
+    hm = HookManager(model, callbacks=[sel])
+    with hm.collect(deregister_on_exit=True):
+        hm.set_sample_ids(["a", "b", "c"])
+        ce_loss(model, ids).backward()
+    keep = [i for i, s in enumerate("abc") if s in sel.history[0].kept_hashes]
+    assert 0 < len(keep) < 3
+    ce_loss(plain, ids[keep]).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-12

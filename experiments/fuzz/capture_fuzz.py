@@ -13,6 +13,7 @@ Usage (from the repository root)::
     python experiments/fuzz/capture_fuzz.py                  # seeds 0..1999
     python experiments/fuzz/capture_fuzz.py --start 5000 --seeds 500
     python experiments/fuzz/capture_fuzz.py --seed 123 -v     # one seed, its model printed
+    python experiments/fuzz/capture_fuzz.py --device cuda --seeds 300
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=2000, help="number of seeds")
     p.add_argument("--seed", type=int, default=None, help="run this one seed only")
     p.add_argument("-v", "--verbose", action="store_true", help="print each model")
+    p.add_argument("--device", default=None, help="e.g. cuda (TF32 is turned off)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
     print(
         f"# capture fuzz: seeds {seeds[0]}..{seeds[-1]}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}, device {args.device or 'cpu'}"
     )
     t0 = time.perf_counter()
     worst: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
@@ -52,7 +56,7 @@ def main() -> int:
         case = random_case(seed)
         if args.verbose:
             print(case.model)
-        out = check_case(case)
+        out = check_case(case, device=args.device)
         key = str(case.dtype).removeprefix("torch.")
         w = worst[key]
         w[0], w[1], w[2] = max(w[0], out.param_err), max(w[1], out.gram_err), w[2] + 1

@@ -430,11 +430,12 @@ def _rel(x: torch.Tensor, y: torch.Tensor, floor: float = 0.0) -> float:
     return diff / scale
 
 
-def check_case(case: Case, tol: float | None = None) -> Outcome:
+def check_case(case: Case, tol: float | None = None, device: str | None = None) -> Outcome:
     """Capture ``case`` in every style; compare with one backward pass per sample.
 
     The reference runs the same model (same dtype: a float64 copy would differ where the
     dtype enters the function, e.g. ``nn.RMSNorm(eps=None)``); comparisons are in float64.
+    With ``device`` the model (moved in place) and the batches live there.
 
     Failures: an error above ``tol`` (default ``1e-9`` in float64, ``2e-3`` in float32), a
     trainable parameter missing from (or a frozen one present in) the capture, a warning from
@@ -452,6 +453,9 @@ def check_case(case: Case, tol: float | None = None) -> Outcome:
         (2, random.Random(-case.seed).randint(2, 5)),
     ]
     batches = [case.batch(gen, bb, t) for bb, t in shapes]
+    if device is not None:
+        case.model.to(device)
+        batches = [x.to(device) for x in batches]
     ref_model = copy.deepcopy(case.model)
     refs = []
     try:

@@ -15,7 +15,7 @@ from torch import nn
 from dattri_llm.gradient.hooks.coverage import uncaptured_warning
 from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
 
-__all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "resolve_layers"]
+__all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "as_config", "resolve_layers"]
 
 
 class _RegisterAll:
@@ -72,8 +72,8 @@ class HookManagerConfig:
             per-sample gradients (weights, biases, norm parameters) sum to the gradient
             autograd computes for it, and warn once per layer where they do not (the weight is
             also used outside its module, e.g. a functional tie ``F.linear(h, wte.weight)``, or
-            the module does not compute what its layer type says). Costs one extra GEMM per
-            layer, once.
+            the module does not compute what its layer type says). Costs two extra
+            contractions per layer (the sum and its round-off scale), once.
         include_frozen: Also capture parameters that do not require grad. By default only
             trainable parameters belong to the per-sample gradient: a layer whose weight is
             frozen and whose bias trains (BitFit) contributes its bias alone, and a layer with
@@ -146,6 +146,24 @@ class HookManagerConfig:
                 raise ValueError(
                     f"hook_types[{name!r}] must be 'linear_io' or 'param_grad', got {kind!r}"
                 )
+
+
+def as_config(config: Any) -> HookManagerConfig:
+    """``config`` itself, a default config for ``None``; anything else is a clear TypeError."""
+    if config is None:
+        return HookManagerConfig()
+    if isinstance(config, HookManagerConfig):
+        return config
+    hint = (
+        "HookManagerConfig(**your_dict)"
+        if isinstance(config, Mapping)
+        else "HookManagerConfig(linear_io=REGISTER_ALL)"
+    )
+    raise TypeError(
+        f"HookManager(config=...) must be a HookManagerConfig, got {type(config).__name__} "
+        f"{config!r}. Build one: config={hint} (from dattri_llm import HookManagerConfig, "
+        "REGISTER_ALL)."
+    )
 
 
 def _check_patterns(name: str, patterns: Any) -> None:

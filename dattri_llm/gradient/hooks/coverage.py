@@ -26,6 +26,7 @@ from dattri_llm.gradient.gradient import Factorized, Materialized
 
 __all__ = [
     "batch_param_gradient",
+    "bypass_message",
     "coverage_gap",
     "coverage_message",
     "site_coverage_gap",
@@ -80,14 +81,15 @@ def term_magnitude(item: Any) -> float:
 def coverage_gap(captured: torch.Tensor, autograd: torch.Tensor, magnitude: float = 0.0) -> float:
     """Relative difference ``|captured - autograd| / |autograd|`` (max norms).
 
-    The scale is at least ``sqrt(eps) * magnitude`` (the size of the captured terms, over the
-    layer's parameters): a gradient that cancels to round-off (a bias right before a
-    normalisation) is not compared relative to that round-off.
+    The scale is at least ``eps ** (1/4) * magnitude`` (the size of the captured terms, over
+    the layer's parameters): a gradient that cancels to round-off (a bias right before a
+    normalisation, a norm weight over few tokens whose ``x_hat`` the rule recomputes) is not
+    compared relative to that round-off (measured: up to ``2e-5 * magnitude`` in float32).
     """
     ref = autograd.detach().to(torch.float64)
     scale = float(ref.abs().max())
     if autograd.is_floating_point():
-        scale = max(scale, magnitude * torch.finfo(autograd.dtype).eps ** 0.5)
+        scale = max(scale, magnitude * torch.finfo(autograd.dtype).eps ** 0.25)
     if scale == 0.0:
         return 0.0 if float(captured.abs().max()) == 0.0 else float("inf")
     return float((captured - ref).abs().max()) / scale
@@ -171,6 +173,26 @@ def coverage_message(
         f"the module does not compute what its layer type ({sites[0][0].rule.layer_type}) "
         "assumes (a subclass with its own forward). Call the module instead, or exclude the "
         f"layer (HookManagerConfig(exclude=[{name!r}])); check_coverage=False silences this."
+    )
+
+
+def bypass_message(entries: Sequence[Any]) -> str:
+    """The warning for one layer whose parameters got a gradient while none of their sites ran.
+
+    Args:
+        entries: The layer's ``ParamSites`` (see ``hooks/sharing.py``) that got a gradient.
+    """
+    names = [s.name for s, _ in entries[0].sites]
+    name = names[0]
+    pnames = " and ".join(e.sites[0][1] for e in entries)
+    tied = f" (tied with {names[1:]})" if len(names) > 1 else ""
+    return (
+        f"layer {name!r}{tied}: its {pnames} received a gradient in this backward pass but its "
+        "forward never ran, so the parameter was used outside the module (e.g. TRL's fused LM "
+        "head computes logits from lm_head.weight directly; nn.MultiheadAttention uses "
+        "out_proj.weight without calling out_proj). Hooks cannot see that use: its per-sample "
+        "gradient is recorded as zero. Exclude it "
+        f"(HookManagerConfig(exclude=[{name!r}])) or make the model call the module."
     )
 
 

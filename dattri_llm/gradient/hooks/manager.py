@@ -38,8 +38,13 @@ from dattri_llm.gradient.gradient import (
     Materialized,
     Shared,
 )
-from dattri_llm.gradient.hooks.config import HookManagerConfig, LayerSpec, resolve_layers
-from dattri_llm.gradient.hooks.coverage import coverage_message, term_magnitude
+from dattri_llm.gradient.hooks.config import (
+    HookManagerConfig,
+    LayerSpec,
+    as_config,
+    resolve_layers,
+)
+from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
 from dattri_llm.gradient.hooks.sharing import layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 from dattri_llm.utils.hashing import hash_batch
@@ -122,19 +127,8 @@ class HookManager:
         callbacks: Sequence[HookCallback] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, HookManagerConfig):
-            hint = (
-                "HookManagerConfig(**your_dict)"
-                if isinstance(config, dict)
-                else "HookManagerConfig(linear_io=REGISTER_ALL)"
-            )
-            raise TypeError(
-                f"HookManager(config=...) must be a HookManagerConfig, got "
-                f"{type(config).__name__} {config!r}. Build one: config={hint} (from "
-                "dattri_llm import HookManagerConfig, REGISTER_ALL)."
-            )
         self.model = model
-        self.config = config or HookManagerConfig()
+        self.config = as_config(config)
         self.callbacks: list[HookCallback] = list(callbacks or [])
         self.optimizer = optimizer
         specs = resolve_layers(model, self.config)
@@ -374,7 +368,7 @@ class HookManager:
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
-        if self._coverage_pending:
+        if self._coverage_pending and not self._transforms and self.projection is None:
             self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
             self._magnitude[spec.name] = max(
                 self._magnitude.get(spec.name, 0.0), term_magnitude(item)
@@ -533,8 +527,8 @@ class HookManager:
         by_layer: dict[str, list[Any]] = {}
         for entry in bypassed:
             by_layer.setdefault(entry.sites[0][0].name, []).append(entry)
-        for entries in by_layer.values():
-            _warn_bypassed(entries)
+        for name, entries in by_layer.items():
+            warn_once(f"bypassed:{name}", bypass_message(entries))
         if merged:
             self._coverage_pending = False  # checked on the first captured step only
         ref = _ref_tensor(merged)
@@ -620,23 +614,6 @@ class HookManager:
             "row; call the model itself (or HookManager.set_sample_ids) for content hashes.",
         )
         return [f"step{self.step}:row{i}" for i in range(b)]
-
-
-def _warn_bypassed(entries: Sequence[Any]) -> None:
-    """One warning per layer whose parameters got a gradient while none of their sites ran."""
-    names = [s.name for s, _ in entries[0].sites]
-    name = names[0]
-    pnames = " and ".join(e.sites[0][1] for e in entries)
-    tied = f" (tied with {names[1:]})" if len(names) > 1 else ""
-    warn_once(
-        f"bypassed:{name}",
-        f"layer {name!r}{tied}: its {pnames} received a gradient in this backward pass but its "
-        "forward never ran, so the parameter was used outside the module (e.g. TRL's fused LM "
-        "head computes logits from lm_head.weight directly; nn.MultiheadAttention uses "
-        "out_proj.weight without calling out_proj). Hooks cannot see that use: its per-sample "
-        "gradient is recorded as zero. Exclude it "
-        f"(HookManagerConfig(exclude=[{name!r}])) or make the model call the module.",
-    )
 
 
 def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
