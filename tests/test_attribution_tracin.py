@@ -518,9 +518,9 @@ def test_layers_mismatch_between_stores(tmp_path):
 def test_arguments_work_with_hf_argument_parser(tmp_path):
     transformers = pytest.importorskip("transformers")
     (parsed,) = transformers.HfArgumentParser(AttributionArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--score_block_size", "7", "--fp16"]
+        ["--output_dir", str(tmp_path), "--use_cpu", "--score_block_size", "7"]
     )
-    assert parsed.score_block_size == 7 and parsed.use_cpu and parsed.fp16
+    assert parsed.score_block_size == 7 and parsed.use_cpu
     assert parsed.device == torch.device("cpu")
     with pytest.raises(ValueError, match="score_block_size"):
         AttributionArguments(score_block_size=0)

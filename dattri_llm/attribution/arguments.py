@@ -44,9 +44,6 @@ class AttributionArguments:
         gradient_accumulation_steps: Micro-batches per optimizer step of that run.
         num_train_epochs: Epochs of that run (fractions allowed).
         max_grad_norm: Gradient-norm clipping of that run (0: none).
-        bf16: The training run used bfloat16 autocast.
-        fp16: The training run used float16 autocast.
-        fsdp: FSDP options of the training run (as in ``transformers.TrainingArguments``).
         score_block_size: At most this many train rows and this many test columns are scored
             in one call of ``score_block``, which bounds the scoring memory for large N x M.
         show_progress: Show tqdm progress bars.
@@ -73,9 +70,6 @@ class AttributionArguments:
     gradient_accumulation_steps: int = 1
     num_train_epochs: float = 1.0
     max_grad_norm: float = 0.0
-    bf16: bool = False
-    fp16: bool = False
-    fsdp: str = ""
     score_block_size: int = 1024
     show_progress: bool = True
     live_cache_gb: float = 2.0
@@ -115,8 +109,13 @@ class AttributionArguments:
             raise ValueError(
                 f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
             )
-        if self.bf16 and self.fp16:
-            raise ValueError("AttributionArguments: bf16 and fp16 are exclusive; set one.")
+        for name in ("use_cpu", "dataloader_drop_last", "show_progress"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"AttributionArguments.{name} must be True or False, got {value!r} "
+                    f"({type(value).__name__})."
+                )
 
     @property
     def device(self) -> torch.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,8 @@ class OffloadCallback(HookCallback):
 
     Args:
         offload_interval: Write every ``offload_interval``-th step.
-        file_manager: The store to write to.
+        file_manager: The store to write to: a ``GradientStorageManager``, or a directory
+            path (a ``GradientStorageManager(path)`` is built for it).
         recording_type: ``"per_sample"`` or ``"per_batch"``.
         gradient_accumulation_steps: Micro-batches per optimizer step.
         step_offset: Added to every stored step. Default (``None``): ``0``, or, for a
@@ -73,15 +75,24 @@ class OffloadCallback(HookCallback):
     def __init__(
         self,
         offload_interval: int = 1,
-        file_manager: GradientStorageManager | None = None,
+        file_manager: GradientStorageManager | str | os.PathLike | None = None,
         recording_type: str = "per_sample",
         gradient_accumulation_steps: int = 1,
         step_offset: int | None = None,
     ) -> None:
         if file_manager is None:
             raise ValueError(
-                "OffloadCallback needs file_manager=GradientStorageManager(save_dir): the store "
-                "the gradients are written to."
+                "OffloadCallback needs file_manager=GradientStorageManager(save_dir) (or the "
+                "store's directory path): the store the gradients are written to."
+            )
+        if isinstance(file_manager, (str, os.PathLike)):
+            from dattri_llm.gradient.store import GradientStorageManager
+
+            file_manager = GradientStorageManager(file_manager)
+        elif not callable(getattr(file_manager, "write", None)):
+            raise TypeError(
+                "OffloadCallback(file_manager=...) must be a GradientStorageManager or a "
+                f"directory path, got {type(file_manager).__name__} {file_manager!r}."
             )
         if not isinstance(offload_interval, int) or offload_interval < 1:
             raise ValueError(f"offload_interval must be an integer >= 1, got {offload_interval!r}")
