@@ -232,6 +232,17 @@ def test_undeclared_accumulation_and_missing_record_post_refused():
         OptimizerStateCallback(model, opt, gradient_accumulation_steps=0)
 
 
+def test_dense_projection_refused_by_the_moments_recorder():
+    from dattri_llm import ProjectionConfig
+
+    model = make_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cfg = HookManagerConfig(projection={"fc": ProjectionConfig("dense", proj_dim=4)})
+    with pytest.raises(ValueError, match="dense") as e:
+        HookManager(model, config=cfg, callbacks=[OptimizerStateCallback(model, opt)])
+    assert "'fc'" in str(e.value) or "['fc']" in str(e.value)
+
+
 # ---- parameter snapshots -------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_parameter_snapshots_bit_exact(tmp_path, dtype):
@@ -307,7 +318,8 @@ def test_replay_equals_stored_gradients(tmp_path, p):
         assert block.hashes == ref.hashes
         a, b = block.gradient.flatten(), ref.gradient.flatten()
         assert a.dtype == DT
-        assert torch.equal(a, b), (block.step, float((a - b).abs().max()))
+        # same numbers up to summation order (a reloaded batch may take another SIMD path)
+        assert float((a - b).abs().max() / b.abs().max()) <= 1e-13, block.step
     # the model is left as it was found
     assert not model.training
     assert torch.equal(torch.get_rng_state(), rng)
@@ -323,6 +335,32 @@ def test_replay_equals_stored_gradients(tmp_path, p):
             drop_loss(m2, snaps.load_batch(1)).backward()
         hm.remove()
         assert not torch.allclose(cb.pop().gradient.flatten(), stored[1].gradient.flatten())
+
+
+def test_replay_with_recorded_model_inputs(tmp_path):
+    """``record_batches=True``: the model's inputs are recorded; a label-free loss replays."""
+    torch.manual_seed(0)
+    model = DropMLP(0.25).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = GradientStorageManager(tmp_path / "grads")
+    snaps = TrajectorySnapshots(tmp_path / "traj")
+    cb = ParameterSnapshotCallback(model, snaps, record_batches=True)
+    hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store), cb])
+
+    def loss(m, batch):
+        return torch.logsumexp(m(**batch), -1).sum()
+
+    with hm.collect():
+        for _ in range(2):
+            opt.zero_grad()
+            loss(model, {"x": torch.randn(3, 4, dtype=DT)}).backward()
+            opt.step()
+    hm.remove()
+    stored = {b.step: b for b in DiskGradientSource(tmp_path / "grads")}
+    for block in ReplayGradientSource(model, tmp_path / "traj", loss):
+        ref = stored[block.step].gradient.flatten()
+        assert float((block.gradient.flatten() - ref).abs().max() / ref.abs().max()) <= 1e-13
+        assert block.hashes == stored[block.step].hashes
 
 
 def test_replay_refuses_dropout_without_recorded_random_state(tmp_path):
@@ -345,9 +383,9 @@ n = int(sys.argv[2])
 for step in range(10**6):
     w = torch.full((n,), float(step), dtype=torch.float64)
     b = torch.arange(3.0) + step
+    print("writing", step, flush=True)
     snaps.save_parameters(step, {"w": w, "b": b}, meta={"learning_rate": step / 10})
     snaps.save_batch(step, {"x": torch.full((2, 3), step), "tag": "s%d" % step})
-    print(step, flush=True)
 """
 
 
@@ -375,11 +413,12 @@ def _check_trajectory(root) -> int:
 
 
 def test_sigkill_during_snapshot_writes_leaves_a_readable_trajectory(tmp_path):
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
-    )
+    """A writer killed with SIGKILL in the middle of a write (it announces each write; the kill
+    lands 0-3 ms later, inside the 3 MB safetensors write + fsync)."""
+    path = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     rnd = random.Random(0)
-    tmp_seen = 0
+    mid_write = 0
     for trial in range(2):
         root = tmp_path / f"traj{trial}"
         proc = subprocess.Popen(
@@ -390,18 +429,18 @@ def test_sigkill_during_snapshot_writes_leaves_a_readable_trajectory(tmp_path):
             text=True,
         )
         try:
-            for _ in range(2 + trial):
-                line = proc.stdout.readline()
+            target = f"writing {3 + trial}"
+            while (line := proc.stdout.readline().strip()) != target:
                 assert line, proc.stderr.read()
-            time.sleep(rnd.uniform(0.0, 0.01))
+            time.sleep(rnd.uniform(0.0, 0.003))
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-        tmp_seen += sum(1 for _ in root.rglob(".*.tmp"))
+        mid_write += any(True for _ in root.rglob(".*.tmp"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a torn index line is announced, not an error
-            assert _check_trajectory(root) >= 2 + trial
-    print(f"unfinished temp files found after the kills: {tmp_seen}")
+            assert _check_trajectory(root) >= 3 + trial
+    print(f"kills that left an unfinished file: {mid_write} of 2")
 
 
 def test_torn_index_line_and_unfinished_file_are_recovered(tmp_path):
