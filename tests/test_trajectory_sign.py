@@ -5,6 +5,13 @@ a mislabelled near-copy, z− = (x* + δ, 1), among random samples. Real removal
 without the sample, by the unrolled loop of ``trajectory_reference``) raises the query's loss
 for z+ and lowers it for z−; every trajectory attributor must score z+ positive (the top
 proponent) and z− negative (the top opponent).
+
+Learning rates are small enough for first-order methods to apply: with SGD at lr 0.2 (momentum
+0.5) the empirical-Fisher curvature of a batch holding z+ and z− is badly overestimated
+(lr·λ_max = 2.9) and DVEmb scores z+ at −0.98 while the exact derivative is +0.44 and removal
++0.41 (curvature "none" keeps the sign): a limit of the method, not of the sign convention.
+LESS is checked with β₁ = 0, where Γ is the sample's own preconditioned gradient; with β₁ = 0.9
+the optimizer's history dominates Γ and every LESS score in this case is positive.
 """
 
 from __future__ import annotations
