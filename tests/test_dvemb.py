@@ -39,6 +39,7 @@ from tests.trajectory_reference import (
     query_grads,
     record_mlp_run,
     rel_err,
+    removal,
     sgd_step_matrices,
     shares,
     unroll_explicit,
@@ -172,7 +173,7 @@ def product_formula(run, curvature=None):
         H.append(kap[k] * V.T @ V)
     emb = {}
     for t, idx in enumerate(run.schedule):
-        S = shares(run, t)
+        S = removal(run, shares(run, t))
         for i, z in enumerate(idx):
             e = run.lrs[t] * S[i]
             for k in range(t + 1, T):
@@ -213,7 +214,7 @@ def test_plain_sgd_equals_the_product_formula(tmp_path, reduction):
     # non-vacuous: the propagation matters at these learning rates
     none = DVEmbAttributor(a, curvature="none", loss_reduction=reduction)
     flat_ref = {
-        (z, t): run.lrs[t] * query_grads(run) @ shares(run, t)[i]
+        (z, t): run.lrs[t] * query_grads(run) @ removal(run, shares(run, t))[i]
         for t, idx in enumerate(run.schedule)
         for i, z in enumerate(idx)
     }
@@ -319,7 +320,7 @@ def test_embeddings_saved_and_reloaded_rescore_identically(tmp_path):
     s2 = loaded.score(tmp_path / "q2")
     from dattri_llm.utils.hashing import hash_batch
 
-    cols = [s2.test_hashes.index(h) for h in hash_batch({"x": XQ2})]
+    cols = [s2.test_hashes.index(h) for h in hash_batch({"input_ids": XQ2})]
     got = {
         (run.ids.index(h), s): s2.scores[i, cols]
         for i, (h, s) in enumerate(zip(s2.train_hashes, s2.train_steps))

@@ -486,8 +486,8 @@ def record_mlp_run(
         consumed=consumed,
         grad_before_clip=before,
         max_norms=norms if clip_factors is not None else None,
-        ids=hash_batch({"x": X}),
-        qids=hash_batch({"x": XQ}),
+        ids=hash_batch({"input_ids": X}),
+        qids=hash_batch({"input_ids": XQ}),
         extra=extra,
     )
 
@@ -513,6 +513,19 @@ def shares(run: Run, t: int) -> torch.Tensor:
     idx = run.schedule[t]
     s = run.flat.sample_grads(run.thetas[t], run.X[idx], run.Y[idx])
     return s / len(idx) if run.reduction == "mean" else s
+
+
+def removal(run: Run, S: torch.Tensor) -> torch.Tensor:
+    """The batch-gradient change of removing each sample from its step, as a push direction.
+
+    Sum loss: the share ``s``. Mean loss: the mean is re-taken over the ``B − 1`` others, so
+    the batch gradient changes by ``(G − B s)/(B − 1)``: the direction is ``(B s − G)/(B − 1)``
+    with ``G = Σ s`` (exact at fixed θ).
+    """
+    if run.reduction == "sum":
+        return S
+    b = S.shape[0]
+    return (b * S - S.sum(0)) / (b - 1)
 
 
 def kappa(run: Run, t: int) -> float:
@@ -687,7 +700,7 @@ def unroll_explicit(run: Run, step_matrices: Callable, q: torch.Tensor):
     total = torch.zeros(run.X.shape[0], q.shape[0], dtype=DT)
     for t, idx in enumerate(run.schedule):
         _, D, Jc, S = mats[t]
-        x = D @ (Jc @ (-S.T))  # (nP, B): state perturbation after step t
+        x = D @ (Jc @ (-removal(run, S).T))  # (nP, B): state perturbation after step t
         for k in range(t + 1, len(run.schedule)):
             x = mats[k][0] @ x
         sc = q @ x[:P]  # (Q, B)

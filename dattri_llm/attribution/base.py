@@ -387,7 +387,7 @@ class BaseAttributor:
                 # weights
                 if h in seen and seen[h][1] != int(b.step):
                     raise ValueError(
-                        f"test sample {h!r} has gradients from two captures for pairing key "
+                        f"test sample {h!r} has several gradients (two captures) for pairing key "
                         f"{checkpoint} (steps {seen[h][1]} and {b.step}); they would be mixed "
                         "into one query silently. Capture each query once per checkpoint, or "
                         "label the captures (HookManager.checkpoint) so each pairs with its "
