@@ -19,11 +19,14 @@ error, never a silent 1.
 Curvature ``H_k`` of each step's batch loss:
 
 * ``"empirical_fisher"`` (the paper's): ``κ Σ_z s_z s_zᵀ`` from the captured gradients.
-* ``"mc_fisher"``: the Monte-Carlo Fisher, ``κ Σ_z ŝ_z ŝ_zᵀ`` with ``ŝ`` the gradients of the
-  loss at labels *sampled from the model's prediction* (:func:`sampled_cross_entropy`), captured
-  through the same hooks into a second store or replayed (``curvature_source=``); for
-  cross-entropy it is an unbiased estimate of the Gauss-Newton matrix, and far more accurate than
-  the empirical Fisher on small checks. Rows of one sample at one step are averaged.
+* ``"mc_fisher"``: the Monte-Carlo Fisher, ``κ Σ_z (1/n) Σ_draws ŝ_z ŝ_zᵀ`` with ``ŝ`` the
+  gradients of the loss at labels *sampled from the model's prediction*
+  (:func:`sampled_cross_entropy`, with the training loss's reduction), captured through the same
+  hooks into a second store or replayed (``curvature_source=``); for cross-entropy it is an
+  unbiased estimate of the Gauss-Newton matrix, and far more accurate than the empirical Fisher
+  on small checks. The ``n`` draws of a sample at one step may be laid out as repeated rows of
+  one curvature batch or as several micro-batches: each row's share is rescaled to the
+  sample's own gradient before averaging.
 * ``"none"``: no propagation (``e_t(z) = η_t s_z``).
 
 A run trained with Adam / AdamW gets a warning pointing to ``AdamWInfluenceAttributor``: DVEmb's
@@ -213,6 +216,9 @@ class DVEmbAttributor(TrajectoryAttributor):
         learning_rate: Default schedule (a number, sequence by step, mapping or callable).
         momentum, dampening, nesterov, weight_decay: ``torch.optim.SGD``'s (ignored when the
             call passes recorded ``dynamics=``, which carry them).
+        momentum_buffer_existed: Without ``dynamics=``: whether the momentum buffer existed
+            before the first captured step (a window captured mid-training). Needed with
+            momentum and dampening, where it sets the first step's gain (1 or 1 - dampening).
         curvature: ``"empirical_fisher"``, ``"mc_fisher"`` or ``"none"``.
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
@@ -231,6 +237,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         dampening: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
+        momentum_buffer_existed: bool | None = None,
         curvature: str = "empirical_fisher",
         loss_reduction: str = "sum",
         method: str = "forward",
@@ -244,6 +251,8 @@ class DVEmbAttributor(TrajectoryAttributor):
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
+        self.momentum_buffer_existed = momentum_buffer_existed
+        self._first_step = 0
         self.curvature = curvature
         self.method = method
 
@@ -372,22 +381,24 @@ class DVEmbAttributor(TrajectoryAttributor):
                 raise ValueError(f"{where}: curvature_source lacks steps {missing[:10]}.")
         elif curvature_source is not None:
             raise ValueError(f"{where}: curvature_source= is used with curvature='mc_fisher' only.")
-        first_step = index.steps[0]
+        self._check_warm_start(dyn, index.steps[0])
 
         def load(step: int) -> tuple[SGDStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
             kappa = self.kappa(shares.shape[0])
             vectors, weights = shares, None
             if curv_index is not None:
-                vectors, rows = dense_rows(curv_index.load(step), layers, dtype, device)
-                counts: dict[str, int] = {}
-                for h in rows:
-                    counts[h] = counts.get(h, 0) + 1
-                weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
+                vectors, weights, kappa = self._curvature_rows(
+                    curv_index.load(step), layers, dtype, device, shares.shape[0]
+                )
             elif self.curvature == "none":
                 vectors = None
             p = shares.shape[1]
-            lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
+            if schedule is None:  # the record's per-parameter learning rates
+                sd = dyn.step(step, device)
+                lr = torch.cat([sd.hyper_vector(n, "lr", dtype, device) for n in layers])
+            else:
+                lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
             hyper = self._sgd_hyper(dyn, step, layers, p, dtype, device, lr)
             curvature = Curvature(
                 vectors=vectors,
@@ -403,18 +414,65 @@ class DVEmbAttributor(TrajectoryAttributor):
                 momentum=hyper["momentum"],
                 dampening=hyper["dampening"],
                 nesterov=hyper["nesterov"],
-                first_buffer=hyper["first"] if dyn is not None else step == first_step,
+                first_buffer=hyper["first"] if dyn is not None else self._first_buffer(step),
             )
             return op, StepPushes(step, self.removal_pushes(shares, step), hashes)
 
         return load
 
+    def _check_warm_start(self, dyn: Any, first_step: int) -> None:
+        """Without a record, dampened momentum needs to know whether the buffer existed."""
+        self._first_step = first_step
+        if (
+            dyn is None
+            and self.momentum
+            and self.dampening
+            and self.momentum_buffer_existed is None
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: with momentum and dampening the first captured step's "
+                "gain is 1 if the momentum buffer starts there, 1 - dampening if it existed "
+                "before (a window captured mid-training). Pass momentum_buffer_existed=True / "
+                "False, or dynamics= recorded with OptimizerStateCallback."
+            )
+
+    def _first_buffer(self, step: int) -> bool:
+        return step == self._first_step and not self.momentum_buffer_existed
+
+    def _curvature_rows(
+        self, blocks: list[Any], layers: list[str], dtype: Any, device: Any, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Monte-Carlo Fisher rows ``(vectors, weights, κ)`` of one step.
+
+        ``H = (κ_B) Σ_z (1/n_z) Σ_draws ŝ ŝᵀ`` over per-sample gradients of the sampled loss,
+        whatever the layout of the draws: a row of a mean-reduced curvature block is the share
+        ``∇ℓ/R`` of that block's ``R`` rows, so it is scaled back by ``R`` and the mean's
+        ``1/B`` (``B`` the training batch) goes into ``κ``; a sum-reduced row is ``∇ℓ``.
+        """
+        mats, rows = [], []
+        for b in blocks:
+            m, h = dense_rows([b], layers, dtype, device)
+            mats.append(m * m.shape[0] if self.loss_reduction == "mean" else m)
+            rows += h
+        counts: dict[str, int] = {}
+        for h in rows:
+            counts[h] = counts.get(h, 0) + 1
+        weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
+        kappa = 1.0 / batch if self.loss_reduction == "mean" else 1.0
+        return torch.cat(mats), weights, kappa
+
     def _schedule(self, learning_rate: Any, dyn: Any, where: str) -> Any:
+        """The schedule given, or ``None``: the recorded per-parameter learning rates."""
         value = learning_rate if learning_rate is not None else self.learning_rate
+        if value is not None and dyn is not None:
+            raise ValueError(
+                f"{where}: pass learning_rate= or dynamics=, not both: the recorded dynamics "
+                "carry the learning rate of every parameter at every step."
+            )
         if value is not None:
             return as_schedule(value, "learning_rate")
         if dyn is not None:
-            return as_schedule(dyn.learning_rates(), "the recorded learning rates")
+            return None
         raise ValueError(
             f"{where} needs the learning-rate schedule: pass learning_rate= (a number, a sequence "
             "by step, a {step: lr} mapping or a callable), or dynamics= recorded with "
