@@ -8,13 +8,21 @@ time, and collected into an :class:`AttributionScore`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.blocks import (
+    Accumulator,
+    LiveSource,
+    check_granularity,
+    check_hashes,
+    check_token_axis,
+    first_occurrences,
+    source_name,
+)
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
@@ -30,7 +38,6 @@ from dattri_llm.gradient.sources import GradientBlock, GradientSource
 
 __all__ = ["BaseAttributor"]
 
-_GRANULARITIES = ("sample", "token")
 _MODES = ("auto", "factorized", "materialized")
 #: Test layers are materialized once when their dense form is at most this many times the
 #: size of their factors (and the router prefers materialized inner products for them).
@@ -194,7 +201,7 @@ class BaseAttributor:
         """
         from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
 
-        _check_granularity(attribution_granularity)
+        check_granularity(attribution_granularity)
         if self.task is None:
             raise ValueError(
                 f"{type(self).__name__}.attribute needs a task: pass "
@@ -241,9 +248,9 @@ class BaseAttributor:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
-            live = _LiveSource(train_source, int(args.live_cache_gb * 2**30))
+            live = LiveSource(train_source, int(args.live_cache_gb * 2**30))
             self.fit(live, **kwargs)
-            acc = _Accumulator(attribution_granularity, "the live train set")
+            acc = Accumulator(attribution_granularity, "the live train set")
             columns: dict[str, int] = {}
             for c in range(task.num_checkpoints):
                 task.load_checkpoint(c)
@@ -295,7 +302,7 @@ class BaseAttributor:
                 default: all.
             **kwargs: Passed to :meth:`fit`.
         """
-        _check_granularity(attribution_granularity)
+        check_granularity(attribution_granularity)
         for name, d in (("train_dir", train_dir), ("test_dir", test_dir)):
             if d is not None and not isinstance(d, (str, os.PathLike)):
                 continue  # a GradientStorageManager
@@ -323,8 +330,8 @@ class BaseAttributor:
         ``fit`` reads ``train_source`` first when a subclass needs it, so pass a re-readable
         source to such attributors.
         """
-        _check_granularity(attribution_granularity)
-        names = (_source_name(train_source, "train"), _source_name(test_source, "test"))
+        check_granularity(attribution_granularity)
+        names = (source_name(train_source, "train"), source_name(test_source, "test"))
         if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
             # stores: refuse an incompatible pair before any pass over the train gradients
             self.check_compatible(train_source.capture_facts(), test_source.capture_facts())
@@ -339,7 +346,7 @@ class BaseAttributor:
             c: self._test_side(blocks, c, columns, grow=True, source=names[1])
             for c, blocks in sorted(by_ckpt.items())
         }
-        acc = _Accumulator(attribution_granularity, names[0])
+        acc = Accumulator(attribution_granularity, names[0])
         blocks: Iterable[GradientBlock] = train_source
         if self.args.show_progress:
             from tqdm.auto import tqdm
@@ -379,11 +386,11 @@ class BaseAttributor:
         hashes: list[str] = []
         seen: dict[str, tuple[int, int]] = {}  # hash -> (block, step) of its first capture
         for i, b in enumerate(blocks):
-            _check_block(b, "test")
+            check_hashes(b, "test")
             self.check_block(b, "test")
             for h in b.hashes:
                 # twice at one step: identical content at the same weights, identical gradient
-                # (one column keeps it, see _first_occurrences); at two steps: possibly other
+                # (one column keeps it, see first_occurrences); at two steps: possibly other
                 # weights
                 if h in seen and seen[h][1] != int(b.step):
                     raise ValueError(
@@ -405,7 +412,7 @@ class BaseAttributor:
                 )
             check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
         grad = Gradient.concatenate([b.gradient.select_layers(names) for b in blocks])
-        keep = _first_occurrences(hashes, checkpoint, source)
+        keep = first_occurrences(hashes, checkpoint, source)
         if len(keep) < len(hashes):
             grad, hashes = grad.slice(keep), [hashes[i] for i in keep]
         grad = self.prepare_test(grad.to(self.device), checkpoint)
@@ -460,9 +467,9 @@ class BaseAttributor:
         return Gradient(layers)
 
     def _score_train_block(
-        self, block: GradientBlock, test: _TestSide, num_cols: int, acc: _Accumulator
+        self, block: GradientBlock, test: _TestSide, num_cols: int, acc: Accumulator
     ) -> None:
-        _check_block(block, "train")
+        check_hashes(block, "train")
         self.check_block(block, "train")
         grad = block.gradient
         weight = float(self.block_weight(block))
@@ -476,7 +483,7 @@ class BaseAttributor:
             )
         acc.check_facts(self, block, test)
         if acc.granularity == "token":
-            _check_token_axis(grad)
+            check_token_axis(grad)
         dtype = torch.promote_types(grad.dtype, test.dtype)
         n, bs = grad.batch_size, self.args.score_block_size
         out = torch.zeros(n, num_cols, dtype=dtype)
@@ -499,159 +506,3 @@ class BaseAttributor:
             if tok is not None:
                 tokens += list(tok.unbind(0))
         acc.add(out, block, tokens if acc.granularity == "token" else None)
-
-
-class _LiveSource:
-    """The live train side handed to ``fit``: not re-readable, but remembered within a budget.
-
-    The first complete iteration keeps its blocks while their total size stays within
-    ``budget`` bytes; later iterations (a second fit pass, the scoring loop) then read memory
-    instead of running the model again. Past the budget nothing is kept.
-    """
-
-    rereadable = False
-
-    def __init__(self, make: Callable[[], Iterator[GradientBlock]], budget: int) -> None:
-        self._make = make
-        self._budget = budget
-        self._blocks: list[GradientBlock] | None = None
-
-    def __iter__(self) -> Iterator[GradientBlock]:
-        if self._blocks is not None:
-            yield from self._blocks
-            return
-        kept: list[GradientBlock] | None = [] if self._budget > 0 else None
-        size = 0
-        for block in self._make():
-            if kept is not None:
-                size += block.gradient.nbytes
-                if size <= self._budget:
-                    kept.append(block)
-                else:
-                    kept = None  # over budget: later reads stream again
-            yield block
-        self._blocks = kept
-
-    def cached(self, checkpoint: int) -> list[GradientBlock] | None:
-        """The kept blocks of one checkpoint, or ``None`` when nothing was kept."""
-        if self._blocks is None:
-            return None
-        return [b for b in self._blocks if int(b.checkpoint) == checkpoint]
-
-
-class _Accumulator:
-    def __init__(self, granularity: str, source: str = "train source") -> None:
-        self.granularity = granularity
-        self.source = source
-        self.facts: CaptureFacts | None = None  # of the first train block
-        self._checked: set[int] = set()  # test sides the train facts were checked against
-        self.rows: list[torch.Tensor] = []
-        self.hashes: list[str] = []
-        self.checkpoints: list[int] = []
-        self.steps: list[int] = []
-        self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
-
-    def check_facts(
-        self, attributor: BaseAttributor, block: GradientBlock, test: _TestSide
-    ) -> None:
-        """Check a train block against the first one and, once, the first against the test."""
-        if self.facts is None:
-            self.facts = facts_of(block.gradient, block.metadata, self.source)
-        else:
-            check_same_capture(
-                self.facts, block.gradient, self.source, f"the block at step {block.step}"
-            )
-        if id(test) not in self._checked:
-            attributor.check_compatible(self.facts, test.facts)
-            self._checked.add(id(test))
-
-    def add(
-        self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
-    ) -> None:
-        self.rows.append(scores)
-        self.hashes += [str(h) for h in block.hashes]
-        self.steps += [int(block.step)] * scores.shape[0]
-        self.checkpoints += [int(block.checkpoint)] * scores.shape[0]
-        if self.tokens is not None and tokens is not None:
-            self.tokens += tokens
-
-    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
-        if not self.rows:
-            raise ValueError(
-                "the train source yielded no gradients: is the train set (or store) empty?"
-            )
-        dtype = self.rows[0].dtype
-        for r in self.rows[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
-        scores = torch.cat([r.to(dtype) for r in self.rows])
-        if scores.shape[1] < len(columns):  # columns added by a later checkpoint
-            scores = torch.nn.functional.pad(scores, (0, len(columns) - scores.shape[1]))
-        tokens = None
-        if self.tokens is not None:
-            tokens = [
-                torch.nn.functional.pad(t.to(dtype), (0, len(columns) - t.shape[1]))
-                for t in self.tokens
-            ]
-        return AttributionScore(
-            scores,
-            self.hashes,
-            self.steps,
-            columns,
-            token_scores=tokens,
-            output_dir=output_dir,
-            train_checkpoints=self.checkpoints,
-        )
-
-
-def _source_name(source: Any, side: str) -> str:
-    store = getattr(source, "store", None)
-    if store is not None and hasattr(store, "save_dir"):
-        return f"{side} store {store.save_dir}"
-    return f"{side} source"
-
-
-def _first_occurrences(hashes: list[str], checkpoint: int, source: str) -> list[int]:
-    """Rows of the first occurrence of each test id (a duplicate would double its column)."""
-    first: dict[str, int] = {}
-    for i, h in enumerate(hashes):
-        first.setdefault(h, i)
-    if len(first) < len(hashes):
-        dup = next(h for i, h in enumerate(hashes) if first[h] != i)
-        warnings.warn(
-            f"test sample {dup!r} occurs {hashes.count(dup)} times in the {source} at checkpoint "
-            f"{checkpoint} ({len(hashes) - len(first)} duplicate row(s) in all): identical "
-            "samples share one id and one score column, which holds one occurrence's score. "
-            "Deduplicate the test set to silence this.",
-            UserWarning,
-            stacklevel=4,
-        )
-    return sorted(first.values())
-
-
-def _check_granularity(g: str) -> None:
-    if g not in _GRANULARITIES:
-        raise ValueError(f"attribution_granularity must be one of {_GRANULARITIES}, got {g!r}.")
-
-
-def _check_block(block: GradientBlock, side: str) -> None:
-    n = block.gradient.batch_size
-    if len(block.hashes) != n:
-        raise ValueError(
-            f"{side} block at step {block.step} (checkpoint {block.checkpoint}) has "
-            f"{len(block.hashes)} sample hashes for {n} gradient rows: every row needs exactly one "
-            "hash (check the capture's set_sample_ids / hash_keys)."
-        )
-
-
-def _check_token_axis(grad: Gradient) -> None:
-    bad = []
-    for name, lg in grad.layers.items():
-        sites = lg.sites if isinstance(lg, Shared) else [lg]
-        if any(isinstance(s, Materialized) for s in sites):
-            bad.append(name)
-    if bad:
-        raise ValueError(
-            f"attribution_granularity='token' needs the train gradients' token axis, but layers "
-            f"{bad} were captured materialized (no token axis). Capture factorized: "
-            "HookManagerConfig(capture_style='factorized') and no 'dense' projection."
-        )

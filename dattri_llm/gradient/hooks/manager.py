@@ -35,8 +35,13 @@ from dattri_llm.gradient.gradient import (
     Gradient,
     GradientRecord,
     LayerGradient,
-    Materialized,
-    Shared,
+)
+from dattri_llm.gradient.hooks.assembly import (
+    first_tensor,
+    grad_target,
+    merge_calls,
+    param_item,
+    ref_tensor,
 )
 from dattri_llm.gradient.hooks.config import (
     HookManagerConfig,
@@ -45,9 +50,9 @@ from dattri_llm.gradient.hooks.config import (
     resolve_layers,
 )
 from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
-from dattri_llm.gradient.hooks.sharing import layer_parameters, plan_sharing
+from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
+from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
-from dattri_llm.utils.hashing import hash_batch
 
 __all__ = ["HookManager"]
 
@@ -59,38 +64,6 @@ def warn_once(key: str, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
-        return x[0]
-    return None
-
-
-def _grad_target(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor to hook, output to return)`` for a hooked layer's output.
-
-    A hook registered on a *view* (``nn.Linear`` / HF ``Conv1D`` on inputs with 3 or more
-    dims, InstanceNorm) never fires once an in-place op (``ReLU(inplace=True)``,
-    ``out += residual``) rebases the view's history. A view that is its whole base reshaped is
-    hooked through the base instead, whose gradient is the output's (no copy); any other view
-    is replaced by a copy.
-    """
-    base = out._base
-    if base is None:
-        return out, out
-    if (
-        base.grad_fn is not None
-        and base.is_contiguous()
-        and out.is_contiguous()
-        and base.numel() == out.numel()
-        and base.storage_offset() == out.storage_offset()
-    ):
-        return base, out
-    copy = out.clone()
-    return copy, copy
 
 
 class HookManager:
@@ -319,31 +292,7 @@ class HookManager:
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._active or not torch.is_grad_enabled() or self._inputs is not None:
             return
-        fields: dict[str, torch.Tensor] = {}
-        if self._signature is not None:
-            try:
-                bound = self._signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = dict(kwargs)
-        else:
-            bound = dict(kwargs)
-        first = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
-        for k, v in bound.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                fields[k] = v
-            elif k == "kwargs" and isinstance(v, dict):
-                fields.update(
-                    {
-                        kk: vv
-                        for kk, vv in v.items()
-                        if isinstance(vv, torch.Tensor) and vv.dim() > 0
-                    }
-                )
-        if first is not None and "input_ids" not in fields:
-            # sample identity (utils/hashing.py): the first positional tensor is the sample's
-            # ``input_ids`` whatever the forward calls it, so hash_sample(x[i]) finds model(x)
-            fields = {k: v for k, v in fields.items() if v is not first}
-            fields["input_ids"] = first
+        fields = model_inputs(self._signature, args, kwargs)
         self._inputs = fields
         if fields:
             key = "input_ids" if "input_ids" in fields else next(iter(fields))
@@ -358,7 +307,7 @@ class HookManager:
             if not self._active or not torch.is_grad_enabled():
                 return None
             self._forward_seen.add(spec.name)
-            out = _first_tensor(output)
+            out = first_tensor(output)
             if out is None or not out.is_floating_point():
                 return None
             replaced = False
@@ -376,7 +325,7 @@ class HookManager:
                 replaced = True
             target = out
             if not replaced:
-                target, new_out = _grad_target(out)
+                target, new_out = grad_target(out)
                 replaced = new_out is not out
                 out = new_out
             a = rule.capture_input(module, args, out, kw)
@@ -503,22 +452,6 @@ class HookManager:
         self._forward_order = 0
         self._queued_tasks = set()
 
-    def _merge_calls(self, items: list[tuple[int, LayerGradient]]) -> LayerGradient:
-        items = sorted(items, key=lambda x: x[0])
-        parts = [it for _, it in items]
-        if len(parts) == 1:
-            return parts[0]
-        if all(isinstance(p, Factorized) for p in parts):
-            rule = parts[0].rule
-            return Factorized(
-                rule.concat_tokens([p.a for p in parts]),
-                rule.concat_tokens([p.g for p in parts]),
-                parts[0].layer_type,
-                parts[0].module_kwargs,
-            )
-        total = sum(p.materialize().data for p in parts)
-        return Materialized(total, parts[0].layer_type, parts[0].module_kwargs)
-
     def _zero_like(
         self, spec: LayerSpec, b: int, like: tuple[torch.dtype, torch.device]
     ) -> LayerGradient:
@@ -568,7 +501,7 @@ class HookManager:
         ]
         if not buffers and not param_grads and not bypassed:
             return
-        merged = {n: self._merge_calls(items) for n, items in buffers.items()}
+        merged = {n: merge_calls(items) for n, items in buffers.items()}
         sizes = {n: lg.batch_size for n, lg in merged.items()}
         if len(set(sizes.values())) > 1:
             raise RuntimeError(
@@ -584,12 +517,12 @@ class HookManager:
             warn_once(f"bypassed:{name}", bypass_message(entries))
         if merged:
             self._coverage_pending = False  # checked on the first captured step only
-        ref = _ref_tensor(merged)
+        ref = ref_tensor(merged)
         like = (ref.dtype, ref.device) if ref is not None else grad_like
         layers: dict[str, LayerGradient] = {}
         for spec in self.layers:
             if spec.hook_type == "param_grad":
-                item = self._param_item(spec, param_grads.get(spec.name), b, ref)
+                item = param_item(spec, param_grads.get(spec.name), b, ref)
                 if item is not None:
                     layers[spec.name] = item
                 continue
@@ -597,7 +530,7 @@ class HookManager:
                 layers[spec.name] = merged[spec.name]
             elif like is not None:
                 layers[spec.name] = self._zero_like(spec, b, like)
-        layers = self._group_shared(layers)
+        layers = group_shared(layers, self._shared_groups)
         metadata: dict[str, Any] = {}
         if self._preconditioning and layers:
             layers, metadata = self.preconditioner.apply(layers, b, self.projection)
@@ -608,62 +541,10 @@ class HookManager:
         for cb in self.callbacks:
             cb.on_step_end(record)
 
-    def _param_item(
-        self, spec: LayerSpec, grads: dict | None, b: int, ref: torch.Tensor | None
-    ) -> LayerGradient | None:
-        params = [(n, p) for n, p in spec.module.named_parameters(recurse=False) if p.requires_grad]
-        if b != 1:
-            raise RuntimeError(
-                f"layer {spec.name!r} is hooked with param_grad, which sees the batch gradient; "
-                f"per-sample gradients need batch size 1 (got {b}). Use linear_io or batch size 1."
-            )
-        vecs = []
-        for n, p in params:
-            gp = (grads or {}).get(n)
-            vecs.append((gp if gp is not None else torch.zeros_like(p)).reshape(1, -1))
-        data = torch.cat(vecs, dim=1)
-        if ref is not None:
-            data = data.to(ref.dtype)
-        return Materialized(data, "param_grad", {"params": [[n, list(p.shape)] for n, p in params]})
-
-    def _group_shared(self, layers: dict[str, LayerGradient]) -> dict[str, LayerGradient]:
-        if not self._shared_groups:
-            return layers
-        out: dict[str, LayerGradient] = {}
-        member_of = {m: lead for lead, ms in self._shared_groups.items() for m in ms}
-        for name, lg in layers.items():
-            lead = member_of.get(name)
-            if lead is None:
-                out[name] = lg
-                continue
-            if name != lead:
-                continue
-            names = [m for m in self._shared_groups[lead] if m in layers]
-            sites = [layers[m] for m in names]
-            if all(isinstance(s, Materialized) for s in sites):
-                out[name] = Materialized(
-                    sum(s.data for s in sites), sites[0].layer_type, sites[0].module_kwargs
-                )
-            else:
-                out[name] = Shared(sites, names)
-        return out
-
     def _hashes(self, inputs: dict | None, manual: list[str] | None, b: int) -> list[str]:
-        if manual is not None:
-            if len(manual) != b:
-                raise ValueError(f"set_sample_ids got {len(manual)} ids for a batch of {b}.")
-            return manual
-        key = self.config.sample_id_key
-        if inputs and key is not None:
-            if key not in inputs:
-                raise KeyError(
-                    f"sample_id_key {key!r} is not among the model inputs {sorted(inputs)}."
-                )
-            return [str(v) for v in inputs[key].reshape(inputs[key].shape[0], -1)[:, 0].tolist()]
-        if inputs:
-            batched = {k: v for k, v in inputs.items() if v.shape[0] == b}
-            if batched:
-                return hash_batch(batched, keys=_keys_for(self.config.hash_keys, batched))
+        ids = sample_ids(inputs, manual, b, self.config.sample_id_key, self.config.hash_keys)
+        if ids is not None:
+            return ids
         warn_once(
             "no-hash",
             "could not see the model's batched inputs, so samples are identified by step and "
@@ -682,18 +563,3 @@ def _run_all(steps: list[Any]) -> None:
             error = error or e
     if error is not None:
         raise error
-
-
-def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
-    if keys is None:
-        return None
-    present = [k for k in keys if k in batched]
-    return present or None
-
-
-def _ref_tensor(layers: dict[str, LayerGradient]) -> torch.Tensor | None:
-    for lg in layers.values():
-        while isinstance(lg, Shared):
-            lg = lg.sites[0]
-        return lg.g if isinstance(lg, Factorized) else lg.data
-    return None

@@ -29,8 +29,9 @@ from dattri_llm.gradient.hooks.config import (
     canonical_name,
     is_data_parallel,
 )
+from dattri_llm.gradient.layer_gradient import LayerGradient, Materialized, Shared
 
-__all__ = ["ParamSites", "SharingPlan", "plan_sharing", "layer_parameters"]
+__all__ = ["ParamSites", "SharingPlan", "plan_sharing", "layer_parameters", "group_shared"]
 
 
 @dataclass
@@ -218,4 +219,34 @@ def layer_parameters(
             pname: getattr(lead.module, pname)
             for pname in lead.rule.param_names(lead.module_kwargs)
         }
+    return out
+
+
+def group_shared(
+    layers: dict[str, LayerGradient], groups: dict[str, list[str]]
+) -> dict[str, LayerGradient]:
+    """One entry per tied group, under the group's name; other layers unchanged.
+
+    The group's entry is a :class:`Shared` layer of its sites' gradients, or their sum when
+    every site is dense.
+    """
+    if not groups:
+        return layers
+    out: dict[str, LayerGradient] = {}
+    member_of = {m: lead for lead, ms in groups.items() for m in ms}
+    for name, lg in layers.items():
+        lead = member_of.get(name)
+        if lead is None:
+            out[name] = lg
+            continue
+        if name != lead:
+            continue
+        names = [m for m in groups[lead] if m in layers]
+        sites = [layers[m] for m in names]
+        if all(isinstance(s, Materialized) for s in sites):
+            out[name] = Materialized(
+                sum(s.data for s in sites), sites[0].layer_type, sites[0].module_kwargs
+            )
+        else:
+            out[name] = Shared(sites, names)
     return out
