@@ -560,8 +560,9 @@ def report(res: dict, args: argparse.Namespace) -> str:
     )  # fmt: skip
     ov = res["seeds"][0]["overlap"]
     if ov:
-        lines.append("Overlap of the selections (seed 0, share of k):\n")
-        lines.append(md_table(["pair", "overlap"], [[k, f"{v:.0%}"] for k, v in ov.items()]))
+        lines.append("Overlap of the selections of one aggregation (seed 0, share of k):\n")
+        same = [(k, v) for k, v in ov.items() if k.count("(max)") == 2 or k.count("(mean)") == 2]
+        lines.append(md_table(["pair", "overlap"], [[k, f"{v:.0%}"] for k, v in same]))
     return "\n".join(lines)
 
 
