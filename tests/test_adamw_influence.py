@@ -382,3 +382,56 @@ def test_refusals(tmp_path):
         att.attribute_from_cache(
             tmp_path / "max", tmp_path / "query", dynamics=mx.extra["rec"].dynamics()
         )
+
+
+def test_float32_run_with_float64_propagation(tmp_path):
+    """A float32 run scored with compute_dtype=float64: the consumed-gradient check follows the
+    precision the moments were recorded in (float32), not the compute dtype, and the float64
+    result agrees with the float32 one to float32 rounding."""
+    from dattri_llm import (
+        REGISTER_ALL,
+        GradientStorageManager,
+        HookManager,
+        HookManagerConfig,
+        OffloadCallback,
+        OptimizerStateCallback,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = OptimizerStateCallback(model, opt)
+    cfg = HookManagerConfig(linear_io=REGISTER_ALL)
+    store = GradientStorageManager(tmp_path / "tr")
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    hm = HookManager(model, cfg, [OffloadCallback(file_manager=store), rec])
+    with hm.collect(deregister_on_exit=True):
+        for s in range(8):
+            opt.zero_grad()
+            b = slice(8 * s, 8 * s + 8)
+            torch.nn.functional.cross_entropy(model(x[b]), y[b]).backward()
+            opt.step()
+            rec.record_post(s)
+    hq = HookManager(
+        model, cfg, [OffloadCallback(file_manager=GradientStorageManager(tmp_path / "q"))]
+    )
+    with hq.collect(deregister_on_exit=True):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[:4]), y[:4], reduction="sum").backward()
+    a = args(tmp_path)
+    s32 = AdamWInfluenceAttributor(a, loss_reduction="mean").attribute_from_cache(
+        tmp_path / "tr", tmp_path / "q", dynamics=rec.dynamics()
+    )
+    s64 = AdamWInfluenceAttributor(
+        a, loss_reduction="mean", compute_dtype=torch.float64
+    ).attribute_from_cache(tmp_path / "tr", tmp_path / "q", dynamics=rec.dynamics())
+    assert s32.scores.dtype == torch.float32 and s64.scores.dtype == torch.float64
+    assert rel_err(s32.scores.double(), s64.scores) < 1e-3
+    # the check itself: a consumed gradient off by float32 rounding (1e-6 relative), computed
+    # in float64, is accepted for a float32 record and refused for a float64 one
+    g = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    noisy = g + 1e-6 * g.norm() / 1000**0.5 * torch.randn(1000, dtype=torch.float64)
+    att, dyn = AdamWInfluenceAttributor(a), rec.dynamics()
+    assert att._clip(dyn, g, noisy, "test", torch.float32) == (1.0, None)
+    with pytest.raises(ValueError, match="not a multiple"):
+        att._clip(dyn, g, noisy, "test", torch.float64)

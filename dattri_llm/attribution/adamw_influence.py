@@ -212,7 +212,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         if bool((coupled != 0).any()):
             theta = cat(lambda n: sd.tensor(n, "param"))
             batch_grad = consumed - coupled * theta
-        clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where)
+        # the check's tolerance follows the precision the run was recorded in, not the
+        # (possibly raised) compute dtype
+        recorded = sd.tensor(layers[0], "exp_avg").dtype
+        clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where, recorded)
         curvature = Curvature(
             vectors=shares,
             kappa=self.kappa(shares.shape[0]),
@@ -245,9 +248,11 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         captured: torch.Tensor,
         consumed: torch.Tensor,
         where: str,
+        recorded: torch.dtype,
     ) -> tuple[float, torch.Tensor | None]:
         """The clip factor ``κ_c`` and unit gradient ``u`` (``1, None`` without clipping)."""
-        tol = 10 * torch.finfo(consumed.dtype).eps ** 0.5
+        eps = max(torch.finfo(consumed.dtype).eps, torch.finfo(recorded).eps)
+        tol = 10 * eps**0.5
         norm_sq = float(captured @ captured)
         scale = max(float(consumed.norm()), float(captured.norm()))
         if norm_sq == 0.0 or scale == 0.0:
