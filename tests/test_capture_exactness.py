@@ -376,6 +376,21 @@ def test_norm_bias_is_captured_and_checked(cls: type) -> None:
         )
 
 
+def test_rms_norm_builder_declares_a_bias() -> None:
+    from dattri_llm.utils.module import rms_norm_module_kwargs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), BiasedRMSNorm(4), nn.Linear(4, 2)).double()
+    batches = [torch.randn(3, 5, 3, dtype=torch.float64) for _ in range(2)]
+    cfg = {"layer_types": {"1": "nn.RMSNorm"}}
+    kw = rms_norm_module_kwargs(4, eps=1e-5, bias=True)
+    assert assert_exact(model, batches, module_kwargs={"1": kw}, **cfg) == []
+    # declared without its bias: the bias is named as not captured, never silently dropped
+    kw = rms_norm_module_kwargs(4, eps=1e-5)
+    _, _, warned = capture(model, batches, module_kwargs={"1": kw}, **cfg)
+    assert any("layer '1' is hooked as nn.RMSNorm" in w and "['bias']" in w for w in warned)
+
+
 # ---- 6. bypassed-only steps and unused tied sites --------------------------------------------
 class Attention(nn.Module):
     def __init__(self) -> None:
