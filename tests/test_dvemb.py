@@ -477,3 +477,29 @@ def test_recorded_per_group_learning_rates_are_used_and_not_overridden(tmp_path)
         att.attribute_from_cache(
             tmp_path / "tr", tmp_path / "q", dynamics=rec.dynamics(), learning_rate=0.1
         )
+
+
+@pytest.mark.parametrize("case", ["plain", "momentum_dampening_wd", "nesterov_wd"])
+def test_exact_hessian_equals_the_exact_derivative(tmp_path, case):
+    """DVEmb with ``curvature=ExactHessian(...)``: the embeddings are the exact first-order
+    effect of removing each occurrence (equal to autograd through the unrolled SGD run to
+    rounding, momentum and weight decay included); the paper's empirical Fisher beside it."""
+    from dattri_llm.attribution.curvature import ExactHessian
+
+    kw = SGD_CASES.get(case, {})
+    run = make_run(tmp_path, opt_kw=kw, snapshots=True)
+    exact = exact_scores(run)
+
+    def loss(model, batch):
+        return mlp_sample_losses(model(batch["x"]), batch["y"]).sum()
+
+    hessian = ExactHessian(run.model, run.extra["snaps"], loss)
+    tr, te, a = tmp_path / "train", tmp_path / "query", args(tmp_path)
+    got = DVEmbAttributor(a, curvature=hessian).attribute_from_cache(
+        tr, te, dynamics=run.extra["dynamics"]
+    )
+    fisher = DVEmbAttributor(a).attribute_from_cache(tr, te, dynamics=run.extra["dynamics"])
+    err, err_fisher = (fro_rel(s.query(run.ids, run.qids), exact) for s in (got, fisher))
+    print(f"{case}: exact Hessian {err:.1e}, empirical Fisher {err_fisher:.1e}")
+    assert err <= 1e-9
+    assert err_fisher > 1e-4

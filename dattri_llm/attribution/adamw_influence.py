@@ -20,7 +20,9 @@ per-layer clipping, loss scaling) is refused with the step named.
 
 Curvature: the empirical Fisher of each step's batch loss from the captured per-sample
 gradients, ``κ Σ s sᵀ`` (``κ = B`` for a mean loss — pass ``loss_reduction="mean"`` — 1 for a
-sum). Per-layer random masks (``ProjectionConfig("mask", ...)`` at capture, recorded by the
+sum), or the true Hessian (``curvature=ExactHessian(model, snapshots, loss_fn)``: Hessian-vector
+products of each step's batch loss, replayed from the recorded parameters and batches).
+Per-layer random masks (``ProjectionConfig("mask", ...)`` at capture, recorded by the
 callback at the same coordinates) keep the propagated state small; the result then equals the
 full computation restricted to the masked coordinates.
 
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution.curvature import ExactHessian
 from dattri_llm.attribution.trajectory import (
     StepIndex,
     TrajectoryAttributor,
@@ -48,6 +51,8 @@ from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 __all__ = ["AdamWInfluenceAttributor", "coerce_dynamics"]
+
+_CURVATURES = ("empirical_fisher", "none")
 
 _ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "maximize", "amsgrad")
 
@@ -98,6 +103,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
+        curvature: Each step's batch-loss curvature: ``"empirical_fisher"`` (``κ Σ s sᵀ`` from
+            the captured gradients), an :class:`~dattri_llm.attribution.curvature.ExactHessian`
+            (the true Hessian, replayed from parameter snapshots) or ``"none"``.
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -115,11 +123,17 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         loss_reduction: str = "sum",
         method: str = "adjoint",
         compute_dtype: torch.dtype | None = None,
+        curvature: str | ExactHessian = "empirical_fisher",
     ) -> None:
         super().__init__(
             args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
         )
+        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
+            raise ValueError(
+                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
+            )
         self.dynamics = dynamics
+        self.curvature = curvature
 
     def attribute_from_cache(
         self,
@@ -216,12 +230,14 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         # (possibly raised) compute dtype
         recorded = sd.tensor(layers[0], "exp_avg").dtype
         clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where, recorded)
+        exact = isinstance(self.curvature, ExactHessian)
         curvature = Curvature(
-            vectors=shares,
+            vectors=shares if self.curvature == "empirical_fisher" else None,
             kappa=self.kappa(shares.shape[0]),
             clip=clip,
             unit=unit,
             coupled_decay=coupled if bool((coupled != 0).any()) else None,
+            operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
         )
         vmax = vmax_pre = None
         if amsgrad:

@@ -27,6 +27,9 @@ Curvature ``H_k`` of each step's batch loss:
   on small checks. The ``n`` draws of a sample at one step may be laid out as repeated rows of
   one curvature batch or as several micro-batches: each row's share is rescaled to the
   sample's own gradient before averaging.
+* an :class:`~dattri_llm.attribution.curvature.ExactHessian`: the true Hessian of each step's
+  batch loss (Hessian-vector products replayed from the recorded parameters and batches); with
+  it the embeddings are the exact first-order effect of removing the sample.
 * ``"none"``: no propagation (``e_t(z) = η_t s_z``).
 
 A run trained with Adam / AdamW gets a warning pointing to ``AdamWInfluenceAttributor``: DVEmb's
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.adamw_influence import check_dynamics_layout, coerce_dynamics
+from dattri_llm.attribution.curvature import ExactHessian
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.trajectory import (
     StepIndex,
@@ -218,7 +222,9 @@ class DVEmbAttributor(TrajectoryAttributor):
         momentum_buffer_existed: Without ``dynamics=``: whether the momentum buffer existed
             before the first captured step (a window captured mid-training). Needed with
             momentum and dampening, where it sets the first step's gain (1 or 1 - dampening).
-        curvature: ``"empirical_fisher"``, ``"mc_fisher"`` or ``"none"``.
+        curvature: ``"empirical_fisher"``, ``"mc_fisher"``, ``"none"``, or an
+            :class:`~dattri_llm.attribution.curvature.ExactHessian` (the true Hessian of each
+            step's batch loss, replayed from parameter snapshots).
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
             queries; no embeddings kept).
@@ -237,7 +243,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         nesterov: bool = False,
         weight_decay: float = 0.0,
         momentum_buffer_existed: bool | None = None,
-        curvature: str = "empirical_fisher",
+        curvature: str | ExactHessian = "empirical_fisher",
         loss_reduction: str = "sum",
         method: str = "forward",
         compute_dtype: torch.dtype | None = None,
@@ -245,8 +251,10 @@ class DVEmbAttributor(TrajectoryAttributor):
         super().__init__(
             args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
         )
-        if curvature not in _CURVATURES:
-            raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}.")
+        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
+            raise ValueError(
+                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
+            )
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
@@ -370,7 +378,7 @@ class DVEmbAttributor(TrajectoryAttributor):
                 vectors, weights, kappa = self._curvature_rows(
                     curv_index.load(step), layers, dtype, device, shares.shape[0]
                 )
-            elif self.curvature == "none":
+            elif self.curvature == "none" or isinstance(self.curvature, ExactHessian):
                 vectors = None
             p = shares.shape[1]
             if schedule is None:  # the record's per-parameter learning rates
@@ -379,7 +387,9 @@ class DVEmbAttributor(TrajectoryAttributor):
             else:
                 lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
             hyper = self._sgd_hyper(dyn, step, layers, p, dtype, device, lr)
+            exact = isinstance(self.curvature, ExactHessian)
             curvature = Curvature(
+                operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
                 vectors=vectors,
                 kappa=kappa,
                 weights=weights,

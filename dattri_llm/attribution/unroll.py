@@ -60,6 +60,8 @@ class Curvature:
         clip: ``κ_c`` (1 without active clipping).
         unit: ``u`` ``(P,)`` when clipping is active.
         coupled_decay: ``λ_c`` per coordinate ``(P,)`` or ``None``.
+        operator: ``H x`` for rows ``x`` — the batch loss's Hessian applied directly (e.g.
+            :class:`~dattri_llm.attribution.curvature.ExactHessian`); replaces ``vectors``.
     """
 
     vectors: torch.Tensor | None
@@ -68,8 +70,11 @@ class Curvature:
     clip: float = 1.0
     unit: torch.Tensor | None = None
     coupled_decay: torch.Tensor | None = None
+    operator: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _hessian(self, x: torch.Tensor) -> torch.Tensor:
+        if self.operator is not None:
+            return self.operator(x)
         if self.vectors is None:
             return torch.zeros_like(x)
         proj = x @ self.vectors.T  # (R, M)

@@ -79,6 +79,23 @@ class LayerLayout:
             flat = flat[self.indices.to(flat.device)]
         return flat
 
+    def scatter(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of :meth:`gather` for ``(R, P)`` rows: ``{param name: (R, *param.shape)}``.
+
+        Coordinates outside a mask are zero.
+        """
+        flat = rows.new_zeros(rows.shape[0], self.rule.num_params(self.kw))
+        if self.indices is None:
+            flat = rows
+        else:
+            flat[:, self.indices.to(rows.device)] = rows
+        return {
+            n: flat[:, self.positions[n].reshape(-1).to(rows.device)].reshape(
+                rows.shape[0], *p.shape
+            )
+            for n, p in self.params
+        }
+
     def expand(
         self, values: Mapping[str, float], dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
