@@ -131,6 +131,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         layers: Any = None,
         checkpoints: Any = None,
         dynamics: Any = None,
+        top_k: int | None = None,
     ) -> Any:
         """Unroll a captured run (see :meth:`TrajectoryAttributor.attribute_from_cache`).
 
@@ -142,9 +143,17 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             layers: Use only these layers.
             checkpoints: Read only records with these checkpoint labels.
             dynamics: ``OptimizerStateCallback.dynamics()`` (or its directory).
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
-            train_dir, test_dir, attribution_granularity, layers, checkpoints, dynamics=dynamics
+            train_dir,
+            test_dir,
+            attribution_granularity,
+            layers,
+            checkpoints,
+            dynamics=dynamics,
+            top_k=top_k,
         )
 
     def run(
@@ -186,7 +195,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
         steps = index.steps
         if self.method == "forward":
-            emb, hashes, rows = forward_sweep(steps, load, lambda s: self.progress(s, "unroll"))
+            emb, hashes, rows = forward_sweep(
+                steps, load, lambda s: self.progress(s, "unroll"), self.row_filter
+            )
             return emb @ queries.T, hashes, rows
         return adjoint_sweep(steps, load, queries, lambda s: self.progress(s, "unroll"))
 

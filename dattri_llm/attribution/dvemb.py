@@ -266,6 +266,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         learning_rate: Any = None,
         dynamics: Any = None,
         curvature_source: Any = None,
+        top_k: int | None = None,
     ) -> AttributionScore:
         """Embed the captured run and score the queries (gradients at the end of the run).
 
@@ -279,6 +280,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
                 rates, momentum and weight decay are used.
             curvature_source: ``"mc_fisher"``: store / source of the sampled-label gradients.
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
             train_dir,
@@ -289,6 +292,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             learning_rate=learning_rate,
             dynamics=dynamics,
             curvature_source=curvature_source,
+            top_k=top_k,
         )
 
     def embed(
@@ -333,7 +337,9 @@ class DVEmbAttributor(TrajectoryAttributor):
         load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
         if self.method == "adjoint":
             return adjoint_sweep(index.steps, load, queries, lambda s: self.progress(s, "unroll"))
-        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
+        emb, hashes, steps = forward_sweep(
+            index.steps, load, lambda s: self.progress(s, "embed"), self.row_filter
+        )
         return emb @ queries.T, hashes, steps
 
     # ---- per-step operators -------------------------------------------------------------------
