@@ -1,6 +1,7 @@
 """Scoring split across 2 and 3 gloo ranks equals one process (full matrix and top-k).
 
-TracIn (one checkpoint; two checkpoints with other batchings, which takes the row split),
+TracIn (one checkpoint; live, the train set sliced; two checkpoints with other batchings, which
+takes the row split),
 EK-FAC (collective fit), LESS (preconditioned store, learning rates per step), AdamW-influence
 (adjoint: queries split; forward: samples split) and DVEmb (forward), float64. A rank killed
 mid-way (SIGKILL) and rerun with ``resumable=True`` resumes from its own checkpoint, and the
@@ -40,7 +41,7 @@ from dattri_llm import (
 pytestmark = pytest.mark.distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ["tracin", "tracin_ckpts", "ekfac", "less", "adamw", "adamw_fwd", "dvemb"]
+METHODS = ["tracin", "tracin_live", "tracin_ckpts", "ekfac", "less", "adamw", "adamw_fwd", "dvemb"]
 
 
 def _free_port() -> int:
@@ -50,9 +51,8 @@ def _free_port() -> int:
 
 
 def _args(out: str, **kw) -> AttributionArguments:
-    return AttributionArguments(
-        output_dir=out, use_cpu=True, show_progress=False, score_memory_gb=1e-6, **kw
-    )
+    kw.setdefault("score_memory_gb", 1e-6)
+    return AttributionArguments(output_dir=out, use_cpu=True, show_progress=False, **kw)
 
 
 def score(name: str, root: str, out: str, top_k: int | None) -> AttributionScore:
@@ -63,6 +63,14 @@ def score(name: str, root: str, out: str, top_k: int | None) -> AttributionScore
         return TracInAttributor(a).attribute_from_cache(
             r(root, "train"), r(root, "test"), top_k=top_k
         )
+    if name == "tracin_live":  # each rank streams a contiguous slice of the train set
+        from dattri_llm import AttributionTask
+        from tests.test_scoring_scale import lm_loss, make_model, samples
+
+        att = TracInAttributor(
+            _args(out, per_device_train_batch_size=4), task=AttributionTask(lm_loss, make_model())
+        )
+        return att.attribute(samples(24, 1), samples(5, 2), top_k=top_k)
     if name == "tracin_ckpts":
         att = TracInAttributor(a, checkpoint_weights=[1.0, 0.5])
         return att.attribute_from_cache(r(root, "mtrain"), r(root, "mtest"), top_k=top_k)
@@ -386,3 +394,25 @@ def test_a_rank_scoring_alone_is_told_how_to_fix_it(stores, tmp_path):
     assert "SCORED 24" in out
     got = AttributionScore.load(tmp_path / "alone")
     assert torch.allclose(got.scores, singles[("tracin", None)].scores, rtol=1e-10)
+
+
+def test_a_rank_that_cannot_read_its_part_stops_every_rank(stores, tmp_path):
+    import shutil
+
+    root, _ = stores
+    shutil.copytree(root / "train", tmp_path / "train")
+    last = GradientStorageManager(tmp_path / "train").records()[-1].path
+    last.unlink()  # the index still names it: whoever holds that record cannot read it
+    code = _PRELUDE + textwrap.dedent(
+        f"""
+        a = AttributionArguments(output_dir={str(tmp_path)!r}, use_cpu=True, show_progress=False)
+        try:
+            TracInAttributor(a).attribute_from_cache({str(tmp_path / "train")!r},
+                                                     {str(root / "test")!r})
+        except RuntimeError as e:
+            print("ERROR", e)
+        """
+    )
+    for o in _two_ranks(code):
+        assert "ERROR distributed scoring cannot start" in o
+        assert f"cannot read its train shard {last}" in o

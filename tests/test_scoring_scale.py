@@ -315,6 +315,11 @@ def test_progress_bar_counts_samples(stores, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "sample/s" in err and "/24" in err  # a rate over samples and their total (ETA)
+    _, model, train, test = stores
+    task = AttributionTask(lm_loss, model)
+    TracInAttributor(args(tmp_path, show_progress=True), task=task).attribute(train, test)
+    err = capsys.readouterr().err
+    assert "train ckpt 0" in err and "sample/s" in err and "/24" in err  # live, too
 
 
 def test_trajectory_attributors_reduce_to_top_k(tmp_path):

@@ -279,7 +279,8 @@ class BaseAttributor:
                 raise ValueError(_NO_TOKEN_SPLIT)
             n = len(train_set)
             mine = distributed.live_slice(n, get_rank(), get_world_size())
-            keys = [[c, i] for c in range(task.num_checkpoints) for i in mine]
+            if not args.dataloader_drop_last:  # else rows may be dropped: rank order
+                keys = [[c, i] for c in range(task.num_checkpoints) for i in mine]
             train_set = torch.utils.data.Subset(train_set, list(mine))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)

@@ -6,10 +6,12 @@ test side is prepared:
 * **Chunks from a budget.** Consecutive train blocks that pair with the same test gradients
   (same pairing key and checkpoint) are joined into one chunk of at most ``rows`` rows and
   scored with one ``score_block`` call per test chunk: the (possibly dense) test side is read
-  once per chunk instead of once per captured batch. ``rows`` is the largest count whose
-  working set — the chunk's gradients (twice: the blocks and their join), one layer of them
-  materialized at a time, and the score rows — fits in ``AttributionArguments.score_memory_gb``
-  beside the prepared test side, capped by ``score_block_size``.
+  once per chunk instead of once per captured batch. The budget's rows are the largest count
+  whose working set — the chunk's gradients (twice: the blocks and their join), one layer of
+  them materialized at a time, and the score rows — fits in
+  ``AttributionArguments.score_memory_gb`` beside the prepared test side, capped by
+  ``score_block_size``; blocks are joined while one layer of the chunk stays under 16 MiB
+  dense, and a block larger than the budget's rows is scored in slices of that many rows.
 * **Sinks.** Rows go to a :class:`~dattri_llm.attribution.sinks.FullSink` (the full matrix) or a
   :class:`~dattri_llm.attribution.sinks.TopKSink` (``top_k=``).
 * **Checkpoints and progress.** Over a store (a
@@ -131,11 +133,12 @@ class ScoreLoop:
         per_row = 2 * grad.nbytes / n * max(1.0, itemsize / (torch.finfo(grad.dtype).bits // 8))
         per_row += dense_row_bytes(grad, itemsize) + 2 * self.num_cols * itemsize
         free = int(args.score_memory_gb * 2**30) - test.nbytes
-        rows = min(cap, free // max(1.0, per_row))
-        # one layer of the chunk materialized at a time stays small enough to be recycled by
-        # the allocator: fresh pages for every chunk cost more than re-reading the test side
-        rows = min(rows, _LAYER_BUFFER // max(1, dense_row_bytes(grad, itemsize)))
-        self._rows = int(max(1, rows, min(n, cap)))
+        budget = int(max(1, min(cap, free // max(1.0, per_row))))
+        # joined blocks stay small enough for one layer of the chunk, materialized, to be
+        # recycled by the allocator (fresh pages for every chunk cost more than re-reading the
+        # test side); but a captured block is never cut below what the budget allows
+        friendly = _LAYER_BUFFER // max(1, dense_row_bytes(grad, itemsize))
+        self._rows = max(min(budget, friendly), min(n, budget), 1)
         return self._rows
 
     # ---- running ----
