@@ -302,3 +302,57 @@ def test_frozen_form_equals_explicit_formula(tmp_path):
     assert rel_err(s.query(train, test), per_ckpt[0] - 2.0 * per_ckpt[1]) <= 1e-10
     with pytest.raises(ValueError, match="optimizers"):
         LESSAttributor(a, task=task, optimizers=opts[:1])
+
+
+def test_frozen_form_refuses_one_state_kept_twice_and_warns_on_zero_weight(tmp_path):
+    """``opt.state_dict()`` without ``copy.deepcopy`` keeps references to the live state: every
+    checkpoint then holds the final one. Loading the same state twice is refused (shared tensors,
+    or equal update counts); a checkpoint whose learning rate is 0 (end of a decaying schedule)
+    is weighed 0 with a warning, never silently."""
+    model = make_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    ckpts, shallow = [], []
+    for k in range(2):
+        opt.zero_grad()
+        _loss(model, lm_batch(4, seed=50 + k)).backward()
+        opt.step()
+        ckpts.append(copy.deepcopy(model.state_dict()))
+        shallow.append(opt.state_dict())  # the mistake: references to the live state
+    live = make_lm(seed=9)
+    train = [{"input_ids": x} for x in lm_batch(3, seed=1)["input_ids"]]
+    test = [{"input_ids": x} for x in lm_batch(2, seed=2)["input_ids"]]
+    task = AttributionTask(_loss, live, checkpoints=ckpts)
+    a = args(tmp_path)
+
+    def optimizers(states: list, lrs: list[float]) -> list:
+        out = []
+        for st, lr in zip(states, lrs):
+            o = torch.optim.AdamW(live.parameters(), lr=lr)
+            o.load_state_dict(st)
+            out.append(o)
+        return out
+
+    with pytest.raises(ValueError, match="deepcopy"):
+        LESSAttributor(a, task=task, optimizers=optimizers(shallow, [0.02, 0.02])).attribute(
+            train, test
+        )
+    same = [copy.deepcopy(opt.state_dict()) for _ in range(2)]  # one state, copied twice
+    with pytest.raises(ValueError, match="same update counts"):
+        LESSAttributor(a, task=task, optimizers=optimizers(same, [0.02, 0.02])).attribute(
+            train, test
+        )
+    # distinct states, the second checkpoint at learning rate 0
+    model2 = make_lm()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.02)
+    states = []
+    for k in range(2):
+        opt2.zero_grad()
+        _loss(model2, lm_batch(4, seed=60 + k)).backward()
+        opt2.step()
+        st = copy.deepcopy(opt2.state_dict())
+        st["param_groups"][0]["lr"] = [0.02, 0.0][k]
+        states.append(st)
+    with pytest.warns(UserWarning, match="is 0"):
+        LESSAttributor(a, task=task, optimizers=optimizers(states, [1.0, 1.0])).attribute(
+            train, test
+        )

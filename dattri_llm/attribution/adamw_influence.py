@@ -32,24 +32,23 @@ perturbation forward instead (the same numbers).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dattri_llm.attribution.trajectory import StepIndex, TrajectoryAttributor, dense_rows
-from dattri_llm.attribution.unroll import (
-    AdamStep,
-    Curvature,
-    StepPushes,
-    adjoint_sweep,
-    forward_sweep,
+from dattri_llm.attribution.trajectory import (
+    StepIndex,
+    TrajectoryAttributor,
+    dense_rows,
+    layer_widths,
 )
+from dattri_llm.attribution.unroll import AdamStep, Curvature, StepPushes
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 __all__ = ["AdamWInfluenceAttributor", "coerce_dynamics"]
 
-_METHODS = ("adjoint", "forward")
 _ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "maximize", "amsgrad")
 
 
@@ -117,11 +116,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         method: str = "adjoint",
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        super().__init__(
+            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+        )
         self.dynamics = dynamics
-        self.method = method
 
     def attribute_from_cache(
         self,
@@ -156,16 +154,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             top_k=top_k,
         )
 
-    def run(
-        self,
-        index: StepIndex,
-        layers: list[str],
-        queries: torch.Tensor,
-        query_hashes: list[str],
-        dtype: torch.dtype = torch.float64,
-        dynamics: Any = None,
-    ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """The backward (or forward) sweep over the recorded run."""
+    def step_loader(
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype, dynamics: Any = None
+    ) -> Callable[[int], tuple[AdamStep, StepPushes]]:
+        """Each step's linearised Adam / AdamW update from the recorded dynamics."""
         where = type(self).__name__
         dyn = coerce_dynamics(dynamics if dynamics is not None else self.dynamics, where)
         if dyn.kind != "adam":
@@ -179,12 +171,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 f"{where}: no optimizer dynamics for steps {missing[:10]}; record_post(step) must "
                 "follow every optimizer.step() of the captured run."
             )
-        widths = {n: 0 for n in layers}
         first = index.load(index.steps[0])[0].gradient
-        for n in layers:
-            widths[n] = int(first.layers[n].materialize().data.shape[1])
-        check_dynamics_layout(dyn, layers, widths, where)
-        device = queries.device
+        check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
+        device = self.device
 
         def load(step: int) -> tuple[AdamStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
@@ -193,13 +182,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 step, pushes, hashes
             )
 
-        steps = index.steps
-        if self.method == "forward":
-            emb, hashes, rows = forward_sweep(
-                steps, load, lambda s: self.progress(s, "unroll"), self.row_filter
-            )
-            return emb @ queries.T, hashes, rows
-        return adjoint_sweep(steps, load, queries, lambda s: self.progress(s, "unroll"))
+        return load
 
     def _step(
         self,

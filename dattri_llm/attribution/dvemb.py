@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,20 +50,19 @@ from dattri_llm.attribution.trajectory import (
     TrajectoryAttributor,
     as_schedule,
     dense_rows,
+    layer_widths,
     step_index,
 )
 from dattri_llm.attribution.unroll import (
     Curvature,
     SGDStep,
     StepPushes,
-    adjoint_sweep,
     forward_sweep,
 )
 
 __all__ = ["DVEmbAttributor", "DataValueEmbeddings", "sampled_cross_entropy"]
 
 _CURVATURES = ("empirical_fisher", "mc_fisher", "none")
-_METHODS = ("forward", "adjoint")
 _FORMAT = "dattri_llm.data_value_embeddings"
 
 
@@ -243,18 +242,17 @@ class DVEmbAttributor(TrajectoryAttributor):
         method: str = "forward",
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
+        super().__init__(
+            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+        )
         if curvature not in _CURVATURES:
             raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}.")
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
         self.momentum_buffer_existed = momentum_buffer_existed
         self._first_step = 0
         self.curvature = curvature
-        self.method = method
 
     def attribute_from_cache(
         self,
@@ -313,53 +311,32 @@ class DVEmbAttributor(TrajectoryAttributor):
             if self.compute_dtype is None
             else torch.promote_types(first.dtype, self.compute_dtype)
         )
-        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
-        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
-        widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
-        out = DataValueEmbeddings(emb.cpu(), hashes, steps, widths)
+        load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+        emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
+        out = DataValueEmbeddings(emb.cpu(), hashes, steps, layer_widths(first, layers))
         if save_to is not None:
             out.save(save_to)
             out.output_dir = os.fspath(save_to)
         return out
 
-    def run(
-        self,
-        index: StepIndex,
-        layers: list[str],
-        queries: torch.Tensor,
-        query_hashes: list[str],
-        dtype: torch.dtype = torch.float64,
-        learning_rate: Any = None,
-        dynamics: Any = None,
-        curvature_source: Any = None,
-    ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Embeddings then scores (``method="forward"``), or the adjoint sweep."""
-        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
-        if self.method == "adjoint":
-            return adjoint_sweep(index.steps, load, queries, lambda s: self.progress(s, "unroll"))
-        emb, hashes, steps = forward_sweep(
-            index.steps, load, lambda s: self.progress(s, "embed"), self.row_filter
-        )
-        return emb @ queries.T, hashes, steps
-
     # ---- per-step operators -------------------------------------------------------------------
-    def _loader(
+    def step_loader(
         self,
         index: StepIndex,
         layers: list[str],
         dtype: torch.dtype,
-        learning_rate: Any,
-        dynamics: Any,
-        curvature_source: Any,
-    ) -> Any:
+        learning_rate: Any = None,
+        dynamics: Any = None,
+        curvature_source: Any = None,
+    ) -> Callable[[int], tuple[SGDStep, StepPushes]]:
+        """Each step's linearised SGD update (schedule, momentum, decay) and curvature."""
         where = type(self).__name__
         device = self.device
         dyn = None
         if dynamics is not None:
             dyn = coerce_dynamics(dynamics, where)
             first = index.load(index.steps[0])[0].gradient
-            widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
-            check_dynamics_layout(dyn, layers, widths, where)
+            check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
             if dyn.kind != "sgd":
                 warnings.warn(
                     f"{where}: this run was trained with {dyn.optimizer}, but DVEmb's propagation "

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dattri_llm.gradient.store.writer import _fsync_dir
+from dattri_llm.gradient.store.writer import fsync_dir
 
 __all__ = ["ScoreCheckpoint", "tensor_digest", "settings_of", "checkpoint_for"]
 
@@ -180,7 +180,7 @@ class ScoreCheckpoint:
             "next": self._next,
         }
         _atomic_write(self.dir / _PROGRESS, json.dumps(progress).encode())
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         for name in old:  # a top-k state replaces the previous one
             if name not in files:
                 for ext in (".safetensors", ".json"):

@@ -13,8 +13,9 @@ What a new trajectory method gets from it:
 * **The score container**: one row per (sample, step it occurred at); ``agnostic_matrix`` sums
   a sample's occurrences.
 
-Subclasses implement :meth:`TrajectoryAttributor.run` (the sweep). The linearised optimizer
-steps are in :mod:`dattri_llm.attribution.unroll`.
+Subclasses implement :meth:`TrajectoryAttributor.step_loader`: for each step, the linearised
+update (a :class:`~dattri_llm.attribution.unroll.LinearStep`) and the removals' pushes; the base
+runs the sweep. The linearised optimizer steps are in :mod:`dattri_llm.attribution.unroll`.
 
 Conventions: a positive score means removing the sample would raise the query's loss (it
 helped); the training loss's reduction must be given (``loss_reduction="sum"`` — the
@@ -36,11 +37,13 @@ from dattri_llm.attribution import distributed
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.sinks import check_top_k, top_k_of
+from dattri_llm.attribution.unroll import LinearStep, StepPushes, adjoint_sweep, forward_sweep
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
 _REDUCTIONS = ("sum", "mean")
+_METHODS = ("adjoint", "forward")
 
 
 def as_schedule(value: Any, name: str, by: str = "step") -> Callable[[int], float]:
@@ -172,6 +175,8 @@ class TrajectoryAttributor(BaseAttributor):
             (the captured ``s`` are the samples' shares either way).
         compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
             float32 run); never lowers it.
+        method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
+            ``"forward"`` (every removal carried forward: memory ∝ samples); the same numbers.
     """
 
     name = "trajectory"
@@ -184,8 +189,12 @@ class TrajectoryAttributor(BaseAttributor):
         task: Any = None,
         loss_reduction: str = "sum",
         compute_dtype: torch.dtype | None = None,
+        method: str = "adjoint",
     ) -> None:
         super().__init__(args, task)
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        self.method = method
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {_REDUCTIONS} (how the training loss combined "
@@ -199,16 +208,40 @@ class TrajectoryAttributor(BaseAttributor):
         self.compute_dtype = compute_dtype
 
     # ---- what subclasses implement ---------------------------------------------------------
+    def step_loader(
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype, **kwargs: Any
+    ) -> Callable[[int], tuple[LinearStep, StepPushes]]:
+        """``step -> (LinearStep, StepPushes)``: the step's linearised update and removals.
+
+        Validate the call's options here (they are the ``attribute_from_cache`` keyword
+        arguments); the base runs the sweep (:meth:`run`).
+        """
+        raise NotImplementedError
+
     def run(
         self,
         index: StepIndex,
         layers: list[str],
         queries: torch.Tensor,
         query_hashes: list[str],
+        dtype: torch.dtype = torch.float64,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Scores ``(N_occ, R)`` with each row's sample identity and step."""
-        raise NotImplementedError
+        """Scores ``(N_occ, R)`` with each row's sample identity and step.
+
+        ``method="adjoint"`` carries the queries' adjoints backward (memory ∝ queries);
+        ``"forward"`` carries every removal forward and takes inner products at the end.
+        """
+        load = self.step_loader(index, layers, dtype, **kwargs)
+        if self.method == "forward":
+            emb, hashes, rows = forward_sweep(
+                index.steps, load, self._bar("unroll"), self.row_filter
+            )
+            return emb @ queries.T, hashes, rows
+        return adjoint_sweep(index.steps, load, queries, self._bar("unroll"))
+
+    def _bar(self, desc: str) -> Callable[[Iterable[int]], Iterable[int]]:
+        return lambda steps: self.progress(steps, desc)
 
     #: The optimizer ``AttributionArguments(optimizer="auto")`` means for the live path.
     default_optimizer = "adamw_torch"

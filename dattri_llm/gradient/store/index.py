@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +155,18 @@ def read_index(path: Path, warn: bool = True) -> tuple[list[IndexEntry], int]:
     return entries, end
 
 
-def parse_index(path: Path, warn: bool = True) -> tuple[list[IndexEntry], int, bool]:
+def parse_index(
+    path: Path,
+    warn: bool = True,
+    check: Callable[[Any, Path, int], IndexEntry] | None = None,
+) -> tuple[list[IndexEntry], int, bool]:
     """Parse an index file without the sequence check.
+
+    Args:
+        path: The JSONL file.
+        warn: Warn about a torn last line.
+        check: ``check(entry, path, lineno) -> entry`` validating each line (default: a
+            gradient-store index line); it raises ``StoreFormatError`` naming the line.
 
     Returns:
         ``(entries, valid_bytes, torn)``; ``torn``: the file ends in an incomplete line.
@@ -182,7 +193,7 @@ def parse_index(path: Path, warn: bool = True) -> tuple[list[IndexEntry], int, b
             raise StoreFormatError(
                 f"{path}:{lineno}: index line is not valid JSON ({e})."
             ) from None
-        entries.append(_check_entry(entry, path, lineno))
+        entries.append((check or _check_entry)(entry, path, lineno))
     return entries, end, end < len(data)
 
 

@@ -106,7 +106,8 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Fsync a directory (its entries: a rename is durable after this)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -293,7 +294,7 @@ class PartitionWriter:
         size = tmp.stat().st_size
         os.replace(tmp, final)
         if self.fsync:
-            _fsync_dir(self.shard_dir)
+            fsync_dir(self.shard_dir)
         entry = entry_for(seq, header, size, crc)
         self._index.append(entry)
         self._on_durable(entry)
