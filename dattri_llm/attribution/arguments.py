@@ -51,7 +51,8 @@ class AttributionArguments:
             joined into chunks of as many rows as fit beside the prepared test gradients (the
             chunk's gradients, one layer of them materialized at a time, the score rows), so
             the dense test side is read once per chunk; test layers are materialized once only
-            while they fit in half of it. Larger is faster up to ``score_block_size`` rows.
+            while they fit in 3/4 of it (otherwise they are re-materialized for every chunk: give
+            a budget that holds ``M x P`` numbers for speed). Default 4 GiB.
         resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
             scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
             atomic), and resume an identical call that was interrupted; the checkpoint is
@@ -88,7 +89,7 @@ class AttributionArguments:
     num_train_epochs: float = 1.0
     max_grad_norm: float = 0.0
     score_block_size: int = 1024
-    score_memory_gb: float = 1.0
+    score_memory_gb: float = 4.0
     resumable: bool = False
     distributed_scoring: bool = True
     distributed_timeout_s: float = 300.0

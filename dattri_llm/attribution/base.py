@@ -48,6 +48,8 @@ _MODES = ("auto", "factorized", "materialized")
 #: Test layers are materialized once when their dense form is at most this many times the
 #: size of their factors (and the router prefers materialized inner products for them).
 _DENSE_TEST_FACTOR = 4
+#: Share of ``score_memory_gb`` the densified test side may take.
+_DENSE_TEST_SHARE = 0.75
 _NO_TOKEN_SPLIT = (
     "attribution_granularity='token' is not split across ranks (per-token scores are not "
     "gathered); run token attribution in one process."
@@ -73,6 +75,21 @@ class _TestSide:
     def nbytes(self) -> int:
         """Bytes held by the prepared test gradients."""
         return sum(g.nbytes for g, _ in self.chunks)
+
+    @property
+    def num_rows(self) -> int:
+        """Test rows (columns of the scores)."""
+        return sum(int(c.numel()) for _, c in self.chunks)
+
+    @property
+    def dense(self) -> bool:
+        """Whether every test layer is held materialized (none re-materialized per chunk)."""
+        return all(
+            isinstance(site, Materialized)
+            for g, _ in self.chunks
+            for lg in g.layers.values()
+            for site in (lg.sites if isinstance(lg, Shared) else [lg])
+        )
 
 
 class BaseAttributor:
@@ -552,11 +569,12 @@ class BaseAttributor:
         the test side is the same for every train block, so it is materialized here once
         instead of once per block. A layer is kept factorized when its dense form would take
         more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors, or once the dense
-        layers would take more than half of ``args.score_memory_gb``. Exact either way.
+        layers would take more than 3/4 of ``args.score_memory_gb`` (a test side left partly
+        factorized is re-materialized for every train chunk). Exact either way.
         """
         if self.mode == "factorized":
             return grad
-        room = self.args.score_memory_gb * 2**30 / 2 - grad.nbytes
+        room = self.args.score_memory_gb * 2**30 * _DENSE_TEST_SHARE - grad.nbytes
         b1 = min(self.args.per_device_train_batch_size, self.args.score_block_size)
         b2 = min(grad.batch_size, self.args.score_block_size)
         layers = {}

@@ -359,6 +359,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget-gb", type=float, default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--shapes", default="4x256,4x512", help="breakdown models")
+    p.add_argument("--sizes", default="64x16,256x32", help="breakdown train x test")
+    p.add_argument("--reps", type=int, default=3, help="breakdown repetitions (best kept)")
     a = p.parse_args()
     print(
         header(
@@ -372,13 +375,11 @@ def main() -> None:
     )
     parts = a.parts.split(",")
     if "breakdown" in parts:
-        sizes = [(16, 8)] if a.quick else [(64, 16), (256, 32)]
-        print(
-            part_breakdown(
-                ["4x256"] if a.quick else ["4x256", "4x512"], sizes, 1 if a.quick else 3
-            ),
-            flush=True,
-        )
+        sizes = [tuple(int(v) for v in x.split("x")) for x in a.sizes.split(",")]
+        shapes = a.shapes.split(",")
+        if a.quick:
+            shapes, sizes = ["4x256"], [(16, 8)]
+        print(part_breakdown(shapes, sizes, 1 if a.quick else a.reps), flush=True)
     if "floor" in parts:
         rows = (
             [("4x256", 16, 8)]
