@@ -51,8 +51,11 @@ class AttributionArguments:
             joined into chunks of as many rows as fit beside the prepared test gradients (the
             chunk's gradients, one layer of them materialized at a time, the score rows), so
             the dense test side is read once per chunk; test layers are materialized once only
-            while they fit in 3/4 of it (otherwise they are re-materialized for every chunk: give
-            a budget that holds ``M x P`` numbers for speed). Default 4 GiB.
+            while they fit in half of it. Default 1 GiB: with many queries a budget that holds
+            the dense test side twice (``2 x M x P`` numbers) can be much faster (GPT-2 4x256,
+            1024 x 64 queries: 2.1x a plain step at 4 GiB, 4.0x at 1 GiB), with fewer it can
+            be slower (4x512, 64 x 16: 2.0x at 4 GiB, 1.6x at 1 GiB); see
+            docs/benchmarks/scale.md.
         resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
             scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
             atomic), and resume an identical call that was interrupted; the checkpoint is
@@ -89,7 +92,7 @@ class AttributionArguments:
     num_train_epochs: float = 1.0
     max_grad_norm: float = 0.0
     score_block_size: int = 1024
-    score_memory_gb: float = 4.0
+    score_memory_gb: float = 1.0
     resumable: bool = False
     distributed_scoring: bool = True
     distributed_timeout_s: float = 300.0

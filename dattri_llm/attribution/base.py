@@ -49,7 +49,7 @@ _MODES = ("auto", "factorized", "materialized")
 #: size of their factors (and the router prefers materialized inner products for them).
 _DENSE_TEST_FACTOR = 4
 #: Share of ``score_memory_gb`` the densified test side may take.
-_DENSE_TEST_SHARE = 0.75
+_DENSE_TEST_SHARE = 0.5
 _NO_TOKEN_SPLIT = (
     "attribution_granularity='token' is not split across ranks (per-token scores are not "
     "gathered); run token attribution in one process."
@@ -569,8 +569,8 @@ class BaseAttributor:
         the test side is the same for every train block, so it is materialized here once
         instead of once per block. A layer is kept factorized when its dense form would take
         more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors, or once the dense
-        layers would take more than 3/4 of ``args.score_memory_gb`` (a test side left partly
-        factorized is re-materialized for every train chunk). Exact either way.
+        layers would take more than half of ``args.score_memory_gb`` (a layer left factorized
+        may be re-materialized for every train chunk). Exact either way.
         """
         if self.mode == "factorized":
             return grad
