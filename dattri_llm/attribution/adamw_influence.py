@@ -143,6 +143,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         layers: Any = None,
         checkpoints: Any = None,
         dynamics: Any = None,
+        top_k: int | None = None,
     ) -> Any:
         """Unroll a captured run (see :meth:`TrajectoryAttributor.attribute_from_cache`).
 
@@ -154,9 +155,17 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             layers: Use only these layers.
             checkpoints: Read only records with these checkpoint labels.
             dynamics: ``OptimizerStateCallback.dynamics()`` (or its directory).
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
-            train_dir, test_dir, attribution_granularity, layers, checkpoints, dynamics=dynamics
+            train_dir,
+            test_dir,
+            attribution_granularity,
+            layers,
+            checkpoints,
+            dynamics=dynamics,
+            top_k=top_k,
         )
 
     def step_loader(

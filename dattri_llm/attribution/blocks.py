@@ -74,18 +74,20 @@ class LiveSource:
 
 
 class Accumulator:
-    """Score rows of the train blocks, in order, and their identities (and token scores)."""
+    """Checks every train block's capture and hands its score rows to a sink.
 
-    def __init__(self, granularity: str, source: str = "train source") -> None:
+    The sink (:mod:`dattri_llm.attribution.sinks`) keeps the full matrix (default) or a
+    streamed top-k.
+    """
+
+    def __init__(self, granularity: str, source: str = "train source", sink: Any = None) -> None:
+        from dattri_llm.attribution.sinks import FullSink
+
         self.granularity = granularity
         self.source = source
+        self.sink = sink if sink is not None else FullSink(granularity)
         self.facts: CaptureFacts | None = None  # of the first train block
         self._checked: set[int] = set()  # test sides the train facts were checked against
-        self.rows: list[torch.Tensor] = []
-        self.hashes: list[str] = []
-        self.checkpoints: list[int] = []
-        self.steps: list[int] = []
-        self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
 
     def check_facts(
         self, attributor: BaseAttributor, block: GradientBlock, test: _TestSide
@@ -105,40 +107,25 @@ class Accumulator:
         self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
     ) -> None:
         """Append one train block's score rows (and per-token scores)."""
-        self.rows.append(scores)
-        self.hashes += [str(h) for h in block.hashes]
-        self.steps += [int(block.step)] * scores.shape[0]
-        self.checkpoints += [int(block.checkpoint)] * scores.shape[0]
-        if self.tokens is not None and tokens is not None:
-            self.tokens += tokens
+        n = scores.shape[0]
+        self.add_rows(
+            scores, block.hashes, [int(block.step)] * n, [int(block.checkpoint)] * n, tokens
+        )
+
+    def add_rows(
+        self,
+        scores: torch.Tensor,
+        hashes: list[str],
+        steps: list[int],
+        checkpoints: list[int],
+        tokens: list[torch.Tensor] | None,
+    ) -> None:
+        """Append score rows with each row's identity, step and checkpoint."""
+        self.sink.add(scores, hashes, steps, checkpoints, tokens)
 
     def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
         """The collected rows as an :class:`AttributionScore` over ``columns``."""
-        if not self.rows:
-            raise ValueError(
-                "the train source yielded no gradients: is the train set (or store) empty?"
-            )
-        dtype = self.rows[0].dtype
-        for r in self.rows[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
-        scores = torch.cat([r.to(dtype) for r in self.rows])
-        if scores.shape[1] < len(columns):  # columns added by a later checkpoint
-            scores = torch.nn.functional.pad(scores, (0, len(columns) - scores.shape[1]))
-        tokens = None
-        if self.tokens is not None:
-            tokens = [
-                torch.nn.functional.pad(t.to(dtype), (0, len(columns) - t.shape[1]))
-                for t in self.tokens
-            ]
-        return AttributionScore(
-            scores,
-            self.hashes,
-            self.steps,
-            columns,
-            token_scores=tokens,
-            output_dir=output_dir,
-            train_checkpoints=self.checkpoints,
-        )
+        return self.sink.result(columns, output_dir)
 
 
 def source_name(source: Any, side: str) -> str:

@@ -272,6 +272,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         learning_rate: Any = None,
         dynamics: Any = None,
         curvature_source: Any = None,
+        top_k: int | None = None,
     ) -> AttributionScore:
         """Embed the captured run and score the queries (gradients at the end of the run).
 
@@ -285,6 +286,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
                 rates, momentum and weight decay are used.
             curvature_source: ``"mc_fisher"``: store / source of the sampled-label gradients.
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
             train_dir,
@@ -295,6 +298,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             learning_rate=learning_rate,
             dynamics=dynamics,
             curvature_source=curvature_source,
+            top_k=top_k,
         )
 
     def embed(

@@ -126,6 +126,7 @@ class LESSAttributor(TracInAttributor):
         checkpoints: Sequence[int] | None = None,
         learning_rates: LearningRates | None = None,
         pair_by: str = "checkpoint",
+        top_k: int | None = None,
     ) -> AttributionScore:
         """Score a preconditioned train store against a raw query store.
 
@@ -139,6 +140,8 @@ class LESSAttributor(TracInAttributor):
                 a ``{step: lr}`` mapping or a callable; default: the learning rates recorded
                 at capture.
             pair_by: ``"checkpoint"`` or ``"step"`` (queries captured at every step).
+            top_k: Keep only each query's ``top_k`` proponents and opponents (streamed; see
+                :meth:`BaseAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
             train_dir,
@@ -148,6 +151,7 @@ class LESSAttributor(TracInAttributor):
             checkpoints=checkpoints,
             learning_rates=learning_rates,
             pair_by=pair_by,
+            top_k=top_k,
         )
 
     # ---- per call ---------------------------------------------------------------------------

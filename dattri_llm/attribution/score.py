@@ -78,6 +78,11 @@ class AttributionScore:
         output_dir: Default directory of :meth:`save`.
         train_checkpoints: ``R`` checkpoint labels of the rows (default all 0); a sample at
             the same step of two checkpoints is not a duplicate.
+        top_k_kept: Set by ``attribute*(..., top_k=k)``: the scores hold, per test sample, only
+            its ``k`` largest and ``k`` smallest agnostic scores (one row per kept train
+            sample, summed over its steps; step ``-1`` when it occurred at several), and
+            ``NaN`` for every score not kept. :meth:`top_k` then takes ``k' <= k``.
+        num_train: With ``top_k_kept``: how many train samples were ranked.
     """
 
     def __init__(
@@ -89,8 +94,12 @@ class AttributionScore:
         token_scores: Sequence[torch.Tensor] | None = None,
         output_dir: str | None = None,
         train_checkpoints: Sequence[int] | None = None,
+        top_k_kept: int | None = None,
+        num_train: int | None = None,
     ) -> None:
         self.scores = scores
+        self.top_k_kept = top_k_kept
+        self.num_train = num_train
         self.train_hashes = [str(h) for h in train_hashes]
         self.train_steps = [int(s) for s in train_steps]
         self.train_checkpoints = (
@@ -141,7 +150,8 @@ class AttributionScore:
         return (
             f"AttributionScore(rows={len(self.train_hashes)}, "
             f"train={len(set(self.train_hashes))}, test={self.num_test}, steps={self.steps}, "
-            f"token_scores={self.has_token_scores})"
+            f"token_scores={self.has_token_scores}"
+            + (f", top_k_kept={self.top_k_kept} of {self.num_train})" if self.top_k_kept else ")")
         )
 
     # ---- views -----------------------------------------------------------------------------
@@ -235,7 +245,8 @@ class AttributionScore:
                 sample's id would name several rows).
 
         Returns:
-            ``(len(train), len(test))``.
+            ``(len(train), len(test))``; with ``top_k_kept``, ``NaN`` where a score was not
+            among the kept ones.
 
         Raises:
             KeyError: naming the first hash that is not in the scores.
@@ -251,7 +262,14 @@ class AttributionScore:
         te = self.test_hashes if test is None else [_as_hash(x) for x in test]
         for h in tr:
             if h not in where:
-                raise KeyError(f"train hash {h!r} is not in the scores ({len(ids)} train samples).")
+                kept = (
+                    f" kept by top_k={self.top_k_kept} for any test sample"
+                    if self.top_k_kept is not None
+                    else ""
+                )
+                raise KeyError(
+                    f"train hash {h!r} is not in the scores{kept} ({len(ids)} train samples)."
+                )
         for h in te:
             if h not in self._test_index:
                 raise KeyError(
@@ -270,10 +288,22 @@ class AttributionScore:
         ids, matrix = self.agnostic_matrix(duplicates)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}.")
-        k = min(k, len(ids))
         cols = matrix.T  # (M, N)
-        p_val, p_idx = cols.topk(k, dim=1, largest=True)
-        o_val, o_idx = cols.topk(k, dim=1, largest=False)
+        if self.top_k_kept is not None:  # NaN: not kept (never ranked)
+            if k > self.top_k_kept:
+                raise ValueError(
+                    f"these scores kept the top {self.top_k_kept} per test sample "
+                    f"(attribute(..., top_k={self.top_k_kept})); top_k({k}) needs a run with "
+                    f"top_k >= {k}."
+                )
+            k = min(k, self.num_train if self.num_train is not None else len(ids))
+            missing = cols.isnan()
+            p_val, p_idx = cols.masked_fill(missing, float("-inf")).topk(k, dim=1)
+            o_val, o_idx = cols.masked_fill(missing, float("inf")).topk(k, dim=1, largest=False)
+        else:
+            k = min(k, len(ids))
+            p_val, p_idx = cols.topk(k, dim=1, largest=True)
+            o_val, o_idx = cols.topk(k, dim=1, largest=False)
         return TopK(
             list(self.test_hashes),
             [[ids[i] for i in r] for r in p_idx.tolist()],
@@ -339,6 +369,9 @@ class AttributionScore:
             "test_hashes": self.test_hashes,
             "token_scores": self._token_scores is not None,
         }
+        if self.top_k_kept is not None:
+            meta["top_k_kept"] = self.top_k_kept
+            meta["num_train"] = self.num_train
         if self._token_scores is not None:
             lengths = [int(t.shape[0]) for t in self._token_scores]
             tensors["token_scores"] = (
@@ -394,4 +427,6 @@ class AttributionScore:
             token_scores=tokens,
             output_dir=path,
             train_checkpoints=meta.get("train_checkpoints"),
+            top_k_kept=meta.get("top_k_kept"),
+            num_train=meta.get("num_train"),
         )

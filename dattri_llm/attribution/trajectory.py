@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution import distributed
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.sinks import check_top_k, top_k_of
 from dattri_llm.attribution.unroll import LinearStep, StepPushes, adjoint_sweep, forward_sweep
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
@@ -178,6 +180,8 @@ class TrajectoryAttributor(BaseAttributor):
     """
 
     name = "trajectory"
+    #: Under ``torch.distributed``, selects this rank's removals in the forward sweep.
+    row_filter: Callable[[Any], Any] | None = None
 
     def __init__(
         self,
@@ -230,7 +234,9 @@ class TrajectoryAttributor(BaseAttributor):
         """
         load = self.step_loader(index, layers, dtype, **kwargs)
         if self.method == "forward":
-            emb, hashes, rows = forward_sweep(index.steps, load, self._bar("unroll"))
+            emb, hashes, rows = forward_sweep(
+                index.steps, load, self._bar("unroll"), self.row_filter
+            )
             return emb @ queries.T, hashes, rows
         return adjoint_sweep(index.steps, load, queries, self._bar("unroll"))
 
@@ -361,9 +367,17 @@ class TrajectoryAttributor(BaseAttributor):
         train_source: Any,
         test_source: Any,
         attribution_granularity: str = "sample",
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
-        """Unroll a train source (store, replay, records) for the queries of a test source."""
+        """Unroll a train source (store, replay, records) for the queries of a test source.
+
+        ``top_k=k`` reduces the result to each query's ``k`` proponents and opponents (the
+        same form as the streamed top-k of the other attributors, ``score.top_k_kept == k``).
+        It is a reduction of the full result, not a stream: the sweep's own state — the
+        queries' adjoints, or every occurrence's embedding — is what bounds its memory.
+        """
+        k = check_top_k(top_k)
         if attribution_granularity != "sample":
             raise ValueError(f"{type(self).__name__} supports attribution_granularity='sample'.")
         index = step_index(train_source, device=self.device)
@@ -382,12 +396,79 @@ class TrajectoryAttributor(BaseAttributor):
             dtype = torch.promote_types(dtype, self.compute_dtype)
         self._check_queries(test_blocks, first[0].gradient, layers)
         queries, query_hashes = dense_rows(test_blocks, layers, dtype, self.device)
-        scores, hashes, steps = self.run(
-            index, layers, queries, query_hashes, dtype=dtype, **kwargs
-        )
-        return AttributionScore(
+        if distributed.active(self.args):
+            distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
+            scores, hashes, steps = self._run_split(
+                index, layers, queries, query_hashes, dtype, kwargs
+            )
+        else:
+            scores, hashes, steps = self.run(
+                index, layers, queries, query_hashes, dtype=dtype, **kwargs
+            )
+        score = AttributionScore(
             scores.detach().cpu(), hashes, steps, query_hashes, output_dir=self.args.output_dir
         )
+        return score if k is None else top_k_of(score, k)
+
+    def _run_split(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        queries: torch.Tensor,
+        query_hashes: list[str],
+        dtype: torch.dtype,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, list[str], list[int]]:
+        """The sweep split across ranks; every rank returns the full result.
+
+        The sweep is sequential over steps, so the ranks split what is independent within it:
+        the *queries* for the adjoint sweep (each query's adjoint is carried alone; memory and
+        work per rank ∝ its queries), the *removed samples* for the forward sweep (each
+        occurrence's perturbation is carried alone; a sample's occurrences stay on one rank).
+        Every rank reads every step's gradients and dynamics. No communication until the end,
+        where the score columns (adjoint) or rows (forward) are all-gathered and put back in
+        single-process order.
+        """
+        from dattri_llm.utils.distributed import get_rank, get_world_size
+
+        rank, world = get_rank(), get_world_size()
+        if getattr(self, "method", "adjoint") == "adjoint":
+            mine = distributed.live_slice(len(query_hashes), rank, world)
+            scores, hashes, steps = self.run(
+                index,
+                layers,
+                queries[mine.start : mine.stop],
+                query_hashes[mine.start : mine.stop],
+                dtype=dtype,
+                **kwargs,
+            )
+            cols = distributed.all_gather_tensors(scores.detach().cpu())
+            return torch.cat(cols, dim=1), hashes, steps
+        keys: list[list[int]] = []
+
+        def keep(pushes: Any) -> Any:
+            rows = [i for i, h in enumerate(pushes.hashes) if distributed.owner(h, world) == rank]
+            keys.extend([int(pushes.step), i] for i in rows)
+            idx = torch.as_tensor(rows, dtype=torch.long, device=pushes.shares.device)
+            return type(pushes)(
+                pushes.step, pushes.shares.index_select(0, idx), [pushes.hashes[i] for i in rows]
+            )
+
+        self.row_filter = keep
+        try:
+            scores, hashes, steps = self.run(
+                index, layers, queries, query_hashes, dtype=dtype, **kwargs
+            )
+        finally:
+            self.row_filter = None
+        parts = distributed.all_gather_tensors(scores.detach().cpu())
+        metas = distributed.all_gather_json({"keys": keys, "hashes": hashes, "steps": steps})
+        flat = [tuple(k) for m in metas for k in m["keys"]]
+        order = sorted(range(len(flat)), key=lambda i: flat[i])
+        full = torch.cat(parts).index_select(0, torch.as_tensor(order, dtype=torch.long))
+        all_h = [h for m in metas for h in m["hashes"]]
+        all_s = [st for m in metas for st in m["steps"]]
+        return full, [all_h[i] for i in order], [all_s[i] for i in order]
 
     def _check_queries(
         self, blocks: list[GradientBlock], train: Gradient, layers: list[str]

@@ -288,6 +288,7 @@ def forward_sweep(
     steps: Sequence[int],
     load: Callable[[int], tuple[LinearStep, StepPushes]],
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
+    keep: Callable[[StepPushes], StepPushes] | None = None,
 ) -> tuple[torch.Tensor, list[str], list[int]]:
     """Carry every removal forward to the end of the run.
 
@@ -295,6 +296,8 @@ def forward_sweep(
         steps: The steps in training order.
         load: ``step -> (LinearStep, StepPushes)``.
         progress: Wraps the steps (a progress bar).
+        keep: Selects the removals to carry (e.g. this rank's samples); every row is
+            independent of the others, so a subset gives exactly those rows.
 
     Returns:
         ``(E, hashes, steps)``: ``E`` ``(N_occ, P)`` the final parameter perturbations
@@ -306,6 +309,8 @@ def forward_sweep(
     rows: list[int] = []
     for step in progress(steps):
         op, pushes = load(step)
+        if keep is not None:
+            pushes = keep(pushes)
         if state is not None:
             state = op.forward(_align(state, op.components, state["theta"]))
         new = op.push(pushes.shares)

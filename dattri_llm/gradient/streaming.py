@@ -321,11 +321,10 @@ class GradientStreamer:
         if self.show_progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(
-                total=len(self) if hasattr(self.dataset, "__len__") else None,
-                desc=self.desc,
-                leave=False,
-            )
+            n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+            if n is not None and self.drop_last:
+                n -= n % self.batch_size
+            bar = tqdm(total=n, desc=self.desc, leave=False, unit="sample", unit_scale=True)
         try:
             for batch, ids in loader:
                 batch = move_to_device(batch, device)
@@ -342,7 +341,7 @@ class GradientStreamer:
                     )
                 rec = cb.pop()
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(rec.hashes))  # samples: the rate and ETA in samples
                 yield GradientBlock(
                     self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
                 )

@@ -177,7 +177,10 @@ def report(model, train: list[dict], test: list[dict], out: str, device) -> None
         f"train store: partitions {parts} (ranks {store.ranks}), {len(store)} records "
         f"(steps {store.available_steps()}), {store.num_samples} samples"
     )
-    args = AttributionArguments(output_dir=f"{out}/scores", show_progress=False)
+    # rank 0 scores alone (the others wait at the barrier): no split across the ranks
+    args = AttributionArguments(
+        output_dir=f"{out}/scores", show_progress=False, distributed_scoring=False
+    )
     score = TracInAttributor(args).attribute_from_cache(f"{out}/train", f"{out}/test")
     by_hash = {hash_sample({"input_ids": s["input_ids"]}): s for s in train + test}
     train_ids, matrix = score.agnostic_matrix()

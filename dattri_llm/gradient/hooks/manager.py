@@ -362,7 +362,12 @@ class HookManager:
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
-        if self._coverage_pending and not self._transforms and self.projection is None:
+        if (
+            self._coverage_pending
+            and not self.force_output_grad  # a frozen probe: no parameter gradient to check
+            and not self._transforms
+            and self.projection is None
+        ):
             self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
             self._magnitude[spec.name] = max(
                 self._magnitude.get(spec.name, 0.0), term_magnitude(item)
