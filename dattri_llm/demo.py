@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from torch import nn
-
-__all__ = ["main", "load_corpus"]
+__all__ = ["main", "run", "add_arguments", "load_corpus", "build_tokenizer"]
 
 TOPICS = (
     "formatstrings",
@@ -70,31 +67,50 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int) -> object:
     return tok
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """Run the demo; returns a summary (``topic_share``, chance level, timings)."""
-    parser = argparse.ArgumentParser(prog="dattri-llm demo", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (shared by ``python -m dattri_llm demo`` and :func:`main`)."""
     parser.add_argument("--per-topic", type=int, default=36, help="train paragraphs per topic")
-    parser.add_argument("--queries-per-topic", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=48)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument(
+        "--queries-per-topic", type=int, default=4, help="held-out query paragraphs per topic"
+    )
+    parser.add_argument("--seq-len", type=int, default=48, help="tokens per paragraph")
+    parser.add_argument("--epochs", type=int, default=4, help="training epochs")
+    parser.add_argument("--batch-size", type=int, default=16, help="training batch size")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--top-k", type=int, default=5, help="proponents per query")
     parser.add_argument("--show", type=int, default=6, help="queries printed in full")
     parser.add_argument(
         "--workdir",
         type=str,
         default=None,
-        help="where gradients and scores go (default: a temporary directory)",
+        help="keep the gradient stores and the texts (JSON Lines) there, ready for the other "
+        "dattri-llm commands (default: a temporary directory, removed at exit)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--layers",
         choices=("all", "blocks"),
         default="all",
-        help="hook every layer (default) or only the transformer blocks' linears",
+        help="hook every layer, or only the transformer blocks' linears",
     )
-    args = parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the demo; returns a summary (``topic_share``, chance level, timings)."""
+    parser = argparse.ArgumentParser(prog="dattri-llm demo", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the demo with parsed options (see :func:`add_arguments`)."""
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_demo_") as tmp:
+        return _run(args, Path(args.workdir or tmp))
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> dict:
+    import torch
+    from torch import nn
 
     try:
         import transformers
@@ -163,7 +179,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ) / max(1, batch.shape[0])
 
     ids = torch.stack([x["input_ids"] for x in train_items])
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dattri_llm_demo_"))
     store = GradientStorageManager(str(workdir / "train_grads"))
     layers = HookManagerConfig(
         linear_io=REGISTER_ALL
@@ -175,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"corpus: {len(train)} training paragraphs and {len(queries)} held-out queries from "
         f"{len(by_topic)} Python documentation topics; GPT-2 2x128 from a config"
     )
+    kept = " (temporary, removed at exit; --workdir DIR keeps them)" if args.workdir is None else ""
+    print(f"per-sample gradients go to {workdir}{kept}")
     for epoch in range(args.epochs):
         last = epoch == args.epochs - 1
         hm = (
@@ -200,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 loss = loss_fn(batch)
                 loss.backward()  # an ordinary training step: hooks capture on the side
                 opt.step()
-                total += float(loss) * len(batch)
+                total += float(loss.detach()) * len(batch)
         note = "  (per-sample gradients offloaded)" if last else ""
         print(f"epoch {epoch + 1}: train loss {total / len(ids):.3f}{note}")
 
@@ -224,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             s.close()
 
     attributor = TracInAttributor(
-        AttributionArguments(output_dir=str(workdir / "scores")), normalized_grad=True
+        AttributionArguments(output_dir=str(workdir / "scores"), show_progress=_terminal()),
+        normalized_grad=True,
     )
     score = attributor.attribute_from_cache(
         str(workdir / "train_grads"), str(workdir / "query_grads")
@@ -257,11 +275,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
     chance = 1 / len(by_topic)
     elapsed = time.perf_counter() - t0
     print(f"overall: {share:.0%} (chance: {chance:.0%}); {elapsed:.0f} s")
-    if args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        print(f"gradients and scores kept in {workdir}")
+    if args.workdir is not None:
+        _write_texts(workdir / "train_texts.jsonl", train_items, train, hash_sample)
+        _write_texts(workdir / "query_texts.jsonl", query_items, queries, hash_sample)
+        w = workdir
+        print(
+            f"\ngradient stores and texts kept in {w}; explore them with the command line:\n"
+            f"  dattri-llm inspect {w / 'train_grads'} --verify\n"
+            f"  dattri-llm attribute --method grad-cos --train {w / 'train_grads'} "
+            f"--test {w / 'query_grads'} --out {w / 'scores'}\n"
+            f"  dattri-llm top {w / 'scores'} --texts {w / 'train_texts.jsonl'} --k 5\n"
+            f"  dattri-llm report {w / 'scores'} --train-texts {w / 'train_texts.jsonl'} "
+            f"--test-texts {w / 'query_texts.jsonl'} -o {w / 'report.html'}"
+        )
     return {"topic_share": share, "chance": chance, "seconds": elapsed, "workdir": str(workdir)}
+
+
+def _write_texts(path: Path, items: list[dict], texts: list[tuple[str, str]], hash_fn) -> None:
+    """JSON Lines ``{"id", "text", "topic"}`` for ``dattri-llm top`` / ``report``."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for item, (topic, text) in zip(items, texts):
+            f.write(json.dumps({"id": hash_fn(item), "text": text, "topic": topic}) + "\n")
+
+
+def _terminal() -> bool:
+    """Progress bars only on a terminal (they are noise in a log or a pipe)."""
+    return sys.stderr.isatty()
 
 
 class _null:

@@ -45,3 +45,47 @@ def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     """Max abs error relative to the max magnitude of the reference."""
     return float((x - y).abs().max() / y.abs().max().clamp_min(1e-300))
+
+
+def per_sample_loop_grads(
+    model: nn.Module, loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``{param name: (B, *shape)}`` by one backward pass per sample (any model: in-place ops,
+    checkpointing, tied weights); parameters that get no gradient read as zeros. Only the
+    parameters that require grad are returned."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {n: p.grad for n, p in params.items()}
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in params}
+    try:
+        for i in range(x.shape[0]):
+            for p in params.values():
+                p.grad = None
+            loss_fn(model, x[i : i + 1]).backward()
+            for n, p in params.items():
+                rows[n].append(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
+    finally:
+        for n, p in params.items():
+            p.grad = saved[n]
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+def captured_by_parameter(hm, gradient, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{param name: (B, *shape)}`` of a captured step, through ``HookManager.layer_parameters``
+    and the layer rules' ``unflatten`` (names as in ``model.named_parameters()``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mapping = hm.layer_parameters()
+    out: dict[str, torch.Tensor] = {}
+    for layer, lg in gradient.layers.items():
+        dense = lg.materialize()
+        if dense.layer_type == "param_grad":
+            sizes = [(n, shape) for n, shape in dense.module_kwargs["params"]]
+            chunks = dense.data.split([int(torch.tensor(s).prod()) for _, s in sizes], dim=1)
+            parts = {n: c.reshape(-1, *s) for (n, s), c in zip(sizes, chunks)}
+        else:
+            parts = dense.rule.unflatten(dense.data, dense.module_kwargs)
+        assert set(parts) == set(mapping[layer]), (layer, set(parts), set(mapping[layer]))
+        for pname, value in parts.items():
+            full = names[id(mapping[layer][pname])]
+            assert full not in out, f"parameter {full} captured by two layers"
+            out[full] = value
+    return out

@@ -201,7 +201,10 @@ def test_tracin_checkpoints_weighted(tmp_path, as_files):
         calls.append(len(b["input_ids"]))
         return mlp_loss(m, b)
 
-    task = AttributionTask(mlp_loss, model, checkpoints=ckpts, target_func=target)
+    # a declared sum: "auto" would evaluate target on single samples once to decide
+    task = AttributionTask(
+        mlp_loss, model, checkpoints=ckpts, target_func=target, loss_reduction="sum"
+    )
     score = TracInAttributor(args(tmp_path), task=task, checkpoint_weights=weights).attribute(
         train, test
     )
@@ -424,7 +427,7 @@ def test_from_dattri_round_trip_matches_brute_force(tmp_path):
 
     ref = per_sample(train) @ per_sample(test).T
     assert rel(score.query(train, test), ref) < 1e-10
-    assert att.task.loss_func.reduction == "mean"  # detected on the first batch
+    assert att.task.train_loss.reduction == "mean"  # detected on the first batch
     # explicit reduction: "sum" would scale every per-sample gradient by 1/batch
     task_sum = AttributionTask.from_dattri(dtask, reduction="sum")
     s2 = TracInAttributor(
@@ -515,9 +518,9 @@ def test_layers_mismatch_between_stores(tmp_path):
 def test_arguments_work_with_hf_argument_parser(tmp_path):
     transformers = pytest.importorskip("transformers")
     (parsed,) = transformers.HfArgumentParser(AttributionArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--score_block_size", "7", "--fp16"]
+        ["--output_dir", str(tmp_path), "--use_cpu", "--score_block_size", "7"]
     )
-    assert parsed.score_block_size == 7 and parsed.use_cpu and parsed.fp16
+    assert parsed.score_block_size == 7 and parsed.use_cpu
     assert parsed.device == torch.device("cpu")
     with pytest.raises(ValueError, match="score_block_size"):
         AttributionArguments(score_block_size=0)

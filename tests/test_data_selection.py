@@ -164,12 +164,14 @@ def test_threshold_mode() -> None:
     assert rows(train, sel.history[0].kept_hashes) == [int(s.argmax())]
 
 
-def test_cos_scores() -> None:
+@pytest.mark.parametrize("spelling", ["cosine", "cos"])  # "cos": an alias of the one spelling
+def test_cos_scores(spelling: str) -> None:
     m = model(tied=True)
     m0 = copy.deepcopy(m)
     train, val = batch(8, 7), batch(5, 8)
     ref = capture(m, val, HookManagerConfig())
-    sel = DataSelectionCallback(reference=ref, score="cos", drop_fraction=0.25)
+    sel = DataSelectionCallback(reference=ref, score=spelling, drop_fraction=0.25)
+    assert sel.score == "cosine"
     run_step(m, train, sum_loss, sel)
     (h,) = sel.history
     s = explicit_scores(m0, train, val, cos=True)

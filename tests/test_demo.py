@@ -34,3 +34,27 @@ def test_demo_runs_and_beats_chance(tmp_path, capsys) -> None:
     assert (tmp_path / "train_grads").exists()
     assert cli_main(["--help"]) == 0
     assert cli_main(["bogus"]) == 2
+
+
+def test_demo_first_output_is_clean_and_leaves_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """No warning from the library's own code; no progress-bar noise in a pipe; no temp files."""
+    import tempfile
+    import warnings
+
+    from dattri_llm.demo import main
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    tiny = ["--per-topic", "3", "--queries-per-topic", "1", "--epochs", "1", "--show", "1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = main([*tiny, "--seq-len", "16"])
+    ours = [w for w in caught if "dattri_llm" in w.filename]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+    out, err = capsys.readouterr()
+    assert out.startswith("corpus: ")
+    assert "temporary, removed at exit" in out
+    assert "scoring" not in err and "\r" not in err  # no progress bar when not a terminal
+    assert summary["workdir"].startswith(str(tmp))
+    assert list(tmp.iterdir()) == []  # the temporary gradients are gone

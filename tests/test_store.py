@@ -312,9 +312,20 @@ def test_bad_directories_and_versions_fail_loudly(tmp_path):
 def test_one_writer_per_partition(tmp_path):
     with GradientStorageManager(tmp_path) as a:
         a.write(toy_record(0))
-        b = GradientStorageManager(tmp_path)
-        with pytest.raises(RuntimeError, match="another process is writing"):
-            b.write(toy_record(1))
+        a.flush()
+        code = (
+            "import sys\n"
+            "from dattri_llm.gradient.store import GradientStorageManager\n"
+            "from dattri_llm.gradient.gradient import GradientRecord\n"
+            f"s = GradientStorageManager({str(tmp_path)!r}, mode='append')\n"
+            "try:\n"
+            "    s.write(None)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n"
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert "another process is writing" in out.stdout, out.stderr
 
 
 # ---- crash safety ------------------------------------------------------------------------------
@@ -330,7 +341,7 @@ def test_torn_index_line_is_ignored_then_truncated_on_resume(tmp_path):
     assert len(store) == 3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with GradientStorageManager(tmp_path) as store:
+        with GradientStorageManager(tmp_path, mode="append") as store:
             store.write(toy_record(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the torn line is gone
@@ -380,7 +391,7 @@ WRITER = textwrap.dedent(
     import torch
     from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord, Materialized
     from dattri_llm.gradient.store import GradientStorageManager
-    store = GradientStorageManager({path!r}, async_write={async_write})
+    store = GradientStorageManager({path!r}, mode="append", async_write={async_write})
     step = {start}
     while True:
         store.write(toy_record(step, n=64))
@@ -428,7 +439,7 @@ def test_killed_writer_leaves_a_store_that_reopens_and_resumes(tmp_path, async_w
     _run_writer(tmp_path, done, done + 3, async_write)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with GradientStorageManager(tmp_path) as store:
+        with GradientStorageManager(tmp_path, mode="append") as store:
             n = len(store)
             store.write(toy_record(n, n=64))
     store = GradientStorageManager(tmp_path)

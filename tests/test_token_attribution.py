@@ -363,7 +363,7 @@ def test_html_page_escapes_and_has_one_span_per_token(tmp_path):
 def test_terminal_heatmap_and_errors():
     tokens = ["Hello", " \x1b[31mworld", "\n", "!"]
     scores = [1.0, -0.5, 0.0, 0.25]
-    out = terminal_heatmap(tokens, scores)
+    out = terminal_heatmap(tokens, scores, color=True)
     assert out.count("\x1b[0m") == 3  # one coloured cell per non-zero score
     assert "\x1b[31m" not in out and "\\x1b[31mworld" in out  # a token cannot inject codes
     assert "\x1b[48;2;0;158;74m" in out  # the largest score is full green
@@ -377,3 +377,28 @@ def test_terminal_heatmap_and_errors():
     with pytest.raises(TypeError, match="sequence of token strings"):
         terminal_heatmap("abc", [1.0, 2.0, 3.0])
     assert terminal_heatmap(["a", "b"], [0.0, 0.0]) == "ab"  # nothing to colour
+
+
+def test_terminal_colours_only_on_a_terminal_without_no_color(monkeypatch):
+    import io
+
+    from dattri_llm.attribution.token_view import color_enabled
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tokens, scores = ["a", "b"], [1.0, -1.0]
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert not color_enabled(io.StringIO())  # a pipe or a file: no ANSI codes
+    assert color_enabled(Tty())
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert "\x1b" not in terminal_heatmap(tokens, scores)  # the default follows stdout
+    monkeypatch.setattr("sys.stdout", Tty())
+    assert "\x1b[48;2" in terminal_heatmap(tokens, scores)
+    monkeypatch.setenv("NO_COLOR", "1")  # https://no-color.org
+    assert not color_enabled(Tty())
+    assert "\x1b" not in terminal_heatmap(tokens, scores)
+    assert "\x1b[48;2" in terminal_heatmap(tokens, scores, color=True)  # explicit wins
+    monkeypatch.setenv("NO_COLOR", "")  # empty: not set
+    assert color_enabled(Tty())

@@ -31,3 +31,7 @@ from dattri_llm.attribution.trajectory import TrajectoryAttributor  # noqa: E402
 
 __all__ += ["TrajectoryAttributor", "AdamWInfluenceAttributor", "DVEmbAttributor"]
 __all__ += ["DataValueEmbeddings"]
+
+from dattri_llm.attribution.curvature import ExactHessian  # noqa: E402
+
+__all__ += ["ExactHessian"]

@@ -20,7 +20,9 @@ per-layer clipping, loss scaling) is refused with the step named.
 
 Curvature: the empirical Fisher of each step's batch loss from the captured per-sample
 gradients, ``κ Σ s sᵀ`` (``κ = B`` for a mean loss — pass ``loss_reduction="mean"`` — 1 for a
-sum). Per-layer random masks (``ProjectionConfig("mask", ...)`` at capture, recorded by the
+sum), or the true Hessian (``curvature=ExactHessian(model, snapshots, loss_fn)``: Hessian-vector
+products of each step's batch loss, replayed from the recorded parameters and batches).
+Per-layer random masks (``ProjectionConfig("mask", ...)`` at capture, recorded by the
 callback at the same coordinates) keep the propagated state small; the result then equals the
 full computation restricted to the masked coordinates.
 
@@ -32,24 +34,26 @@ perturbation forward instead (the same numbers).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dattri_llm.attribution.trajectory import StepIndex, TrajectoryAttributor, dense_rows
-from dattri_llm.attribution.unroll import (
-    AdamStep,
-    Curvature,
-    StepPushes,
-    adjoint_sweep,
-    forward_sweep,
+from dattri_llm.attribution.curvature import ExactHessian
+from dattri_llm.attribution.trajectory import (
+    StepIndex,
+    TrajectoryAttributor,
+    dense_rows,
+    layer_widths,
 )
+from dattri_llm.attribution.unroll import AdamStep, Curvature, StepPushes
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 __all__ = ["AdamWInfluenceAttributor", "coerce_dynamics"]
 
-_METHODS = ("adjoint", "forward")
+_CURVATURES = ("empirical_fisher", "none")
+
 _ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "maximize", "amsgrad")
 
 
@@ -99,6 +103,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
+        curvature: Each step's batch-loss curvature: ``"empirical_fisher"`` (``κ Σ s sᵀ`` from
+            the captured gradients), an :class:`~dattri_llm.attribution.curvature.ExactHessian`
+            (the true Hessian, replayed from parameter snapshots) or ``"none"``.
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -116,12 +123,17 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         loss_reduction: str = "sum",
         method: str = "adjoint",
         compute_dtype: torch.dtype | None = None,
+        curvature: str | ExactHessian = "empirical_fisher",
     ) -> None:
-        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        super().__init__(
+            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+        )
+        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
+            raise ValueError(
+                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
+            )
         self.dynamics = dynamics
-        self.method = method
+        self.curvature = curvature
 
     def attribute_from_cache(
         self,
@@ -131,6 +143,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         layers: Any = None,
         checkpoints: Any = None,
         dynamics: Any = None,
+        top_k: int | None = None,
     ) -> Any:
         """Unroll a captured run (see :meth:`TrajectoryAttributor.attribute_from_cache`).
 
@@ -142,21 +155,23 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             layers: Use only these layers.
             checkpoints: Read only records with these checkpoint labels.
             dynamics: ``OptimizerStateCallback.dynamics()`` (or its directory).
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
-            train_dir, test_dir, attribution_granularity, layers, checkpoints, dynamics=dynamics
+            train_dir,
+            test_dir,
+            attribution_granularity,
+            layers,
+            checkpoints,
+            dynamics=dynamics,
+            top_k=top_k,
         )
 
-    def run(
-        self,
-        index: StepIndex,
-        layers: list[str],
-        queries: torch.Tensor,
-        query_hashes: list[str],
-        dtype: torch.dtype = torch.float64,
-        dynamics: Any = None,
-    ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """The backward (or forward) sweep over the recorded run."""
+    def step_loader(
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype, dynamics: Any = None
+    ) -> Callable[[int], tuple[AdamStep, StepPushes]]:
+        """Each step's linearised Adam / AdamW update from the recorded dynamics."""
         where = type(self).__name__
         dyn = coerce_dynamics(dynamics if dynamics is not None else self.dynamics, where)
         if dyn.kind != "adam":
@@ -170,12 +185,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 f"{where}: no optimizer dynamics for steps {missing[:10]}; record_post(step) must "
                 "follow every optimizer.step() of the captured run."
             )
-        widths = {n: 0 for n in layers}
         first = index.load(index.steps[0])[0].gradient
-        for n in layers:
-            widths[n] = int(first.layers[n].materialize().data.shape[1])
-        check_dynamics_layout(dyn, layers, widths, where)
-        device = queries.device
+        check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
+        device = self.device
 
         def load(step: int) -> tuple[AdamStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
@@ -184,11 +196,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 step, pushes, hashes
             )
 
-        steps = index.steps
-        if self.method == "forward":
-            emb, hashes, rows = forward_sweep(steps, load, lambda s: self.progress(s, "unroll"))
-            return emb @ queries.T, hashes, rows
-        return adjoint_sweep(steps, load, queries, lambda s: self.progress(s, "unroll"))
+        return load
 
     def _step(
         self,
@@ -227,13 +235,18 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         if bool((coupled != 0).any()):
             theta = cat(lambda n: sd.tensor(n, "param"))
             batch_grad = consumed - coupled * theta
-        clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where)
+        # the check's tolerance follows the precision the run was recorded in, not the
+        # (possibly raised) compute dtype
+        recorded = sd.tensor(layers[0], "exp_avg").dtype
+        clip, unit = self._clip(dyn, shares.sum(0), batch_grad, where, recorded)
+        exact = isinstance(self.curvature, ExactHessian)
         curvature = Curvature(
-            vectors=shares,
+            vectors=shares if self.curvature == "empirical_fisher" else None,
             kappa=self.kappa(shares.shape[0]),
             clip=clip,
             unit=unit,
             coupled_decay=coupled if bool((coupled != 0).any()) else None,
+            operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
         )
         vmax = vmax_pre = None
         if amsgrad:
@@ -260,9 +273,11 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         captured: torch.Tensor,
         consumed: torch.Tensor,
         where: str,
+        recorded: torch.dtype,
     ) -> tuple[float, torch.Tensor | None]:
         """The clip factor ``κ_c`` and unit gradient ``u`` (``1, None`` without clipping)."""
-        tol = 10 * torch.finfo(consumed.dtype).eps ** 0.5
+        eps = max(torch.finfo(consumed.dtype).eps, torch.finfo(recorded).eps)
+        tol = 10 * eps**0.5
         norm_sq = float(captured @ captured)
         scale = max(float(consumed.norm()), float(captured.norm()))
         if norm_sq == 0.0 or scale == 0.0:

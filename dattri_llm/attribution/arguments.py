@@ -44,11 +44,29 @@ class AttributionArguments:
         gradient_accumulation_steps: Micro-batches per optimizer step of that run.
         num_train_epochs: Epochs of that run (fractions allowed).
         max_grad_norm: Gradient-norm clipping of that run (0: none).
-        bf16: The training run used bfloat16 autocast.
-        fp16: The training run used float16 autocast.
-        fsdp: FSDP options of the training run (as in ``transformers.TrainingArguments``).
         score_block_size: At most this many train rows and this many test columns are scored
-            in one call of ``score_block``, which bounds the scoring memory for large N x M.
+            in one call of ``score_block`` (a cap; the train rows are chosen from
+            ``score_memory_gb``).
+        score_memory_gb: Memory budget of the score loop, in GiB. Consecutive train blocks are
+            joined into chunks of as many rows as fit beside the prepared test gradients (the
+            chunk's gradients, one layer of them materialized at a time, the score rows), so
+            the dense test side is read once per chunk; test layers are materialized once only
+            while they fit in half of it. Default 1 GiB: with many queries a budget that holds
+            the dense test side twice (``2 x M x P`` numbers) can be much faster (GPT-2 4x256,
+            1024 x 64 queries: 2.1x a plain step at 4 GiB, 4.0x at 1 GiB), with fewer it can
+            be slower (4x512, 64 x 16: 2.0x at 4 GiB, 1.6x at 1 GiB); see
+            docs/benchmarks/scale.md.
+        resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
+            scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
+            atomic), and resume an identical call that was interrupted; the checkpoint is
+            removed when the call returns (see ``dattri_llm.attribution.resume``).
+        distributed_scoring: Under an initialised ``torch.distributed`` group of several ranks,
+            split the train side of every ``attribute*`` call across the ranks and merge the
+            results (every rank must make the call; see
+            ``dattri_llm.attribution.distributed``). ``False``: each process scores everything
+            it is given by itself (e.g. rank 0 alone, the others waiting).
+        distributed_timeout_s: How long a split call waits for every rank to join it before
+            failing with an error naming the missing ranks.
         show_progress: Show tqdm progress bars.
         live_cache_gb: Live runs keep the streamed train gradients in memory up to this many
             GiB, so an attributor that reads the train set several times (K-FAC covariances,
@@ -73,10 +91,11 @@ class AttributionArguments:
     gradient_accumulation_steps: int = 1
     num_train_epochs: float = 1.0
     max_grad_norm: float = 0.0
-    bf16: bool = False
-    fp16: bool = False
-    fsdp: str = ""
     score_block_size: int = 1024
+    score_memory_gb: float = 1.0
+    resumable: bool = False
+    distributed_scoring: bool = True
+    distributed_timeout_s: float = 300.0
     show_progress: bool = True
     live_cache_gb: float = 2.0
 
@@ -111,12 +130,27 @@ class AttributionArguments:
             raise ValueError(
                 f"AttributionArguments.max_grad_norm must be >= 0, got {self.max_grad_norm!r}."
             )
+        if not self.score_memory_gb > 0:
+            raise ValueError(
+                f"AttributionArguments.score_memory_gb must be > 0, got {self.score_memory_gb!r}."
+            )
         if not self.live_cache_gb >= 0:
             raise ValueError(
                 f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
             )
-        if self.bf16 and self.fp16:
-            raise ValueError("AttributionArguments: bf16 and fp16 are exclusive; set one.")
+        for name in (
+            "use_cpu",
+            "dataloader_drop_last",
+            "show_progress",
+            "resumable",
+            "distributed_scoring",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"AttributionArguments.{name} must be True or False, got {value!r} "
+                    f"({type(value).__name__})."
+                )
 
     @property
     def device(self) -> torch.device:

@@ -13,32 +13,83 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution import distributed
 from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.blocks import (
+    Accumulator,
+    LiveSource,
+    check_granularity,
+    check_hashes,
+    first_occurrences,
+    source_name,
+)
+from dattri_llm.attribution.distributed import row_keys
+from dattri_llm.attribution.resume import ScoreCheckpoint, checkpoint_for
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.scoring import ScoreLoop, final_result, progress_bar
+from dattri_llm.attribution.sinks import FullSink, TopKSink, check_top_k
 from dattri_llm.attribution.task import AttributionTask
+from dattri_llm.attribution.units import row_counts, units_of
 from dattri_llm.gradient import ops
+from dattri_llm.gradient.compat import (
+    CaptureFacts,
+    check_compatible,
+    check_same_capture,
+    facts_of,
+)
 from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
 from dattri_llm.gradient.hooks import HookManagerConfig
 from dattri_llm.gradient.sources import GradientBlock, GradientSource
+from dattri_llm.utils.distributed import get_rank, get_world_size
 
 __all__ = ["BaseAttributor"]
 
-_GRANULARITIES = ("sample", "token")
 _MODES = ("auto", "factorized", "materialized")
 #: Test layers are materialized once when their dense form is at most this many times the
 #: size of their factors (and the router prefers materialized inner products for them).
 _DENSE_TEST_FACTOR = 4
+#: Share of ``score_memory_gb`` the densified test side may take.
+_DENSE_TEST_SHARE = 0.5
+_NO_TOKEN_SPLIT = (
+    "attribution_granularity='token' is not split across ranks (per-token scores are not "
+    "gathered); run token attribution in one process."
+)
 
 
 class _TestSide:
     """The prepared test gradients of one checkpoint, cut into column chunks."""
 
     def __init__(
-        self, chunks: list[tuple[Gradient, torch.Tensor]], layers: list[str], dtype: torch.dtype
+        self,
+        chunks: list[tuple[Gradient, torch.Tensor]],
+        layers: list[str],
+        dtype: torch.dtype,
+        facts: CaptureFacts,
     ) -> None:
         self.chunks = chunks  # (gradient, global column indices)
         self.layers = layers
         self.dtype = dtype
+        self.facts = facts  # what the test gradients were captured as
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the prepared test gradients."""
+        return sum(g.nbytes for g, _ in self.chunks)
+
+    @property
+    def num_rows(self) -> int:
+        """Test rows (columns of the scores)."""
+        return sum(int(c.numel()) for _, c in self.chunks)
+
+    @property
+    def dense(self) -> bool:
+        """Whether every test layer is held materialized (none re-materialized per chunk)."""
+        return all(
+            isinstance(site, Materialized)
+            for g, _ in self.chunks
+            for lg in g.layers.values()
+            for site in (lg.sites if isinstance(lg, Shared) else [lg])
+        )
 
 
 class BaseAttributor:
@@ -73,6 +124,11 @@ class BaseAttributor:
       ``"train"`` or ``"test"``) before use, e.g. that a train store was preconditioned.
     * ``streamer_options(checkpoint, side) -> dict`` — extra ``GradientStreamer`` arguments
       of the live path (e.g. the optimizer of a preconditioned train side).
+    * ``check_compatible(train_facts, test_facts)`` — refuse train and test gradients that
+      cannot be scored against each other (:class:`~dattri_llm.gradient.compat.CaptureFacts`:
+      layers, layer types / ``module_kwargs``, projection; the dtype and record metadata, e.g.
+      a preconditioned train capture, are recorded for an override to judge). Default:
+      :func:`~dattri_llm.gradient.compat.check_compatible` ignoring :attr:`compat_ignore`.
     * ``score_block(train_grad, test_grad, granularity) -> Tensor`` — scores of a train chunk
       against a test chunk: ``(B_train, B_test)`` for ``"sample"``, ``(B_train, T, B_test)``
       for ``"token"`` (rows summed over ``T`` are the instance scores, so the per-token split
@@ -86,6 +142,13 @@ class BaseAttributor:
         mode: Routing of the inner products: ``"auto"`` (cost model), ``"factorized"`` or
             ``"materialized"``; every mode is exact.
     """
+
+    #: What the train / test compatibility check does not compare (see
+    #: :func:`~dattri_llm.gradient.compat.compare_facts`).
+    compat_ignore: tuple[str, ...] = ()
+    #: Whether :meth:`fit` is collective under ``torch.distributed`` (every rank must then
+    #: hold train records of every checkpoint).
+    collective_fit: bool = False
 
     def __init__(
         self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
@@ -110,6 +173,14 @@ class BaseAttributor:
             raise TypeError(
                 f"{type(self).__name__} takes no extra arguments, got {sorted(kwargs)}."
             )
+
+    def check_compatible(self, train: CaptureFacts, test: CaptureFacts) -> None:
+        """Refuse train and test gradients captured incompatibly (before anything is scored).
+
+        Raises:
+            IncompatibleGradientsError: naming the two sources and every difference.
+        """
+        check_compatible(train, test, ignore=self.compat_ignore)
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Map the test gradients of one checkpoint before scoring (default: identity)."""
@@ -150,6 +221,7 @@ class BaseAttributor:
         hook_config: HookManagerConfig | None = None,
         attribution_granularity: str = "sample",
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
         """Attribute live: stream gradients from the task's model; nothing is written.
@@ -161,11 +233,16 @@ class BaseAttributor:
             attribution_granularity: ``"sample"`` or ``"token"`` (one score per train token
                 position as well; needs factorized capture).
             collate_fn: Overrides ``args.dataloader_collate``.
+            top_k: Keep only each test sample's ``top_k`` largest and smallest scores while
+                streaming (see :meth:`attribute_sources`).
             **kwargs: Passed to :meth:`fit`.
+
+        Under ``torch.distributed`` each rank scores a contiguous slice of ``train_set``
+        (see :mod:`dattri_llm.attribution.distributed`).
         """
         from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
 
-        _check_granularity(attribution_granularity)
+        check_granularity(attribution_granularity)
         if self.task is None:
             raise ValueError(
                 f"{type(self).__name__}.attribute needs a task: pass "
@@ -210,12 +287,32 @@ class BaseAttributor:
                     f"train ckpt {c}",
                 )
 
+        k = check_top_k(top_k)
+        keys = None
+        split = distributed.active(args)
+        if split:
+            distributed.join(args, f"{type(self).__name__}.attribute")
+            if attribution_granularity == "token":
+                raise ValueError(_NO_TOKEN_SPLIT)
+            n = len(train_set)
+            mine = distributed.live_slice(n, get_rank(), get_world_size())
+            if not args.dataloader_drop_last:  # else rows may be dropped: rank order
+                keys = [[c, i] for c in range(task.num_checkpoints) for i in mine]
+            train_set = torch.utils.data.Subset(train_set, list(mine))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
-            live = _LiveSource(train_source, int(args.live_cache_gb * 2**30))
+            live = LiveSource(train_source, int(args.live_cache_gb * 2**30))
             self.fit(live, **kwargs)
-            acc = _Accumulator(attribution_granularity)
+            counts = None
+            if k is not None:
+                from dattri_llm.gradient.streaming import sample_id
+
+                counts = {}
+                for i in range(len(train_set)):
+                    h = sample_id(train_set[i], hook_config)
+                    counts[h] = counts.get(h, 0) + task.num_checkpoints
             columns: dict[str, int] = {}
+            acc: Accumulator | None = None
             for c in range(task.num_checkpoints):
                 task.load_checkpoint(c)
                 test_blocks = list(
@@ -227,7 +324,16 @@ class BaseAttributor:
                         f"test ckpt {c}",
                     )
                 )
-                test = self._test_side(test_blocks, c, columns, grow=(c == 0))
+                test = self._test_side(
+                    test_blocks, c, columns, grow=(c == 0), source="the live test set"
+                )
+                del test_blocks  # the test side holds what scoring needs
+                if acc is None:
+                    acc = Accumulator(
+                        attribution_granularity,
+                        "the live train set",
+                        self._sink(k, attribution_granularity, counts, len(columns)),
+                    )
                 train = live.cached(c)  # blocks fit already streamed, if they were kept
                 if train is None:
                     train = stream(
@@ -237,10 +343,10 @@ class BaseAttributor:
                         c,
                         f"train ckpt {c}",
                     )
-                for block in train:
-                    self._score_train_block(block, test, len(columns), acc)
-                del test, test_blocks
-        return acc.result(list(columns), args.output_dir)
+                ScoreLoop(self, {c: test}, len(columns), acc).run_blocks(train)
+                del test
+        assert acc is not None
+        return self._result(acc.sink, list(columns), k, keys, split)
 
     def attribute_from_cache(
         self,
@@ -249,6 +355,7 @@ class BaseAttributor:
         attribution_granularity: str = "sample",
         layers: Sequence[str] | None = None,
         checkpoints: Sequence[int] | None = None,
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
         """Attribute from two gradient stores (no model, no backward).
@@ -262,9 +369,11 @@ class BaseAttributor:
             checkpoints: Read only records with these checkpoint labels from both stores
                 (e.g. ``[last]`` for Grad-Dot on stores captured at several checkpoints);
                 default: all.
+            top_k: Keep only each test sample's ``top_k`` largest and smallest scores (see
+                :meth:`attribute_sources`).
             **kwargs: Passed to :meth:`fit`.
         """
-        _check_granularity(attribution_granularity)
+        check_granularity(attribution_granularity)
         for name, d in (("train_dir", train_dir), ("test_dir", test_dir)):
             if d is not None and not isinstance(d, (str, os.PathLike)):
                 continue  # a GradientStorageManager
@@ -278,22 +387,59 @@ class BaseAttributor:
         device = self.device
         train = DiskGradientSource(train_dir, layers=layers, device=device, checkpoints=checkpoints)
         test = DiskGradientSource(test_dir, layers=layers, device=device, checkpoints=checkpoints)
-        return self.attribute_sources(train, test, attribution_granularity, **kwargs)
+        return self.attribute_sources(train, test, attribution_granularity, top_k=top_k, **kwargs)
 
     def attribute_sources(
         self,
         train_source: GradientSource | Iterable[GradientBlock],
         test_source: GradientSource | Iterable[GradientBlock],
         attribution_granularity: str = "sample",
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
         """Attribute from any two gradient sources (the loop behind the other entry points).
 
         ``fit`` reads ``train_source`` first when a subclass needs it, so pass a re-readable
         source to such attributors.
+
+        Train blocks are joined into chunks sized from ``args.score_memory_gb`` (see
+        :mod:`dattri_llm.attribution.scoring`). Over a store:
+
+        * ``top_k=k`` streams: per test sample only the ``k`` largest and ``k`` smallest
+          agnostic scores are kept (memory ``O(M·k)`` plus one chunk; a sample's rows at
+          several steps or checkpoints are summed first, the store's index counting them in
+          advance). The result is an :class:`AttributionScore` with ``top_k_kept=k`` whose
+          ``top_k(k' <= k)`` equals sorting the full matrix. Over other sources (no index) the
+          full matrix is computed and then reduced.
+        * ``args.resumable`` checkpoints the partial result after every chunk under
+          ``args.output_dir`` and resumes an interrupted identical call
+          (:mod:`dattri_llm.attribution.resume`).
+        * under ``torch.distributed`` the records are split across ranks and the results
+          merged (:mod:`dattri_llm.attribution.distributed`).
         """
-        _check_granularity(attribution_granularity)
-        self.fit(train_source, **kwargs)
+        check_granularity(attribution_granularity)
+        k = check_top_k(top_k)
+        names = (source_name(train_source, "train"), source_name(test_source, "test"))
+        if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
+            # stores: refuse an incompatible pair before any pass over the train gradients
+            self.check_compatible(train_source.capture_facts(), test_source.capture_facts())
+        units = units_of(train_source)
+        split = distributed.active(self.args)
+        if split:
+            distributed.join(self.args, f"{type(self).__name__}.attribute_from_cache")
+            if attribution_granularity == "token":
+                raise ValueError(_NO_TOKEN_SPLIT)
+            if units is None:
+                raise ValueError(
+                    "distributed scoring splits the records of a gradient store across ranks; "
+                    f"the train source {names[0]} has no store index. Offload the train "
+                    "gradients to a store (OffloadCallback) and use attribute_from_cache, or "
+                    "give each rank its own train source and merge the scores yourself."
+                )
+            full = units
+            units, _ = distributed.split_units(full, get_rank(), get_world_size())
+            distributed.check_shares(full, units, self.collective_fit)
+        self.fit(units if split else train_source, **kwargs)
         by_ckpt: dict[int, list[GradientBlock]] = {}
         for block in test_source:
             by_ckpt.setdefault(self.pairing_key(block), []).append(block)
@@ -301,64 +447,103 @@ class BaseAttributor:
             raise ValueError("the test source yielded no gradients.")
         columns: dict[str, int] = {}
         tests = {
-            c: self._test_side(blocks, c, columns, grow=True)
+            c: self._test_side(blocks, c, columns, grow=True, source=names[1])
             for c, blocks in sorted(by_ckpt.items())
         }
-        acc = _Accumulator(attribution_granularity)
-        blocks: Iterable[GradientBlock] = train_source
-        if self.args.show_progress:
-            from tqdm.auto import tqdm
+        del by_ckpt
+        counts = row_counts(units.units) if units is not None else None
+        sink = self._sink(k, attribution_granularity, counts, len(columns))
+        acc = Accumulator(attribution_granularity, names[0], sink)
+        loop = ScoreLoop(self, tests, len(columns), acc)
+        show = self.args.show_progress
+        checkpoint = None
+        if units is None:
+            total = getattr(train_source, "num_samples", None)
+            bar = progress_bar(show, total, "scoring")
+            loop.run_blocks(train_source, bar)
+        else:
+            if self.args.resumable:
+                checkpoint = self._checkpoint(units, tests, attribution_granularity, k, columns)
+            start = checkpoint.resume(sink) if checkpoint is not None else 0
+            done = sum(u.num_rows for u in units.units[:start])
+            bar = progress_bar(show, units.num_samples, "scoring", initial=done)
+            loop.run_units(units, checkpoint, bar, start)
+        if bar is not None:
+            bar.close()
+        out = self._result(sink, list(columns), k, row_keys(units) if split else None, split)
+        if checkpoint is not None:
+            checkpoint.finish()
+        return out
 
-            total = len(train_source) if hasattr(train_source, "__len__") else None
-            blocks = tqdm(train_source, total=total, desc="scoring", leave=False)
-        for block in blocks:
-            c = self.pairing_key(block)
-            if c in tests:
-                test = tests[c]
-            elif len(tests) == 1:
-                test = next(iter(tests.values()))
-            else:
-                raise ValueError(
-                    f"train block at step {block.step} (checkpoint {block.checkpoint}) pairs with "
-                    f"test key {c}, but the test gradients exist at checkpoints {sorted(tests)} "
-                    "(pairing keys): capture "
-                    "the test set at every train checkpoint, or at a single one (it then pairs "
-                    "with all)."
-                )
-            self._score_train_block(block, test, len(columns), acc)
-        return acc.result(list(columns), self.args.output_dir)
+    # ---- sinks, checkpoints, merge ------------------------------------------------------------
+    def _sink(self, k: int | None, granularity: str, counts: Any, num_cols: int) -> Any:
+        if k is None or counts is None:
+            return FullSink(granularity)
+        if granularity == "token":
+            raise ValueError(
+                "top_k keeps whole-sample scores; attribution_granularity='token' needs the "
+                "full per-token scores (drop top_k, or use granularity 'sample')."
+            )
+        return TopKSink(k, num_cols, counts)
+
+    def _result(
+        self, sink: Any, columns: list[str], k: int | None, keys: Any, split: bool
+    ) -> AttributionScore:
+        """The sink's result; merged over ranks when scoring is split; top-k reduced."""
+        return final_result(sink, columns, k, keys, self.args.output_dir, split)
+
+    def _checkpoint(
+        self, units: Any, tests: dict, granularity: str, k: int | None, columns: dict
+    ) -> ScoreCheckpoint:
+        """The checkpoint of this call (its key: what the result depends on)."""
+        chunks = [t.chunks for _, t in sorted(tests.items())]
+        return checkpoint_for(self, units, chunks, granularity, k, list(columns))
 
     # ---- the loop --------------------------------------------------------------------------
     def _test_side(
-        self, blocks: list[GradientBlock], checkpoint: int, columns: dict[str, int], grow: bool
+        self,
+        blocks: list[GradientBlock],
+        checkpoint: int,
+        columns: dict[str, int],
+        grow: bool,
+        source: str = "test source",
     ) -> _TestSide:
         if not blocks:
             raise ValueError(
                 f"no test gradients at checkpoint {checkpoint}: is the test set empty?"
             )
         hashes: list[str] = []
-        seen: dict[str, int] = {}
-        for b in blocks:
-            _check_block(b, "test")
+        seen: dict[str, tuple[int, int]] = {}  # hash -> (block, step) of its first capture
+        for i, b in enumerate(blocks):
+            check_hashes(b, "test")
             self.check_block(b, "test")
             for h in b.hashes:
-                if h in seen:
+                # twice at one step: identical content at the same weights, identical gradient
+                # (one column keeps it, see first_occurrences); at two steps: possibly other
+                # weights
+                if h in seen and seen[h][1] != int(b.step):
                     raise ValueError(
-                        f"test sample {h!r} has several gradients for pairing key {checkpoint} "
-                        f"(steps {seen[h]} and {b.step}); they would be summed into one query "
-                        "silently. Capture each query once per checkpoint, or label the captures "
-                        "(HookManager.checkpoint) so each pairs with its train checkpoint."
+                        f"test sample {h!r} has several gradients (two captures) for pairing key "
+                        f"{checkpoint} (steps {seen[h][1]} and {b.step}); they would be mixed "
+                        "into one query silently. Capture each query once per checkpoint, or "
+                        "label the captures (HookManager.checkpoint) so each pairs with its "
+                        "train checkpoint."
                     )
-                seen[h] = int(b.step)
+                seen.setdefault(h, (i, int(b.step)))
             hashes += list(b.hashes)
         names = blocks[0].gradient.layer_names
+        facts = facts_of(blocks[0].gradient, blocks[0].metadata, source)
         for b in blocks[1:]:
             if set(b.gradient.layer_names) != set(names):
                 raise ValueError(
                     f"test blocks disagree on their layers at checkpoint {checkpoint}: "
                     f"{sorted(names)} vs {sorted(b.gradient.layer_names)} (step {b.step})."
                 )
+            check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
         grad = Gradient.concatenate([b.gradient.select_layers(names) for b in blocks])
+        keep = first_occurrences(hashes, checkpoint, source)
+        if len(keep) < len(hashes):
+            grad, hashes = grad.slice(keep), [hashes[i] for i in keep]
         grad = self.prepare_test(grad.to(self.device), checkpoint)
         if type(self).score_block is BaseAttributor.score_block:
             grad = self._densify_test(grad)
@@ -375,7 +560,7 @@ class BaseAttributor:
         chunks = [
             (grad.slice(slice(i, i + bs)), cols[i : i + bs]) for i in range(0, len(hashes), bs)
         ]
-        return _TestSide(chunks, names, grad.dtype)
+        return _TestSide(chunks, names, grad.dtype, facts)
 
     def _densify_test(self, grad: Gradient) -> Gradient:
         """Materialize, once, the test layers the router would materialize for every block.
@@ -383,10 +568,13 @@ class BaseAttributor:
         The routed inner products materialize both sides of a layer when that is cheaper;
         the test side is the same for every train block, so it is materialized here once
         instead of once per block. A layer is kept factorized when its dense form would take
-        more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors. Exact either way.
+        more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors, or once the dense
+        layers would take more than half of ``args.score_memory_gb`` (a layer left factorized
+        may be re-materialized for every train chunk). Exact either way.
         """
         if self.mode == "factorized":
             return grad
+        room = self.args.score_memory_gb * 2**30 * _DENSE_TEST_SHARE - grad.nbytes
         b1 = min(self.args.per_device_train_batch_size, self.args.score_block_size)
         b2 = min(grad.batch_size, self.args.score_block_size)
         layers = {}
@@ -405,153 +593,9 @@ class BaseAttributor:
             )
             p = sites[0].rule.num_params(sites[0].module_kwargs)
             size = grad.batch_size * p * torch.finfo(grad.dtype).bits // 8
-            layers[name] = (
-                lg.materialize() if dense and size <= _DENSE_TEST_FACTOR * lg.nbytes else lg
-            )
+            if dense and size <= _DENSE_TEST_FACTOR * lg.nbytes and size - lg.nbytes <= room:
+                layers[name] = lg.materialize()
+                room -= size - lg.nbytes
+            else:
+                layers[name] = lg
         return Gradient(layers)
-
-    def _score_train_block(
-        self, block: GradientBlock, test: _TestSide, num_cols: int, acc: _Accumulator
-    ) -> None:
-        _check_block(block, "train")
-        self.check_block(block, "train")
-        grad = block.gradient
-        weight = float(self.block_weight(block))
-        if set(grad.layer_names) != set(test.layers):
-            tr, te = set(grad.layer_names), set(test.layers)
-            raise ValueError(
-                f"the test gradients were captured on layers {sorted(te)} but the train "
-                f"gradients on layers {sorted(tr)} (only in train: {sorted(tr - te)}; only in "
-                f"test: {sorted(te - tr)}). Capture both with the same hook config, or score a "
-                "common subset (attribute_from_cache(..., layers=[...]))."
-            )
-        if acc.granularity == "token":
-            _check_token_axis(grad)
-        dtype = torch.promote_types(grad.dtype, test.dtype)
-        n, bs = grad.batch_size, self.args.score_block_size
-        out = torch.zeros(n, num_cols, dtype=dtype)
-        tokens: list[torch.Tensor] = []
-        for r0 in range(0, n, bs):
-            rows = slice(r0, min(n, r0 + bs))
-            tr = self.prepare_train(grad.slice(rows).to(self.device, dtype), block.checkpoint)
-            if weight != 1.0:
-                tr = tr.scale(weight)
-            tok = None
-            for te, cols in test.chunks:
-                s = self.score_block(tr, te.to(dtype), acc.granularity).detach()
-                if acc.granularity == "token":
-                    s = s.to("cpu", dtype)
-                    if tok is None:
-                        tok = torch.zeros(s.shape[0], s.shape[1], num_cols, dtype=dtype)
-                    tok.index_add_(2, cols, s)
-                    s = s.sum(1)
-                out[rows].index_add_(1, cols, s.to("cpu", dtype))
-            if tok is not None:
-                tokens += list(tok.unbind(0))
-        acc.add(out, block, tokens if acc.granularity == "token" else None)
-
-
-class _LiveSource:
-    """The live train side handed to ``fit``: not re-readable, but remembered within a budget.
-
-    The first complete iteration keeps its blocks while their total size stays within
-    ``budget`` bytes; later iterations (a second fit pass, the scoring loop) then read memory
-    instead of running the model again. Past the budget nothing is kept.
-    """
-
-    rereadable = False
-
-    def __init__(self, make: Callable[[], Iterator[GradientBlock]], budget: int) -> None:
-        self._make = make
-        self._budget = budget
-        self._blocks: list[GradientBlock] | None = None
-
-    def __iter__(self) -> Iterator[GradientBlock]:
-        if self._blocks is not None:
-            yield from self._blocks
-            return
-        kept: list[GradientBlock] | None = [] if self._budget > 0 else None
-        size = 0
-        for block in self._make():
-            if kept is not None:
-                size += block.gradient.nbytes
-                if size <= self._budget:
-                    kept.append(block)
-                else:
-                    kept = None  # over budget: later reads stream again
-            yield block
-        self._blocks = kept
-
-    def cached(self, checkpoint: int) -> list[GradientBlock] | None:
-        """The kept blocks of one checkpoint, or ``None`` when nothing was kept."""
-        if self._blocks is None:
-            return None
-        return [b for b in self._blocks if int(b.checkpoint) == checkpoint]
-
-
-class _Accumulator:
-    def __init__(self, granularity: str) -> None:
-        self.granularity = granularity
-        self.rows: list[torch.Tensor] = []
-        self.hashes: list[str] = []
-        self.steps: list[int] = []
-        self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
-
-    def add(
-        self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
-    ) -> None:
-        self.rows.append(scores)
-        self.hashes += [str(h) for h in block.hashes]
-        self.steps += [int(block.step)] * scores.shape[0]
-        if self.tokens is not None and tokens is not None:
-            self.tokens += tokens
-
-    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
-        if not self.rows:
-            raise ValueError(
-                "the train source yielded no gradients: is the train set (or store) empty?"
-            )
-        dtype = self.rows[0].dtype
-        for r in self.rows[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
-        scores = torch.cat([r.to(dtype) for r in self.rows])
-        if scores.shape[1] < len(columns):  # columns added by a later checkpoint
-            scores = torch.nn.functional.pad(scores, (0, len(columns) - scores.shape[1]))
-        tokens = None
-        if self.tokens is not None:
-            tokens = [
-                torch.nn.functional.pad(t.to(dtype), (0, len(columns) - t.shape[1]))
-                for t in self.tokens
-            ]
-        return AttributionScore(
-            scores, self.hashes, self.steps, columns, token_scores=tokens, output_dir=output_dir
-        )
-
-
-def _check_granularity(g: str) -> None:
-    if g not in _GRANULARITIES:
-        raise ValueError(f"attribution_granularity must be one of {_GRANULARITIES}, got {g!r}.")
-
-
-def _check_block(block: GradientBlock, side: str) -> None:
-    n = block.gradient.batch_size
-    if len(block.hashes) != n:
-        raise ValueError(
-            f"{side} block at step {block.step} (checkpoint {block.checkpoint}) has "
-            f"{len(block.hashes)} sample hashes for {n} gradient rows: every row needs exactly one "
-            "hash (check the capture's set_sample_ids / hash_keys)."
-        )
-
-
-def _check_token_axis(grad: Gradient) -> None:
-    bad = []
-    for name, lg in grad.layers.items():
-        sites = lg.sites if isinstance(lg, Shared) else [lg]
-        if any(isinstance(s, Materialized) for s in sites):
-            bad.append(name)
-    if bad:
-        raise ValueError(
-            f"attribution_granularity='token' needs the train gradients' token axis, but layers "
-            f"{bad} were captured materialized (no token axis). Capture factorized: "
-            "HookManagerConfig(capture_style='factorized') and no 'dense' projection."
-        )

@@ -19,11 +19,17 @@ error, never a silent 1.
 Curvature ``H_k`` of each step's batch loss:
 
 * ``"empirical_fisher"`` (the paper's): ``κ Σ_z s_z s_zᵀ`` from the captured gradients.
-* ``"mc_fisher"``: the Monte-Carlo Fisher, ``κ Σ_z ŝ_z ŝ_zᵀ`` with ``ŝ`` the gradients of the
-  loss at labels *sampled from the model's prediction* (:func:`sampled_cross_entropy`), captured
-  through the same hooks into a second store or replayed (``curvature_source=``); for
-  cross-entropy it is an unbiased estimate of the Gauss-Newton matrix, and far more accurate than
-  the empirical Fisher on small checks. Rows of one sample at one step are averaged.
+* ``"mc_fisher"``: the Monte-Carlo Fisher, ``κ Σ_z (1/n) Σ_draws ŝ_z ŝ_zᵀ`` with ``ŝ`` the
+  gradients of the loss at labels *sampled from the model's prediction*
+  (:func:`sampled_cross_entropy`, with the training loss's reduction), captured through the same
+  hooks into a second store or replayed (``curvature_source=``); for cross-entropy it is an
+  unbiased estimate of the Gauss-Newton matrix, and far more accurate than the empirical Fisher
+  on small checks. The ``n`` draws of a sample at one step may be laid out as repeated rows of
+  one curvature batch or as several micro-batches: each row's share is rescaled to the
+  sample's own gradient before averaging.
+* an :class:`~dattri_llm.attribution.curvature.ExactHessian`: the true Hessian of each step's
+  batch loss (Hessian-vector products replayed from the recorded parameters and batches); with
+  it the embeddings are the exact first-order effect of removing the sample.
 * ``"none"``: no propagation (``e_t(z) = η_t s_z``).
 
 A run trained with Adam / AdamW gets a warning pointing to ``AdamWInfluenceAttributor``: DVEmb's
@@ -35,32 +41,32 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dattri_llm.attribution.adamw_influence import check_dynamics_layout, coerce_dynamics
+from dattri_llm.attribution.curvature import ExactHessian
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.trajectory import (
     StepIndex,
     TrajectoryAttributor,
     as_schedule,
     dense_rows,
+    layer_widths,
     step_index,
 )
 from dattri_llm.attribution.unroll import (
     Curvature,
     SGDStep,
     StepPushes,
-    adjoint_sweep,
     forward_sweep,
 )
 
 __all__ = ["DVEmbAttributor", "DataValueEmbeddings", "sampled_cross_entropy"]
 
 _CURVATURES = ("empirical_fisher", "mc_fisher", "none")
-_METHODS = ("forward", "adjoint")
 _FORMAT = "dattri_llm.data_value_embeddings"
 
 
@@ -213,7 +219,12 @@ class DVEmbAttributor(TrajectoryAttributor):
         learning_rate: Default schedule (a number, sequence by step, mapping or callable).
         momentum, dampening, nesterov, weight_decay: ``torch.optim.SGD``'s (ignored when the
             call passes recorded ``dynamics=``, which carry them).
-        curvature: ``"empirical_fisher"``, ``"mc_fisher"`` or ``"none"``.
+        momentum_buffer_existed: Without ``dynamics=``: whether the momentum buffer existed
+            before the first captured step (a window captured mid-training). Needed with
+            momentum and dampening, where it sets the first step's gain (1 or 1 - dampening).
+        curvature: ``"empirical_fisher"``, ``"mc_fisher"``, ``"none"``, or an
+            :class:`~dattri_llm.attribution.curvature.ExactHessian` (the true Hessian of each
+            step's batch loss, replayed from parameter snapshots).
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
             queries; no embeddings kept).
@@ -231,21 +242,25 @@ class DVEmbAttributor(TrajectoryAttributor):
         dampening: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
-        curvature: str = "empirical_fisher",
+        momentum_buffer_existed: bool | None = None,
+        curvature: str | ExactHessian = "empirical_fisher",
         loss_reduction: str = "sum",
         method: str = "forward",
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype)
-        if curvature not in _CURVATURES:
-            raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}.")
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        super().__init__(
+            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+        )
+        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
+            raise ValueError(
+                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
+            )
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
+        self.momentum_buffer_existed = momentum_buffer_existed
+        self._first_step = 0
         self.curvature = curvature
-        self.method = method
 
     def attribute_from_cache(
         self,
@@ -257,6 +272,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         learning_rate: Any = None,
         dynamics: Any = None,
         curvature_source: Any = None,
+        top_k: int | None = None,
     ) -> AttributionScore:
         """Embed the captured run and score the queries (gradients at the end of the run).
 
@@ -270,6 +286,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
                 rates, momentum and weight decay are used.
             curvature_source: ``"mc_fisher"``: store / source of the sampled-label gradients.
+            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
+                :meth:`TrajectoryAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
             train_dir,
@@ -280,6 +298,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             learning_rate=learning_rate,
             dynamics=dynamics,
             curvature_source=curvature_source,
+            top_k=top_k,
         )
 
     def embed(
@@ -300,51 +319,32 @@ class DVEmbAttributor(TrajectoryAttributor):
             if self.compute_dtype is None
             else torch.promote_types(first.dtype, self.compute_dtype)
         )
-        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
-        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
-        widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
-        out = DataValueEmbeddings(emb.cpu(), hashes, steps, widths)
+        load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+        emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
+        out = DataValueEmbeddings(emb.cpu(), hashes, steps, layer_widths(first, layers))
         if save_to is not None:
             out.save(save_to)
             out.output_dir = os.fspath(save_to)
         return out
 
-    def run(
-        self,
-        index: StepIndex,
-        layers: list[str],
-        queries: torch.Tensor,
-        query_hashes: list[str],
-        dtype: torch.dtype = torch.float64,
-        learning_rate: Any = None,
-        dynamics: Any = None,
-        curvature_source: Any = None,
-    ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Embeddings then scores (``method="forward"``), or the adjoint sweep."""
-        load = self._loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
-        if self.method == "adjoint":
-            return adjoint_sweep(index.steps, load, queries, lambda s: self.progress(s, "unroll"))
-        emb, hashes, steps = forward_sweep(index.steps, load, lambda s: self.progress(s, "embed"))
-        return emb @ queries.T, hashes, steps
-
     # ---- per-step operators -------------------------------------------------------------------
-    def _loader(
+    def step_loader(
         self,
         index: StepIndex,
         layers: list[str],
         dtype: torch.dtype,
-        learning_rate: Any,
-        dynamics: Any,
-        curvature_source: Any,
-    ) -> Any:
+        learning_rate: Any = None,
+        dynamics: Any = None,
+        curvature_source: Any = None,
+    ) -> Callable[[int], tuple[SGDStep, StepPushes]]:
+        """Each step's linearised SGD update (schedule, momentum, decay) and curvature."""
         where = type(self).__name__
         device = self.device
         dyn = None
         if dynamics is not None:
             dyn = coerce_dynamics(dynamics, where)
             first = index.load(index.steps[0])[0].gradient
-            widths = {n: int(first.layers[n].materialize().data.shape[1]) for n in layers}
-            check_dynamics_layout(dyn, layers, widths, where)
+            check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
             if dyn.kind != "sgd":
                 warnings.warn(
                     f"{where}: this run was trained with {dyn.optimizer}, but DVEmb's propagation "
@@ -372,24 +372,28 @@ class DVEmbAttributor(TrajectoryAttributor):
                 raise ValueError(f"{where}: curvature_source lacks steps {missing[:10]}.")
         elif curvature_source is not None:
             raise ValueError(f"{where}: curvature_source= is used with curvature='mc_fisher' only.")
-        first_step = index.steps[0]
+        self._check_warm_start(dyn, index.steps[0])
 
         def load(step: int) -> tuple[SGDStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
             kappa = self.kappa(shares.shape[0])
             vectors, weights = shares, None
             if curv_index is not None:
-                vectors, rows = dense_rows(curv_index.load(step), layers, dtype, device)
-                counts: dict[str, int] = {}
-                for h in rows:
-                    counts[h] = counts.get(h, 0) + 1
-                weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
-            elif self.curvature == "none":
+                vectors, weights, kappa = self._curvature_rows(
+                    curv_index.load(step), layers, dtype, device, shares.shape[0]
+                )
+            elif self.curvature == "none" or isinstance(self.curvature, ExactHessian):
                 vectors = None
             p = shares.shape[1]
-            lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
+            if schedule is None:  # the record's per-parameter learning rates
+                sd = dyn.step(step, device)
+                lr = torch.cat([sd.hyper_vector(n, "lr", dtype, device) for n in layers])
+            else:
+                lr = torch.full((p,), schedule(step), dtype=dtype, device=device)
             hyper = self._sgd_hyper(dyn, step, layers, p, dtype, device, lr)
+            exact = isinstance(self.curvature, ExactHessian)
             curvature = Curvature(
+                operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
                 vectors=vectors,
                 kappa=kappa,
                 weights=weights,
@@ -403,18 +407,65 @@ class DVEmbAttributor(TrajectoryAttributor):
                 momentum=hyper["momentum"],
                 dampening=hyper["dampening"],
                 nesterov=hyper["nesterov"],
-                first_buffer=hyper["first"] if dyn is not None else step == first_step,
+                first_buffer=hyper["first"] if dyn is not None else self._first_buffer(step),
             )
             return op, StepPushes(step, self.removal_pushes(shares, step), hashes)
 
         return load
 
+    def _check_warm_start(self, dyn: Any, first_step: int) -> None:
+        """Without a record, dampened momentum needs to know whether the buffer existed."""
+        self._first_step = first_step
+        if (
+            dyn is None
+            and self.momentum
+            and self.dampening
+            and self.momentum_buffer_existed is None
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: with momentum and dampening the first captured step's "
+                "gain is 1 if the momentum buffer starts there, 1 - dampening if it existed "
+                "before (a window captured mid-training). Pass momentum_buffer_existed=True / "
+                "False, or dynamics= recorded with OptimizerStateCallback."
+            )
+
+    def _first_buffer(self, step: int) -> bool:
+        return step == self._first_step and not self.momentum_buffer_existed
+
+    def _curvature_rows(
+        self, blocks: list[Any], layers: list[str], dtype: Any, device: Any, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Monte-Carlo Fisher rows ``(vectors, weights, κ)`` of one step.
+
+        ``H = (κ_B) Σ_z (1/n_z) Σ_draws ŝ ŝᵀ`` over per-sample gradients of the sampled loss,
+        whatever the layout of the draws: a row of a mean-reduced curvature block is the share
+        ``∇ℓ/R`` of that block's ``R`` rows, so it is scaled back by ``R`` and the mean's
+        ``1/B`` (``B`` the training batch) goes into ``κ``; a sum-reduced row is ``∇ℓ``.
+        """
+        mats, rows = [], []
+        for b in blocks:
+            m, h = dense_rows([b], layers, dtype, device)
+            mats.append(m * m.shape[0] if self.loss_reduction == "mean" else m)
+            rows += h
+        counts: dict[str, int] = {}
+        for h in rows:
+            counts[h] = counts.get(h, 0) + 1
+        weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
+        kappa = 1.0 / batch if self.loss_reduction == "mean" else 1.0
+        return torch.cat(mats), weights, kappa
+
     def _schedule(self, learning_rate: Any, dyn: Any, where: str) -> Any:
+        """The schedule given, or ``None``: the recorded per-parameter learning rates."""
         value = learning_rate if learning_rate is not None else self.learning_rate
+        if value is not None and dyn is not None:
+            raise ValueError(
+                f"{where}: pass learning_rate= or dynamics=, not both: the recorded dynamics "
+                "carry the learning rate of every parameter at every step."
+            )
         if value is not None:
             return as_schedule(value, "learning_rate")
         if dyn is not None:
-            return as_schedule(dyn.learning_rates(), "the recorded learning rates")
+            return None
         raise ValueError(
             f"{where} needs the learning-rate schedule: pass learning_rate= (a number, a sequence "
             "by step, a {step: lr} mapping or a callable), or dynamics= recorded with "

@@ -24,6 +24,7 @@ import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.blocks import LiveSource
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
@@ -202,7 +203,7 @@ class KFACAttributor(BaseAttributor):
         if _is_store(store):
             layers = getattr(source, "layers", None)
             return ("store", os.path.realpath(store.save_dir), tuple(layers or ()))
-        if type(source).__name__ == "_LiveSource" and self._live_key is not None:
+        if isinstance(source, LiveSource) and self._live_key is not None:
             return self._live_key
         return ("object", id(source))
 

@@ -33,12 +33,16 @@ Numerics follow the inputs (float64 in, float64 out); nothing is carried between
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.tracin import TracInAttributor
+from dattri_llm.attribution.trajectory import as_schedule
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
 __all__ = ["LESSAttributor"]
@@ -80,7 +84,9 @@ class LESSAttributor(TracInAttributor):
         super().__init__(args, task, normalized_grad=True, mode=mode)
         self.checkpoint_weights = None  # TracIn's weighting is replaced by block_weight
         self._frozen_weights = (
-            None if checkpoint_weights is None else _as_weights(checkpoint_weights, "checkpoint")
+            None
+            if checkpoint_weights is None
+            else as_schedule(checkpoint_weights, "checkpoint_weights", "checkpoint")
         )
         if optimizers is not None:
             optimizers = list(optimizers)
@@ -105,6 +111,7 @@ class LESSAttributor(TracInAttributor):
                 "holding its state): Γ is the optimizer's update direction. Or score a "
                 "preconditioned capture with attribute_from_cache."
             )
+        _check_distinct_states(self.optimizers)
         try:
             return super().attribute(train_set, test_set, *args, **kwargs)
         finally:
@@ -119,6 +126,7 @@ class LESSAttributor(TracInAttributor):
         checkpoints: Sequence[int] | None = None,
         learning_rates: LearningRates | None = None,
         pair_by: str = "checkpoint",
+        top_k: int | None = None,
     ) -> AttributionScore:
         """Score a preconditioned train store against a raw query store.
 
@@ -132,6 +140,8 @@ class LESSAttributor(TracInAttributor):
                 a ``{step: lr}`` mapping or a callable; default: the learning rates recorded
                 at capture.
             pair_by: ``"checkpoint"`` or ``"step"`` (queries captured at every step).
+            top_k: Keep only each query's ``top_k`` proponents and opponents (streamed; see
+                :meth:`BaseAttributor.attribute_sources`).
         """
         return super().attribute_from_cache(
             train_dir,
@@ -141,6 +151,7 @@ class LESSAttributor(TracInAttributor):
             checkpoints=checkpoints,
             learning_rates=learning_rates,
             pair_by=pair_by,
+            top_k=top_k,
         )
 
     # ---- per call ---------------------------------------------------------------------------
@@ -159,7 +170,9 @@ class LESSAttributor(TracInAttributor):
                 "checkpoint), not both."
             )
         self._call = {
-            "weights": None if learning_rates is None else _as_weights(learning_rates, "step"),
+            "weights": None
+            if learning_rates is None
+            else as_schedule(learning_rates, "learning_rates"),
             "pair_by": pair_by,
         }
 
@@ -199,6 +212,17 @@ class LESSAttributor(TracInAttributor):
             return self._frozen_weights(int(block.checkpoint))
         lr = block.metadata.get("learning_rate")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            if lr == 0 and not self._call.get("warned_zero"):
+                self._call["warned_zero"] = True
+                warnings.warn(
+                    f"LESSAttributor: the learning rate recorded at step {block.step} "
+                    f"(checkpoint {block.checkpoint}) is 0, so it weighs nothing (e.g. the last "
+                    "checkpoint of a schedule decaying to 0). The paper weighs each checkpoint "
+                    "by its epoch's mean learning rate: pass checkpoint_weights= or "
+                    "learning_rates= to choose.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             return float(lr)
         if "learning_rates" in block.metadata:
             raise ValueError(
@@ -225,29 +249,43 @@ class LESSAttributor(TracInAttributor):
         }
 
 
-def _as_weights(weights: Any, by: str) -> Callable[[int], float]:
-    """A ``key -> weight`` function from a number, sequence, mapping or callable."""
-    if isinstance(weights, bool):
-        raise TypeError(f"weights by {by} must be numbers, got {weights!r}.")
-    if isinstance(weights, (int, float)):
-        value = float(weights)
-        return lambda key: value
-    if callable(weights):
-        return lambda key: float(weights(key))
-    if isinstance(weights, Mapping):
-        table = {int(k): float(v) for k, v in weights.items()}
+def _check_distinct_states(optimizers: Sequence[Any]) -> None:
+    """Refuse checkpoint optimizers that share state: copies of one state, not each their own.
 
-        def from_mapping(key: int) -> float:
-            if key not in table:
-                raise KeyError(f"no weight for {by} {key}; the weights cover {sorted(table)}.")
-            return table[key]
+    ``opt.state_dict()`` returns references to the live state: kept at several checkpoints
+    without ``copy.deepcopy`` they all end up holding the final state, and the frozen form would
+    silently score every checkpoint with it.
+    """
+    from dattri_llm.gradient.optim.kinds import resolve_optimizer
 
-        return from_mapping
-    values = [float(w) for w in weights]
-
-    def from_sequence(key: int) -> float:
-        if not 0 <= key < len(values):
-            raise KeyError(f"no weight for {by} {key}; {len(values)} weights were given.")
-        return values[key]
-
-    return from_sequence
+    seen: dict[int, int] = {}
+    counts: dict[tuple, int] = {}
+    for k, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue  # a factory: resolved when its checkpoint is scored
+        resolve_optimizer(opt, "LESSAttributor(optimizers=...)")
+        steps = []
+        for state in opt.state.values():
+            for name, t in state.items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if name == "step":
+                    steps.append(float(t))
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in seen and seen[ptr] != k:
+                    raise ValueError(
+                        f"LESSAttributor: the optimizers of checkpoints {seen[ptr]} and {k} share "
+                        "state tensors, so they hold one state, not one each. Keep each "
+                        "checkpoint's copy.deepcopy(opt.state_dict()) and load it into its own "
+                        "optimizer."
+                    )
+                seen[ptr] = k
+        key = tuple(steps)
+        if steps and key in counts:
+            raise ValueError(
+                f"LESSAttributor: the optimizers of checkpoints {counts[key]} and {k} have the "
+                "same update counts: the same state twice (was opt.state_dict() kept without "
+                "copy.deepcopy?). Give each checkpoint the optimizer state saved at it."
+            )
+        counts[key] = k

@@ -4,12 +4,21 @@ Rows are ``(train hash, step)`` pairs (one per train sample and step it was seen
 run's step is the checkpoint index), columns are the unique test hashes in order of first
 appearance. On disk a score is a directory with ``scores.safetensors`` (tensors) and
 ``scores.json`` (hashes, steps, format version); nothing is pickled.
+
+Duplicates. Identical samples have the same id (``dattri_llm.utils.hashing``), so a sample
+that occurs twice at one step (a duplicated train item) gives two rows with one id. The
+per-sample views (:meth:`AttributionScore.agnostic_matrix`, ``step_matrix``, ``query``,
+``top_k``) then follow ``duplicates=``: ``"warn"`` (default: sum the occurrences — the
+influence of every copy together — and warn naming them), ``"sum"`` (the same, silently),
+``"separate"`` (one row per occurrence) or ``"error"``. A sample seen at *different* steps
+(epochs, checkpoints) is not a duplicate: summing over steps is what the agnostic view means.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +32,7 @@ __all__ = ["AttributionScore", "TopK", "SCORE_FORMAT_VERSION"]
 SCORE_FORMAT_VERSION = 1
 _TENSORS = "scores.safetensors"
 _META = "scores.json"
+_DUPLICATES = ("warn", "sum", "separate", "error")
 
 
 class TopK(NamedTuple):
@@ -66,6 +76,13 @@ class AttributionScore:
         token_scores: Optional per-row ``(T_r, M)`` scores of each train token position (token
             granularity); rows sum to ``scores``.
         output_dir: Default directory of :meth:`save`.
+        train_checkpoints: ``R`` checkpoint labels of the rows (default all 0); a sample at
+            the same step of two checkpoints is not a duplicate.
+        top_k_kept: Set by ``attribute*(..., top_k=k)``: the scores hold, per test sample, only
+            its ``k`` largest and ``k`` smallest agnostic scores (one row per kept train
+            sample, summed over its steps; step ``-1`` when it occurred at several), and
+            ``NaN`` for every score not kept. :meth:`top_k` then takes ``k' <= k``.
+        num_train: With ``top_k_kept``: how many train samples were ranked.
     """
 
     def __init__(
@@ -76,14 +93,29 @@ class AttributionScore:
         test_hashes: Sequence[str],
         token_scores: Sequence[torch.Tensor] | None = None,
         output_dir: str | None = None,
+        train_checkpoints: Sequence[int] | None = None,
+        top_k_kept: int | None = None,
+        num_train: int | None = None,
     ) -> None:
         self.scores = scores
+        self.top_k_kept = top_k_kept
+        self.num_train = num_train
         self.train_hashes = [str(h) for h in train_hashes]
         self.train_steps = [int(s) for s in train_steps]
+        self.train_checkpoints = (
+            [int(c) for c in train_checkpoints]
+            if train_checkpoints is not None
+            else [0] * len(self.train_steps)
+        )
         self.test_hashes = [str(h) for h in test_hashes]
         self.output_dir = output_dir
         r, m = (int(scores.shape[0]), int(scores.shape[1])) if scores.dim() == 2 else (-1, -1)
-        if r != len(self.train_hashes) or r != len(self.train_steps) or m != len(self.test_hashes):
+        if (
+            r != len(self.train_hashes)
+            or r != len(self.train_steps)
+            or r != len(self.train_checkpoints)
+            or m != len(self.test_hashes)
+        ):
             raise ValueError(
                 f"AttributionScore: scores of shape {tuple(scores.shape)} need "
                 f"{len(self.train_hashes)} train hashes / {len(self.train_steps)} steps as rows "
@@ -118,67 +150,126 @@ class AttributionScore:
         return (
             f"AttributionScore(rows={len(self.train_hashes)}, "
             f"train={len(set(self.train_hashes))}, test={self.num_test}, steps={self.steps}, "
-            f"token_scores={self.has_token_scores})"
+            f"token_scores={self.has_token_scores}"
+            + (f", top_k_kept={self.top_k_kept} of {self.num_train})" if self.top_k_kept else ")")
         )
 
     # ---- views -----------------------------------------------------------------------------
-    def _sum_rows(self, rows: Sequence[int]) -> tuple[list[str], torch.Tensor]:
-        ids: list[str] = []
-        where: dict[str, int] = {}
-        target = []
+    def duplicates(self) -> dict[tuple[str, int, int], int]:
+        """Samples that occur more than once at one step of one checkpoint (identical items).
+
+        Returns:
+            ``{(train hash, step, checkpoint): occurrences}``, empty when there are none.
+        """
+        counts: dict[tuple[str, int, int], int] = {}
+        for key in zip(self.train_hashes, self.train_steps, self.train_checkpoints):
+            counts[key] = counts.get(key, 0) + 1
+        return {k: c for k, c in counts.items() if c > 1}
+
+    def _sum_rows(self, rows: Sequence[int], duplicates: str) -> tuple[list[str], torch.Tensor]:
+        if duplicates not in _DUPLICATES:
+            raise ValueError(f"duplicates must be one of {_DUPLICATES}, got {duplicates!r}.")
+        seen: dict[tuple[str, int, int], int] = {}
+        keys: list[tuple[str, int]] = []
         for i in rows:
-            h = self.train_hashes[i]
-            if h not in where:
-                where[h] = len(ids)
-                ids.append(h)
-            target.append(where[h])
+            at = (self.train_hashes[i], self.train_steps[i], self.train_checkpoints[i])
+            k = seen.get(at, 0)
+            seen[at] = k + 1
+            keys.append((at[0], k if duplicates == "separate" else 0))
+        dups = {at: c for at, c in seen.items() if c > 1}
+        if dups and duplicates in ("warn", "error"):
+            (h, step, _), c = next(iter(dups.items()))
+            more = f" (and {len(dups) - 1} more)" if len(dups) > 1 else ""
+            message = (
+                f"train sample {h!r} occurs {c} times at step {step}{more}: identical samples "
+                "share one id, so their rows are summed into one (the influence of all the "
+                "copies together; N rows in, fewer samples out). Deduplicate the train set, or "
+                "pass duplicates='separate' for one row per occurrence, or duplicates='sum' to "
+                "sum them without this message (AttributionScore.duplicates() lists them)."
+            )
+            if duplicates == "error":
+                raise ValueError(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
+        ids: list[str] = []
+        where: dict[tuple[str, int], int] = {}
+        target = []
+        for key in keys:
+            if key not in where:
+                where[key] = len(ids)
+                ids.append(key[0])
+            target.append(where[key])
         out = self.scores.new_zeros(len(ids), self.num_test)
         if rows:
             idx = torch.as_tensor(target, dtype=torch.long)
             out.index_add_(0, idx, self.scores[torch.as_tensor(list(rows), dtype=torch.long)])
         return ids, out
 
-    def agnostic_matrix(self) -> tuple[list[str], torch.Tensor]:
+    def agnostic_matrix(self, duplicates: str = "warn") -> tuple[list[str], torch.Tensor]:
         """Scores summed over steps per unique train sample.
 
+        Args:
+            duplicates: What to do with a sample that occurs several times at one step (see
+                the module docstring): ``"warn"``, ``"sum"``, ``"separate"`` or ``"error"``.
+
         Returns:
-            ``(train_ids, matrix)``: unique train hashes in order of first appearance and the
+            ``(train_ids, matrix)``: unique train hashes in order of first appearance (with
+            ``"separate"``, a duplicated hash once per occurrence) and the
             ``(num_train, num_test)`` matrix.
         """
-        return self._sum_rows(range(len(self.train_hashes)))
+        return self._sum_rows(range(len(self.train_hashes)), duplicates)
 
-    def step_matrix(self, step: int) -> tuple[list[str], torch.Tensor]:
-        """``(train_ids, (num_train_at_step, num_test))`` of one step."""
+    def step_matrix(self, step: int, duplicates: str = "warn") -> tuple[list[str], torch.Tensor]:
+        """``(train_ids, (num_train_at_step, num_test))`` of one step.
+
+        ``duplicates`` as in :meth:`agnostic_matrix`.
+        """
         rows = [i for i, s in enumerate(self.train_steps) if s == step]
         if not rows:
             raise KeyError(f"step {step} not in the scores; available steps: {self.steps}.")
-        return self._sum_rows(rows)
+        return self._sum_rows(rows, duplicates)
 
-    def step_matrices(self) -> dict[int, tuple[list[str], torch.Tensor]]:
+    def step_matrices(self, duplicates: str = "warn") -> dict[int, tuple[list[str], torch.Tensor]]:
         """``{step: step_matrix(step)}`` for every step."""
-        return {s: self.step_matrix(s) for s in self.steps}
+        return {s: self.step_matrix(s, duplicates) for s in self.steps}
 
-    def query(self, train: Sequence[Any], test: Sequence[Any] | None = None) -> torch.Tensor:
+    def query(
+        self, train: Sequence[Any], test: Sequence[Any] | None = None, duplicates: str = "warn"
+    ) -> torch.Tensor:
         """Agnostic scores realigned to the given samples (by identity, not position).
 
         Args:
             train: Train sample hashes, or the samples themselves (hashed with
                 :func:`~dattri_llm.utils.hashing.hash_sample`).
             test: Test hashes or samples; default every column in order.
+            duplicates: As in :meth:`agnostic_matrix`, but ``"separate"`` is refused (a
+                sample's id would name several rows).
 
         Returns:
-            ``(len(train), len(test))``.
+            ``(len(train), len(test))``; with ``top_k_kept``, ``NaN`` where a score was not
+            among the kept ones.
 
         Raises:
             KeyError: naming the first hash that is not in the scores.
         """
-        ids, matrix = self.agnostic_matrix()
+        if duplicates == "separate":
+            raise ValueError(
+                "query(..., duplicates='separate') is ambiguous: a duplicated sample's id names "
+                "several rows. Use agnostic_matrix(duplicates='separate')."
+            )
+        ids, matrix = self.agnostic_matrix(duplicates)
         where = {h: i for i, h in enumerate(ids)}
         tr = [_as_hash(x) for x in train]
         te = self.test_hashes if test is None else [_as_hash(x) for x in test]
         for h in tr:
             if h not in where:
-                raise KeyError(f"train hash {h!r} is not in the scores ({len(ids)} train samples).")
+                kept = (
+                    f" kept by top_k={self.top_k_kept} for any test sample"
+                    if self.top_k_kept is not None
+                    else ""
+                )
+                raise KeyError(
+                    f"train hash {h!r} is not in the scores{kept} ({len(ids)} train samples)."
+                )
         for h in te:
             if h not in self._test_index:
                 raise KeyError(
@@ -188,19 +279,31 @@ class AttributionScore:
         ci = torch.as_tensor([self._test_index[h] for h in te], dtype=torch.long)
         return matrix[ri][:, ci]
 
-    def top_k(self, k: int) -> TopK:
+    def top_k(self, k: int, duplicates: str = "warn") -> TopK:
         """Top proponents and opponents of every test sample.
 
         The ``k`` train samples with the most positive (proponents) and the most negative
-        (opponents) scores, over :meth:`agnostic_matrix`.
+        (opponents) scores, over :meth:`agnostic_matrix` (``duplicates`` as there).
         """
-        ids, matrix = self.agnostic_matrix()
+        ids, matrix = self.agnostic_matrix(duplicates)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}.")
-        k = min(k, len(ids))
         cols = matrix.T  # (M, N)
-        p_val, p_idx = cols.topk(k, dim=1, largest=True)
-        o_val, o_idx = cols.topk(k, dim=1, largest=False)
+        if self.top_k_kept is not None:  # NaN: not kept (never ranked)
+            if k > self.top_k_kept:
+                raise ValueError(
+                    f"these scores kept the top {self.top_k_kept} per test sample "
+                    f"(attribute(..., top_k={self.top_k_kept})); top_k({k}) needs a run with "
+                    f"top_k >= {k}."
+                )
+            k = min(k, self.num_train if self.num_train is not None else len(ids))
+            missing = cols.isnan()
+            p_val, p_idx = cols.masked_fill(missing, float("-inf")).topk(k, dim=1)
+            o_val, o_idx = cols.masked_fill(missing, float("inf")).topk(k, dim=1, largest=False)
+        else:
+            k = min(k, len(ids))
+            p_val, p_idx = cols.topk(k, dim=1, largest=True)
+            o_val, o_idx = cols.topk(k, dim=1, largest=False)
         return TopK(
             list(self.test_hashes),
             [[ids[i] for i in r] for r in p_idx.tolist()],
@@ -262,9 +365,13 @@ class AttributionScore:
             "version": SCORE_FORMAT_VERSION,
             "train_hashes": self.train_hashes,
             "train_steps": self.train_steps,
+            "train_checkpoints": self.train_checkpoints,
             "test_hashes": self.test_hashes,
             "token_scores": self._token_scores is not None,
         }
+        if self.top_k_kept is not None:
+            meta["top_k_kept"] = self.top_k_kept
+            meta["num_train"] = self.num_train
         if self._token_scores is not None:
             lengths = [int(t.shape[0]) for t in self._token_scores]
             tensors["token_scores"] = (
@@ -319,4 +426,7 @@ class AttributionScore:
             meta["test_hashes"],
             token_scores=tokens,
             output_dir=path,
+            train_checkpoints=meta.get("train_checkpoints"),
+            top_k_kept=meta.get("top_k_kept"),
+            num_train=meta.get("num_train"),
         )

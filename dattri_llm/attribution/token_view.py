@@ -21,15 +21,17 @@ from __future__ import annotations
 import html
 import math
 import os
+import sys
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = [
     "TokenHeatmap",
     "display_token",
     "token_color",
+    "color_enabled",
     "terminal_heatmap",
     "html_tokens",
     "html_page",
@@ -100,8 +102,24 @@ def token_color(score: float, scale: float) -> tuple[int, int, int] | None:
     return r, g, b
 
 
+def color_enabled(stream: TextIO | None = None) -> bool:
+    """Whether ANSI colours should be written to ``stream`` (default: ``sys.stdout``).
+
+    Only to a terminal, and never when the ``NO_COLOR`` environment variable is set to a
+    non-empty value (https://no-color.org).
+    """
+    if os.environ.get("NO_COLOR"):
+        return False
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty is not None and isatty())
+    except (ValueError, OSError):  # a closed stream
+        return False
+
+
 def terminal_heatmap(
-    tokens: Sequence[str], scores: Any, scale: float | None = None, color: bool = True
+    tokens: Sequence[str], scores: Any, scale: float | None = None, color: bool | None = None
 ) -> str:
     """One line of tokens with 24-bit ANSI background colours by score.
 
@@ -111,8 +129,12 @@ def terminal_heatmap(
         scale: ``|score|`` of full colour (default: the largest ``|score|`` here); share one
             scale across lines to compare them.
         color: Emit ANSI codes; ``False`` brackets non-zero tokens as ``[token|+1.2e-03]``
-            instead (for logs and terminals without colour).
+            instead (for logs and terminals without colour). ``None`` (default): colours
+            when :func:`color_enabled` (standard output is a terminal and ``NO_COLOR`` is not
+            set).
     """
+    if color is None:
+        color = color_enabled()
     values = _floats(scores)
     _check(tokens, values)
     scale = _auto_scale(values) if scale is None else float(scale)

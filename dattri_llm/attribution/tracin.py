@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.hooks import HookManagerConfig
 
 __all__ = ["TracInAttributor"]
 
@@ -30,10 +33,15 @@ class TracInAttributor(BaseAttributor):
     ``attribution_granularity="token"`` additionally splits each score over the train
     sample's token positions (exact: a layer's gradient is a sum over positions).
 
+    ``normalized_grad`` is accepted by the constructor (the default of every call) and by
+    :meth:`attribute`, :meth:`attribute_from_cache` and :meth:`attribute_sources` (as in the
+    original dattri-llm). A value given to a call overrides the constructor's for that call
+    only; ``None`` (the calls' default) uses the constructor's. Nothing is kept between calls.
+
     Args:
         args: Run options.
         task: An :class:`AttributionTask` (or a dattri task) for the live path.
-        normalized_grad: Grad-Cos instead of Grad-Dot.
+        normalized_grad: Grad-Cos instead of Grad-Dot (the default of every call).
         checkpoint_weights: ``w_c`` per checkpoint: a sequence indexed by checkpoint label or
             a ``{checkpoint: weight}`` mapping.
         mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
@@ -48,7 +56,8 @@ class TracInAttributor(BaseAttributor):
         mode: str = "auto",
     ) -> None:
         super().__init__(args, task, mode=mode)
-        self.normalized_grad = bool(normalized_grad)
+        self.normalized_grad = _check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
+        self._call_normalized: bool | None = None  # set for the duration of one call only
         if checkpoint_weights is not None:
             if isinstance(checkpoint_weights, Mapping):
                 checkpoint_weights = {int(k): float(v) for k, v in checkpoint_weights.items()}
@@ -76,6 +85,99 @@ class TracInAttributor(BaseAttributor):
                 f"{have}); give one weight per checkpoint label of the gradients."
             ) from None
 
+    @property
+    def _normalizes(self) -> bool:
+        """Whether the call in progress is Grad-Cos."""
+        return self.normalized_grad if self._call_normalized is None else self._call_normalized
+
+    @contextlib.contextmanager
+    def _per_call(self, normalized_grad: bool | None, where: str) -> Iterator[None]:
+        """Apply a per-call ``normalized_grad`` for the duration of one call."""
+        if normalized_grad is None or self._call_normalized is not None:
+            yield  # the constructor's value, or an outer call already chose
+            return
+        self._call_normalized = _check_flag(normalized_grad, f"{where}(normalized_grad=)")
+        try:
+            yield
+        finally:
+            self._call_normalized = None
+
+    # ---- entry points (normalized_grad per call) ------------------------------------------
+    def attribute(
+        self,
+        train_set: Any,
+        test_set: Any,
+        hook_config: HookManagerConfig | None = None,
+        attribution_granularity: str = "sample",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        normalized_grad: bool | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute live (see :meth:`BaseAttributor.attribute`).
+
+        Args:
+            train_set: Train samples.
+            test_set: Test samples.
+            hook_config: Which layers to capture.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            collate_fn: Overrides ``args.dataloader_collate``.
+            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
+            **kwargs: As :meth:`BaseAttributor.attribute`.
+        """
+        with self._per_call(normalized_grad, "attribute"):
+            return super().attribute(
+                train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
+            )
+
+    def attribute_from_cache(
+        self,
+        train_dir: Any,
+        test_dir: Any,
+        attribution_granularity: str = "sample",
+        layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
+        normalized_grad: bool | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient stores (see :meth:`BaseAttributor.attribute_from_cache`).
+
+        Args:
+            train_dir: Train gradient store.
+            test_dir: Test gradient store.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            layers: Score only these layers (default: all captured).
+            checkpoints: Read only records with these checkpoint labels (default: all).
+            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
+            **kwargs: As :meth:`BaseAttributor.attribute_from_cache`.
+        """
+        with self._per_call(normalized_grad, "attribute_from_cache"):
+            return super().attribute_from_cache(
+                train_dir, test_dir, attribution_granularity, layers, checkpoints, **kwargs
+            )
+
+    def attribute_sources(
+        self,
+        train_source: Any,
+        test_source: Any,
+        attribution_granularity: str = "sample",
+        normalized_grad: bool | None = None,
+        **kwargs: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient sources (see :meth:`BaseAttributor.attribute_sources`).
+
+        Args:
+            train_source: Train gradient source.
+            test_source: Test gradient source.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
+            **kwargs: As :meth:`BaseAttributor.attribute_sources`.
+        """
+        with self._per_call(normalized_grad, "attribute_sources"):
+            return super().attribute_sources(
+                train_source, test_source, attribution_granularity, **kwargs
+            )
+
+    # ---- scoring hooks ---------------------------------------------------------------------
     def _normalize(self, gradient: Gradient) -> Gradient:
         norms = ops.grad_norm_sq(gradient, mode=self.mode).clamp_min(0).sqrt()
         inv = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
@@ -83,11 +185,19 @@ class TracInAttributor(BaseAttributor):
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Normalise the test gradients for Grad-Cos."""
-        return self._normalize(gradient) if self.normalized_grad else gradient
+        return self._normalize(gradient) if self._normalizes else gradient
 
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Normalise (Grad-Cos) and weight the train gradients of a checkpoint."""
-        if self.normalized_grad:
+        if self._normalizes:
             gradient = self._normalize(gradient)
         w = self.checkpoint_weight(checkpoint)
         return gradient if w == 1.0 else gradient.scale(w)
+
+
+def _check_flag(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":  # a numpy bool
+        return bool(value)
+    raise TypeError(f"{where} must be True or False, got {value!r}.")

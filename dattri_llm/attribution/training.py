@@ -134,6 +134,11 @@ def record_training(
     hm = HookManager(trained, config=hook_config, callbacks=[capture, recorder])
     device = next(trained.parameters()).device
     micro, update = 0, 0
+    bar = None
+    if getattr(args, "show_progress", False):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="recorded run", unit="step", leave=False)
     with hm.collect(deregister_on_exit=True):
         opt.zero_grad(set_to_none=True)
         while update < total:
@@ -151,8 +156,12 @@ def record_training(
                 if schedule is not None:
                     schedule.step()
                 update += 1
+                if bar is not None:
+                    bar.update(1)
                 if update >= total:
                     break
+    if bar is not None:
+        bar.close()
     blocks = [  # the store's step labels: the micro-batches of one update share its step
         GradientRecord(r.step // accumulation, r.hashes, r.gradient, r.checkpoint, r.metadata)
         for r in capture.records

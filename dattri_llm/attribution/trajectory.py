@@ -13,8 +13,9 @@ What a new trajectory method gets from it:
 * **The score container**: one row per (sample, step it occurred at); ``agnostic_matrix`` sums
   a sample's occurrences.
 
-Subclasses implement :meth:`TrajectoryAttributor.run` (the sweep). The linearised optimizer
-steps are in :mod:`dattri_llm.attribution.unroll`.
+Subclasses implement :meth:`TrajectoryAttributor.step_loader`: for each step, the linearised
+update (a :class:`~dattri_llm.attribution.unroll.LinearStep`) and the removals' pushes; the base
+runs the sweep. The linearised optimizer steps are in :mod:`dattri_llm.attribution.unroll`.
 
 Conventions: a positive score means removing the sample would raise the query's loss (it
 helped); the training loss's reduction must be given (``loss_reduction="sum"`` — the
@@ -32,13 +33,17 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution import distributed
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.sinks import check_top_k, top_k_of
+from dattri_llm.attribution.unroll import LinearStep, StepPushes, adjoint_sweep, forward_sweep
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
 _REDUCTIONS = ("sum", "mean")
+_METHODS = ("adjoint", "forward")
 
 
 def as_schedule(value: Any, name: str, by: str = "step") -> Callable[[int], float]:
@@ -170,9 +175,13 @@ class TrajectoryAttributor(BaseAttributor):
             (the captured ``s`` are the samples' shares either way).
         compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
             float32 run); never lowers it.
+        method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
+            ``"forward"`` (every removal carried forward: memory ∝ samples); the same numbers.
     """
 
     name = "trajectory"
+    #: Under ``torch.distributed``, selects this rank's removals in the forward sweep.
+    row_filter: Callable[[Any], Any] | None = None
 
     def __init__(
         self,
@@ -180,8 +189,12 @@ class TrajectoryAttributor(BaseAttributor):
         task: Any = None,
         loss_reduction: str = "sum",
         compute_dtype: torch.dtype | None = None,
+        method: str = "adjoint",
     ) -> None:
         super().__init__(args, task)
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
+        self.method = method
         if loss_reduction not in _REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {_REDUCTIONS} (how the training loss combined "
@@ -195,16 +208,40 @@ class TrajectoryAttributor(BaseAttributor):
         self.compute_dtype = compute_dtype
 
     # ---- what subclasses implement ---------------------------------------------------------
+    def step_loader(
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype, **kwargs: Any
+    ) -> Callable[[int], tuple[LinearStep, StepPushes]]:
+        """``step -> (LinearStep, StepPushes)``: the step's linearised update and removals.
+
+        Validate the call's options here (they are the ``attribute_from_cache`` keyword
+        arguments); the base runs the sweep (:meth:`run`).
+        """
+        raise NotImplementedError
+
     def run(
         self,
         index: StepIndex,
         layers: list[str],
         queries: torch.Tensor,
         query_hashes: list[str],
+        dtype: torch.dtype = torch.float64,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
-        """Scores ``(N_occ, R)`` with each row's sample identity and step."""
-        raise NotImplementedError
+        """Scores ``(N_occ, R)`` with each row's sample identity and step.
+
+        ``method="adjoint"`` carries the queries' adjoints backward (memory ∝ queries);
+        ``"forward"`` carries every removal forward and takes inner products at the end.
+        """
+        load = self.step_loader(index, layers, dtype, **kwargs)
+        if self.method == "forward":
+            emb, hashes, rows = forward_sweep(
+                index.steps, load, self._bar("unroll"), self.row_filter
+            )
+            return emb @ queries.T, hashes, rows
+        return adjoint_sweep(index.steps, load, queries, self._bar("unroll"))
+
+    def _bar(self, desc: str) -> Callable[[Iterable[int]], Iterable[int]]:
+        return lambda steps: self.progress(steps, desc)
 
     #: The optimizer ``AttributionArguments(optimizer="auto")`` means for the live path.
     default_optimizer = "adamw_torch"
@@ -310,19 +347,19 @@ class TrajectoryAttributor(BaseAttributor):
                 f"{type(self).__name__} scores whole samples; attribution_granularity='token' "
                 "is not defined for an unrolled trajectory."
             )
+        from dattri_llm.gradient.store import GradientStorageManager
+
         device = self.device
-        train = train_dir
-        if isinstance(train_dir, (str, os.PathLike)):
-            if not os.path.isdir(train_dir):
-                raise FileNotFoundError(f"train_dir {os.fspath(train_dir)!r} is not a directory.")
-            train = DiskGradientSource(
-                train_dir, layers=layers, device=device, checkpoints=checkpoints
-            )
-        test = test_dir
-        if isinstance(test_dir, (str, os.PathLike)):
-            if not os.path.isdir(test_dir):
-                raise FileNotFoundError(f"test_dir {os.fspath(test_dir)!r} is not a directory.")
-            test = DiskGradientSource(test_dir, layers=layers, device=device)
+
+        def source(where: Any, name: str, ckpts: Any) -> Any:
+            if isinstance(where, (str, os.PathLike)) and not os.path.isdir(where):
+                raise FileNotFoundError(f"{name} {os.fspath(where)!r} is not a directory.")
+            if isinstance(where, (str, os.PathLike, GradientStorageManager)):
+                return DiskGradientSource(where, layers=layers, device=device, checkpoints=ckpts)
+            return where  # a gradient source (e.g. a ReplayGradientSource)
+
+        train = source(train_dir, "train_dir", checkpoints)
+        test = source(test_dir, "test_dir", None)
         return self.attribute_sources(train, test, **kwargs)
 
     def attribute_sources(
@@ -330,9 +367,17 @@ class TrajectoryAttributor(BaseAttributor):
         train_source: Any,
         test_source: Any,
         attribution_granularity: str = "sample",
+        top_k: int | None = None,
         **kwargs: Any,
     ) -> AttributionScore:
-        """Unroll a train source (store, replay, records) for the queries of a test source."""
+        """Unroll a train source (store, replay, records) for the queries of a test source.
+
+        ``top_k=k`` reduces the result to each query's ``k`` proponents and opponents (the
+        same form as the streamed top-k of the other attributors, ``score.top_k_kept == k``).
+        It is a reduction of the full result, not a stream: the sweep's own state — the
+        queries' adjoints, or every occurrence's embedding — is what bounds its memory.
+        """
+        k = check_top_k(top_k)
         if attribution_granularity != "sample":
             raise ValueError(f"{type(self).__name__} supports attribution_granularity='sample'.")
         index = step_index(train_source, device=self.device)
@@ -351,12 +396,79 @@ class TrajectoryAttributor(BaseAttributor):
             dtype = torch.promote_types(dtype, self.compute_dtype)
         self._check_queries(test_blocks, first[0].gradient, layers)
         queries, query_hashes = dense_rows(test_blocks, layers, dtype, self.device)
-        scores, hashes, steps = self.run(
-            index, layers, queries, query_hashes, dtype=dtype, **kwargs
-        )
-        return AttributionScore(
+        if distributed.active(self.args):
+            distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
+            scores, hashes, steps = self._run_split(
+                index, layers, queries, query_hashes, dtype, kwargs
+            )
+        else:
+            scores, hashes, steps = self.run(
+                index, layers, queries, query_hashes, dtype=dtype, **kwargs
+            )
+        score = AttributionScore(
             scores.detach().cpu(), hashes, steps, query_hashes, output_dir=self.args.output_dir
         )
+        return score if k is None else top_k_of(score, k)
+
+    def _run_split(
+        self,
+        index: StepIndex,
+        layers: list[str],
+        queries: torch.Tensor,
+        query_hashes: list[str],
+        dtype: torch.dtype,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, list[str], list[int]]:
+        """The sweep split across ranks; every rank returns the full result.
+
+        The sweep is sequential over steps, so the ranks split what is independent within it:
+        the *queries* for the adjoint sweep (each query's adjoint is carried alone; memory and
+        work per rank ∝ its queries), the *removed samples* for the forward sweep (each
+        occurrence's perturbation is carried alone; a sample's occurrences stay on one rank).
+        Every rank reads every step's gradients and dynamics. No communication until the end,
+        where the score columns (adjoint) or rows (forward) are all-gathered and put back in
+        single-process order.
+        """
+        from dattri_llm.utils.distributed import get_rank, get_world_size
+
+        rank, world = get_rank(), get_world_size()
+        if getattr(self, "method", "adjoint") == "adjoint":
+            mine = distributed.live_slice(len(query_hashes), rank, world)
+            scores, hashes, steps = self.run(
+                index,
+                layers,
+                queries[mine.start : mine.stop],
+                query_hashes[mine.start : mine.stop],
+                dtype=dtype,
+                **kwargs,
+            )
+            cols = distributed.all_gather_tensors(scores.detach().cpu())
+            return torch.cat(cols, dim=1), hashes, steps
+        keys: list[list[int]] = []
+
+        def keep(pushes: Any) -> Any:
+            rows = [i for i, h in enumerate(pushes.hashes) if distributed.owner(h, world) == rank]
+            keys.extend([int(pushes.step), i] for i in rows)
+            idx = torch.as_tensor(rows, dtype=torch.long, device=pushes.shares.device)
+            return type(pushes)(
+                pushes.step, pushes.shares.index_select(0, idx), [pushes.hashes[i] for i in rows]
+            )
+
+        self.row_filter = keep
+        try:
+            scores, hashes, steps = self.run(
+                index, layers, queries, query_hashes, dtype=dtype, **kwargs
+            )
+        finally:
+            self.row_filter = None
+        parts = distributed.all_gather_tensors(scores.detach().cpu())
+        metas = distributed.all_gather_json({"keys": keys, "hashes": hashes, "steps": steps})
+        flat = [tuple(k) for m in metas for k in m["keys"]]
+        order = sorted(range(len(flat)), key=lambda i: flat[i])
+        full = torch.cat(parts).index_select(0, torch.as_tensor(order, dtype=torch.long))
+        all_h = [h for m in metas for h in m["hashes"]]
+        all_s = [st for m in metas for st in m["steps"]]
+        return full, [all_h[i] for i in order], [all_s[i] for i in order]
 
     def _check_queries(
         self, blocks: list[GradientBlock], train: Gradient, layers: list[str]

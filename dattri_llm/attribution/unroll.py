@@ -60,6 +60,8 @@ class Curvature:
         clip: ``κ_c`` (1 without active clipping).
         unit: ``u`` ``(P,)`` when clipping is active.
         coupled_decay: ``λ_c`` per coordinate ``(P,)`` or ``None``.
+        operator: ``H x`` for rows ``x`` — the batch loss's Hessian applied directly (e.g.
+            :class:`~dattri_llm.attribution.curvature.ExactHessian`); replaces ``vectors``.
     """
 
     vectors: torch.Tensor | None
@@ -68,8 +70,11 @@ class Curvature:
     clip: float = 1.0
     unit: torch.Tensor | None = None
     coupled_decay: torch.Tensor | None = None
+    operator: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _hessian(self, x: torch.Tensor) -> torch.Tensor:
+        if self.operator is not None:
+            return self.operator(x)
         if self.vectors is None:
             return torch.zeros_like(x)
         proj = x @ self.vectors.T  # (R, M)
@@ -283,6 +288,7 @@ def forward_sweep(
     steps: Sequence[int],
     load: Callable[[int], tuple[LinearStep, StepPushes]],
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
+    keep: Callable[[StepPushes], StepPushes] | None = None,
 ) -> tuple[torch.Tensor, list[str], list[int]]:
     """Carry every removal forward to the end of the run.
 
@@ -290,6 +296,8 @@ def forward_sweep(
         steps: The steps in training order.
         load: ``step -> (LinearStep, StepPushes)``.
         progress: Wraps the steps (a progress bar).
+        keep: Selects the removals to carry (e.g. this rank's samples); every row is
+            independent of the others, so a subset gives exactly those rows.
 
     Returns:
         ``(E, hashes, steps)``: ``E`` ``(N_occ, P)`` the final parameter perturbations
@@ -301,6 +309,8 @@ def forward_sweep(
     rows: list[int] = []
     for step in progress(steps):
         op, pushes = load(step)
+        if keep is not None:
+            pushes = keep(pushes)
         if state is not None:
             state = op.forward(_align(state, op.components, state["theta"]))
         new = op.push(pushes.shares)

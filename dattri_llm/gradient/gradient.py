@@ -197,22 +197,22 @@ class Gradient:
 
         Args:
             other: A capture of the same layers.
-            metric: ``"dot"`` or ``"cosine"``.
+            metric: ``"dot"`` or ``"cosine"`` (alias ``"cos"``).
             mode: ``"auto"`` (cost model), ``"factorized"`` or ``"materialized"``; all exact.
 
         Returns:
             ``(B_self, B_other)``.
         """
         from dattri_llm.gradient.ops.inner import cross_dot, grad_norm_sq
+        from dattri_llm.options import similarity_metric
 
+        metric = similarity_metric(metric)
         gram = cross_dot(self, other, mode=mode)
         if metric == "dot":
             return gram
-        if metric == "cosine":
-            n1 = grad_norm_sq(self, mode=mode).clamp_min(0).sqrt()
-            n2 = grad_norm_sq(other, mode=mode).clamp_min(0).sqrt()
-            return gram / (n1[:, None] * n2[None, :]).clamp_min(torch.finfo(gram.dtype).tiny)
-        raise ValueError(f"metric must be 'dot' or 'cosine', got {metric!r}")
+        n1 = grad_norm_sq(self, mode=mode).clamp_min(0).sqrt()
+        n2 = grad_norm_sq(other, mode=mode).clamp_min(0).sqrt()
+        return gram / (n1[:, None] * n2[None, :]).clamp_min(torch.finfo(gram.dtype).tiny)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 from dattri_llm.gradient.gradient import GradientBlock, GradientRecord
 
 if TYPE_CHECKING:
+    from dattri_llm.gradient.compat import CaptureFacts
     from dattri_llm.gradient.store import GradientStorageManager
 
 __all__ = ["GradientBlock", "GradientSource", "InMemoryGradientSource", "DiskGradientSource"]
@@ -121,6 +122,13 @@ class DiskGradientSource:
         if self.checkpoints is None:
             return len(self.store)
         return sum(r.checkpoint in self.checkpoints for r in self.store.records())
+
+    def capture_facts(self) -> CaptureFacts:
+        """What the store's gradients (of the selected layers) were captured as.
+
+        See :meth:`~dattri_llm.GradientStorageManager.capture_facts`.
+        """
+        return self.store.capture_facts(self.layers)
 
     @property
     def layer_names(self) -> list[str]:

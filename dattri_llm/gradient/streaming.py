@@ -87,7 +87,36 @@ def pad_collate(pad_value: int = 0) -> Callable[[list[Any]], Any]:
             return [pad([it[i] for it in items], str(i)) for i in range(len(first))]
         return pad(items, "input_ids")
 
+    collate.expects_tensors = True  # type: ignore[attr-defined]
     return collate
+
+
+_PAD_HINT = (
+    "Pad them: AttributionArguments(dataloader_collate='pad') for the attributors, "
+    "GradientStreamer(collate_fn=pad_collate()) for a streamer, or pass a collate_fn."
+)
+_TORCH_FORMAT_HINT = (
+    "A Hugging Face datasets.Dataset returns Python lists unless it is formatted for torch: "
+    "use dataset.with_format('torch') (or dataset.set_format('torch')), or pass a collate_fn "
+    "that builds tensors."
+)
+
+
+def _check_tensor_items(items: list[Any]) -> None:
+    """Refuse dataset items whose fields are Python lists (the default collates need tensors)."""
+    first = items[0]
+    if isinstance(first, Mapping):
+        fields = list(first.items())
+    elif isinstance(first, (tuple, list)):
+        fields = list(enumerate(first))
+    else:
+        return
+    for key, value in fields:
+        if isinstance(value, (list, tuple)):
+            raise TypeError(
+                f"dataset items hold Python lists, not tensors (field {key!r}), which the "
+                f"default collate cannot batch as samples. {_TORCH_FORMAT_HINT}"
+            )
 
 
 def move_to_device(batch: Any, device: torch.device | str) -> Any:
@@ -128,7 +157,18 @@ class _WithIds:
         self.config = config
 
     def __call__(self, items: list[Any]) -> tuple[Any, list[str]]:
-        return self.collate(items), [sample_id(it, self.config) for it in items]
+        if self.collate is default_collate or getattr(self.collate, "expects_tensors", False):
+            _check_tensor_items(items)
+        try:
+            batch = self.collate(items)
+        except RuntimeError as err:
+            if "equal size" not in str(err) and "same size" not in str(err):
+                raise
+            raise ValueError(
+                f"could not batch the samples: their tensors have different lengths ({err}). "
+                f"{_PAD_HINT}"
+            ) from err
+        return batch, [sample_id(it, self.config) for it in items]
 
 
 class GradientStreamer:
@@ -192,6 +232,17 @@ class GradientStreamer:
             )
         if batch_size < 1:
             raise ValueError(f"GradientStreamer: batch_size must be >= 1, got {batch_size}.")
+        fmt = getattr(dataset, "format", None)
+        if (
+            collate_fn is None
+            and type(dataset).__module__.startswith("datasets.")
+            and isinstance(fmt, Mapping)
+            and fmt.get("type") not in ("torch", "pt")
+        ):
+            raise TypeError(
+                f"GradientStreamer: the dataset is a Hugging Face datasets.Dataset formatted "
+                f"as {fmt.get('type')!r}, not 'torch'. {_TORCH_FORMAT_HINT}"
+            )
         self.model = model
         self.dataset = dataset
         self.loss_func = loss_func
@@ -270,11 +321,10 @@ class GradientStreamer:
         if self.show_progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(
-                total=len(self) if hasattr(self.dataset, "__len__") else None,
-                desc=self.desc,
-                leave=False,
-            )
+            n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+            if n is not None and self.drop_last:
+                n -= n % self.batch_size
+            bar = tqdm(total=n, desc=self.desc, leave=False, unit="sample", unit_scale=True)
         try:
             for batch, ids in loader:
                 batch = move_to_device(batch, device)
@@ -291,7 +341,7 @@ class GradientStreamer:
                     )
                 rec = cb.pop()
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(rec.hashes))  # samples: the rate and ETA in samples
                 yield GradientBlock(
                     self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
                 )

@@ -3,6 +3,24 @@
 A sample's hash is a SHA-256 over its sorted field names and, per field, the dtype, the
 shape and the raw bytes of the tensor. The hash of ``dataset[i]`` equals the hash of row
 ``i`` of any batch that stacks it, whatever its position in the batch.
+
+The identity rule — how to reproduce the id of a sample from the sample itself:
+
+* **Captured by a** ``HookManager`` **(stores, callbacks)**: the hash of what the model was
+  called with for that sample. Keyword tensors keep their keyword (``model(**batch)``,
+  ``model(input_ids=ids)``); the first positional tensor is the field ``input_ids`` whatever
+  the forward names its parameter (``model(x)`` -> ``hash_sample(x[i])``, since a bare tensor
+  is hashed as ``input_ids``); other positional tensors keep their parameter name. Only
+  ``input_ids`` is hashed when present (:data:`DEFAULT_HASH_KEYS`), else every tensor field;
+  ``HookManagerConfig(hash_keys=...)`` picks the fields and ``sample_id_key`` /
+  ``set_sample_ids`` replace hashes by your own ids.
+* **Streamed live** (``attribute``, ``GradientStreamer``): the hash of the dataset item,
+  ``hash_sample(item)`` (tuple items become fields ``"0"``, ``"1"``, ...).
+
+Both agree for the usual dict items with ``input_ids``. Identical samples have identical
+ids: a sample that occurs twice (at one step) gives two rows with one id, which
+:class:`~dattri_llm.AttributionScore` reports instead of silently merging (its
+``duplicates=`` option).
 """
 
 from __future__ import annotations

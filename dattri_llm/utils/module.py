@@ -87,19 +87,25 @@ def layer_norm_module_kwargs(
     }
 
 
-def rms_norm_module_kwargs(normalized_shape: int | Sequence[int], eps: float | None = None) -> dict:
-    """Hyper-parameters of an RMSNorm (``nn.RMSNorm`` or Hugging Face ``LlamaRMSNorm``).
+def rms_norm_module_kwargs(
+    normalized_shape: int | Sequence[int], eps: float | None = None, bias: bool = False
+) -> dict:
+    """Hyper-parameters of an RMSNorm (``nn.RMSNorm``, Hugging Face ``LlamaRMSNorm``, OLMo's).
 
     Args:
         normalized_shape: The trailing shape that is normalised (the hidden size).
         eps: The epsilon added to the mean square (HF stores it as ``variance_epsilon``).
             ``None`` means ``torch.finfo(dtype).eps`` as in ``nn.RMSNorm``.
+        bias: The norm adds a bias after the scale, ``y = x_hat * w + b`` (OLMo's
+            ``RMSLayerNorm`` / OLMo-core's ``RMSNorm`` with ``bias=True``); its gradient is
+            then captured with the weight's. A module that has a bias declared without one
+            gets a warning naming the uncaptured parameter.
     """
     return {
         "normalized_shape": _shape(normalized_shape),
         "eps": None if eps is None else float(eps),
         "weight": True,
-        "bias": False,
+        "bias": bool(bias),
     }
 
 

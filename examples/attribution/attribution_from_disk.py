@@ -86,9 +86,18 @@ def main() -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="where the stores and scores go (default: a temporary directory)",
+        help="where the stores and scores go (default: a temporary directory, removed at exit)",
     )
-    out = parser.parse_args().out or tempfile.mkdtemp(prefix="dattri_llm_from_disk_")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_from_disk_") as tmp:
+        out = opts.out or tmp
+        kept = "" if opts.out else " (temporary, removed at exit: pass --out DIR to keep them)"
+        print(f"stores and scores go to {out}{kept}")
+        run(out)
+
+
+def run(out: str) -> None:
+    """Train, offload, attribute from the cache and live; everything is written under ``out``."""
     torch.manual_seed(0)
 
     tok = offline_tokenizer()

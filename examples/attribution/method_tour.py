@@ -21,14 +21,13 @@ top-5 proponents from the query's own topic (chance: about 1/8), the wall time, 
 correlation with EK-FAC's scores and, for cached runs, the relative difference to the live run
 (asserted < 1e-5 for Grad-Dot).
 
-    OMP_NUM_THREADS=1 python examples/attribution/method_tour.py [--steps 60 --per-topic 12]
+    OMP_NUM_THREADS=1 python examples/attribution/method_tour.py [--steps 60] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -90,8 +89,9 @@ def capture(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
     """The same pass with hooks on: per-sample gradients go to a store, labelled ``checkpoint``
-    (reopening a store appends to it); with ``optimizer``, preconditioned (LESS's Γ)."""
-    store = GradientStorageManager(save_dir)
+    (mode="append": each checkpoint adds its records to the same store); with ``optimizer``,
+    preconditioned (LESS's Γ)."""
+    store = GradientStorageManager(save_dir, mode="append")
     hm = HookManager(
         model,
         config=HookManagerConfig(linear_io=BLOCKS),
@@ -119,9 +119,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", default=None, help="stores and scores (default: a temp dir, removed at exit)"
+    )
     args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_tour_") as tmp:
+        out = args.out or tmp
+        kept = "" if args.out else " (temporary, removed at exit: pass --out DIR to keep them)"
+        print(f"stores and scores go to {out}{kept}")
+        return tour(args, out)
+
+
+def tour(args: argparse.Namespace, out: str) -> dict:
+    """The tour itself; stores and scores are written under ``out``."""
     torch.manual_seed(args.seed)
-    out = tempfile.mkdtemp(prefix="dattri_llm_tour_")
 
     corpus = load_corpus()  # (topic, paragraph) pairs
     tok = build_tokenizer([t for _, t in corpus], vocab_size=1024)  # "<pad>" is id 0
@@ -273,7 +284,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{'' if err is None else f'{err:.1e}':>10}")  # fmt: skip
     chance = sum(topics.count(q) for q, _ in queries) / (len(queries) * len(topics))
     print(f"chance level of the topic share: {chance:.0%}; Kronecker fits reused across dampings")
-    shutil.rmtree(out, ignore_errors=True)  # the stores and scores were temporary
     return summary
 
 

@@ -63,13 +63,27 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="output directory (default: a temp dir)")
+    parser.add_argument(
+        "--out", default=None, help="scores and HTML page (default: a temp dir, removed at exit)"
+    )
     parser.add_argument("--top-k", type=int, default=2, help="proponents shown per query")
     parser.add_argument("--queries", type=int, default=2, help="queries printed")
-    parser.add_argument("--no-color", action="store_true", help="plain-text heatmaps")
+    parser.add_argument(
+        "--no-color",
+        action="store_true",
+        help="plain-text heatmaps (the default when stdout is not a terminal or NO_COLOR is set)",
+    )
     opts = parser.parse_args()
-    out = opts.out or tempfile.mkdtemp(prefix="dattri_llm_tokens_")
-    color = not opts.no_color and "NO_COLOR" not in os.environ
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_tokens_") as tmp:
+        out = opts.out or tmp
+        kept = "" if opts.out else " (temporary, removed at exit: pass --out DIR to keep them)"
+        print(f"scores and the HTML page go to {out}{kept}")
+        run(opts, out)
+
+
+def run(opts: argparse.Namespace, out: str) -> None:
+    """Train, attribute per token, print heatmaps and write the page under ``out``."""
+    color = False if opts.no_color else None  # None: colours only on a terminal, no NO_COLOR
     start = time.perf_counter()
     torch.manual_seed(0)
 

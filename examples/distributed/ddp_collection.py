@@ -8,16 +8,19 @@ query gradients, scores the merged store with ``TracInAttributor.attribute_from_
 checks that the stored step-0 gradients (taken at the initial weights) equal one-sample-at-a-time
 ``backward()`` on an undistributed copy of the model (float64, relative error < 1e-8).
 
-    torchrun --nproc_per_node 2 examples/distributed/ddp_collection.py
-    python examples/distributed/ddp_collection.py      # spawns 2 CPU gloo processes itself
+    torchrun --nproc_per_node 2 examples/distributed/ddp_collection.py [--out DIR]
+    python examples/distributed/ddp_collection.py [--out DIR]  # spawns 2 CPU gloo processes
 
 On GPUs launch with torchrun and pass ``--backend nccl`` (each rank uses ``cuda:LOCAL_RANK``).
+Stores and scores go to ``--out`` (every rank must see the same directory); without it, to a
+temporary directory that rank 0 creates, shares with the other ranks and removes at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,7 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--topics", type=int, default=4, help="how many pydoc topics to use")
     p.add_argument("--windows", type=int, default=4, help="train windows per topic")
     p.add_argument("--batch-size", type=int, default=2, help="per-rank batch size")
-    p.add_argument("--out", default=None, help="stores and scores (default: a temp directory)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="stores and scores, seen by every rank (default: a temp dir, removed at the end)",
+    )
     return p.parse_args(argv)
 
 
@@ -91,7 +98,22 @@ def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss * len(ids)
 
 
-def worker(args: argparse.Namespace, out: str) -> None:
+def shared_out(args: argparse.Namespace, rank: int) -> tuple[str, bool]:
+    """The output directory every rank uses, and whether it is a temporary one of rank 0.
+
+    Without ``--out`` (``torchrun`` starts the ranks; nobody chose a directory) rank 0 creates
+    a temporary directory and broadcasts its path, so that all ranks write one store.
+    """
+    if args.out is not None:
+        return args.out, False
+    box = [tempfile.mkdtemp(prefix="dattri_llm_ddp_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        print(f"stores and scores go to {box[0]} (temporary, removed at the end; --out keeps)")
+    return box[0], True
+
+
+def worker(args: argparse.Namespace) -> None:
     """One rank: DDP training with offloading; rank 0 then attributes and checks."""
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -108,7 +130,9 @@ def worker(args: argparse.Namespace, out: str) -> None:
         world_size=world,
         device_id=device if cuda else None,
     )
+    out, temporary = None, False
     try:
+        out, temporary = shared_out(args, rank)
         train, test = make_data(args.topics, args.windows)
         ddp = DistributedDataParallel(make_model().to(device), device_ids=[local] if cuda else None)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -132,6 +156,8 @@ def worker(args: argparse.Namespace, out: str) -> None:
             report(trained, train, test, out, device)
         dist.barrier()
     finally:
+        if temporary and rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
         dist.destroy_process_group()
 
 
@@ -151,7 +177,10 @@ def report(model, train: list[dict], test: list[dict], out: str, device) -> None
         f"train store: partitions {parts} (ranks {store.ranks}), {len(store)} records "
         f"(steps {store.available_steps()}), {store.num_samples} samples"
     )
-    args = AttributionArguments(output_dir=f"{out}/scores", show_progress=False)
+    # rank 0 scores alone (the others wait at the barrier): no split across the ranks
+    args = AttributionArguments(
+        output_dir=f"{out}/scores", show_progress=False, distributed_scoring=False
+    )
     score = TracInAttributor(args).attribute_from_cache(f"{out}/train", f"{out}/test")
     by_hash = {hash_sample({"input_ids": s["input_ids"]}): s for s in train + test}
     train_ids, matrix = score.agnostic_matrix()
@@ -197,9 +226,8 @@ def report(model, train: list[dict], test: list[dict], out: str, device) -> None
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    out = args.out or tempfile.mkdtemp(prefix="dattri_llm_ddp_")
     if "RANK" in os.environ:  # launched by torchrun (or by the branch below)
-        worker(args, out)
+        worker(args)
         return
     # Plain `python ddp_collection.py`: start args.nproc copies of this very file with the
     # environment torchrun would give them. Chosen over torch.multiprocessing.spawn, which
@@ -207,9 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     # `python file.py` or runpy, but not when the file was loaded under a name the children
     # cannot import (importlib from a path, a notebook, `python -c`). Spawning the file itself
     # works however main() was reached, and the children run exactly the torchrun code path.
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_ddp_") as tmp:
+        out = args.out or os.path.join(tmp, "out")
+        kept = "" if args.out else " (temporary, removed at exit: pass --out DIR to keep them)"
+        print(f"stores and scores go to {out}{kept}")
         init = f"file://{os.path.join(tmp, 'pg_init')}"  # file rendezvous: no free port to find
-        cmd = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--out", out]
+        cmd = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+        if args.out is None:
+            cmd += ["--out", out]
         procs = []
         for r in range(args.nproc):
             env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.nproc)}
@@ -224,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     codes = [p.returncode for p in procs]
     if any(codes):
         raise SystemExit(f"ranks exited with {codes}; see their output above")
-    print(f"done: stores and scores in {out}")
+    print(f"done: stores and scores in {out}" if args.out else "done")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ The training code is the stock ``Trainer``: dattri_llm only wraps ``trainer.trai
 ``HookManager`` context with an ``OffloadCallback``. Offline: a tiny GPT-2 built from a config
 and a byte-level tokenizer trained on the fly on Python's documentation topics.
 
-    python examples/trainers/hf_trainer.py
+    python examples/trainers/hf_trainer.py [--out DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,22 @@ SEQ = 32
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="Trainer output, stores and scores (default: a temp dir, removed at exit)",
+    )
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_trainer_") as tmp:
+        work = Path(opts.out or tmp)
+        kept = "" if opts.out else " (temporary, removed at exit: pass --out DIR to keep them)"
+        print(f"Trainer output, stores and scores go to {work}{kept}")
+        run(work)
+
+
+def run(work: Path) -> None:
+    """Train with the stock Trainer while offloading, then attribute from the stores."""
     torch.manual_seed(0)
     corpus = load_corpus(("try", "import", "comparisons"))[:60]
     tok = Tokenizer(models.BPE())
@@ -63,7 +80,6 @@ def main() -> None:
             eos_token_id=0,
         )
     )
-    work = Path(tempfile.mkdtemp(prefix="dattri_llm_trainer_"))
     trainer = Trainer(
         model=model,
         args=TrainingArguments(

@@ -78,8 +78,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", type=str, default=None, help="default: a new temp dir")
+    parser.add_argument(
+        "--workdir",
+        type=str,
+        default=None,
+        help="Trainer output, stores and scores (default: a temp dir, removed at exit)",
+    )
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_trl_grpo_") as tmp:
+        work = Path(args.workdir or tmp)
+        kept = "" if args.workdir else " (temporary, removed at exit: --workdir DIR keeps them)"
+        print(f"Trainer output, stores and scores go to {work}{kept}")
+        return run(args, work)
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    """The example itself; everything is written under ``work``."""
     t0 = time.perf_counter()
 
     import datasets
@@ -97,7 +111,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = build_model(tokenizer, 64, getattr(torch, args.dtype))
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="dattri_llm_trl_grpo_"))
     for store_dir in ("train_grads", "test_grads"):
         if (work / store_dir).exists():  # a store appends: a second run would mix in the first
             raise FileExistsError(f"--workdir {work} already holds {store_dir}; pass a new one.")

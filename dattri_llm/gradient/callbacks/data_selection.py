@@ -23,6 +23,7 @@ from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Factorized, Gradient, Materialized, Shared
 from dattri_llm.gradient.hooks.config import is_data_parallel
 from dattri_llm.gradient.ops import inner as ops
+from dattri_llm.options import similarity_metric
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
@@ -78,7 +79,7 @@ class DataSelectionCallback(HookCallback):
             this manager paused and the training ``.grad`` set aside, so it may run its own
             forward / backward passes. Its layers may be a subset of the hooked layers (the
             score then uses only those).
-        score: ``"dot"`` (Grad-Dot) or ``"cos"`` (Grad-Cos).
+        score: ``"dot"`` (Grad-Dot) or ``"cosine"`` (Grad-Cos; alias ``"cos"``).
         drop_fraction: Drop the lowest-scoring ``floor(drop_fraction * B)`` samples of each
             micro-batch of ``B`` (never all of them). Exclusive with ``threshold``.
         threshold: Drop the samples scoring below it (the best sample is always kept).
@@ -92,7 +93,7 @@ class DataSelectionCallback(HookCallback):
         history: One :class:`SelectionStep` per selecting step.
 
     Example:
-        >>> sel = DataSelectionCallback(reference=val_grad, score="cos", drop_fraction=0.25)
+        >>> sel = DataSelectionCallback(reference=val_grad, score="cosine", drop_fraction=0.25)
         >>> hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[sel])
         >>> with hm.collect():
         ...     for batch in loader:
@@ -116,8 +117,7 @@ class DataSelectionCallback(HookCallback):
                 "reference must be a Gradient or a zero-argument callable returning one, got "
                 f"{type(reference).__name__}"
             )
-        if score not in ("dot", "cos"):
-            raise ValueError(f"score must be 'dot' or 'cos', got {score!r}")
+        score = similarity_metric(score, "score")
         if (drop_fraction is None) == (threshold is None):
             raise ValueError(
                 "give exactly one of drop_fraction (drop the lowest-scoring fraction of each "
@@ -241,7 +241,7 @@ class DataSelectionCallback(HookCallback):
         d = self._direction
         train = gradient.select_layers(d.layer_names)
         s = ops.cross_dot(train, d)[:, 0]
-        if self.score == "cos":
+        if self.score == "cosine":
             norms = ops.grad_norm_sq(train).clamp_min(0).sqrt()
             s = s / (norms * self._direction_norm).clamp_min(torch.finfo(s.dtype).tiny)
         return s

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
@@ -34,7 +36,14 @@ class OffloadCallback(HookCallback):
     Steps. The hook manager counts backward passes (*micro-steps*). With
     ``gradient_accumulation_steps = n`` the stored step is ``micro_step // n``, so the ``n``
     micro-batches of one optimizer step share a step. Only steps with
-    ``step % offload_interval == 0`` are written.
+    ``step % offload_interval == 0`` are written. Writing into a store that already holds
+    records at the same checkpoint label (``GradientStorageManager(..., mode="append")``, e.g.
+    resuming an interrupted capture) continues the steps after the last stored one, so no step
+    label repeats; ``step_offset`` sets the offset yourself instead.
+
+    Lifecycle. When the collection context ends — normally or with an exception — the pending
+    records are made durable and the store's writer is released (closed; a later write reopens
+    it), so an interrupted capture never leaves the store locked.
 
     Recording types:
 
@@ -48,9 +57,13 @@ class OffloadCallback(HookCallback):
 
     Args:
         offload_interval: Write every ``offload_interval``-th step.
-        file_manager: The store to write to.
+        file_manager: The store to write to: a ``GradientStorageManager``, or a directory
+            path (a ``GradientStorageManager(path)`` is built for it).
         recording_type: ``"per_sample"`` or ``"per_batch"``.
         gradient_accumulation_steps: Micro-batches per optimizer step.
+        step_offset: Added to every stored step. Default (``None``): ``0``, or, for a
+            checkpoint label the store already holds records of (read when the callback is
+            registered), whatever makes the first step follow the last stored one.
 
     Example:
         >>> fm = GradientStorageManager("./train_grads")
@@ -62,14 +75,24 @@ class OffloadCallback(HookCallback):
     def __init__(
         self,
         offload_interval: int = 1,
-        file_manager: GradientStorageManager | None = None,
+        file_manager: GradientStorageManager | str | os.PathLike | None = None,
         recording_type: str = "per_sample",
         gradient_accumulation_steps: int = 1,
+        step_offset: int | None = None,
     ) -> None:
         if file_manager is None:
             raise ValueError(
-                "OffloadCallback needs file_manager=GradientStorageManager(save_dir): the store "
-                "the gradients are written to."
+                "OffloadCallback needs file_manager=GradientStorageManager(save_dir) (or the "
+                "store's directory path): the store the gradients are written to."
+            )
+        if isinstance(file_manager, (str, os.PathLike)):
+            from dattri_llm.gradient.store import GradientStorageManager
+
+            file_manager = GradientStorageManager(file_manager)
+        elif not callable(getattr(file_manager, "write", None)):
+            raise TypeError(
+                "OffloadCallback(file_manager=...) must be a GradientStorageManager or a "
+                f"directory path, got {type(file_manager).__name__} {file_manager!r}."
             )
         if not isinstance(offload_interval, int) or offload_interval < 1:
             raise ValueError(f"offload_interval must be an integer >= 1, got {offload_interval!r}")
@@ -78,6 +101,8 @@ class OffloadCallback(HookCallback):
                 "gradient_accumulation_steps must be an integer >= 1, got "
                 f"{gradient_accumulation_steps!r}"
             )
+        if step_offset is not None and (not isinstance(step_offset, int) or step_offset < 0):
+            raise ValueError(f"step_offset must be an integer >= 0 or None, got {step_offset!r}")
         if recording_type not in ("per_sample", "per_batch"):
             raise ValueError(
                 f"recording_type must be 'per_sample' or 'per_batch', got {recording_type!r}"
@@ -86,6 +111,9 @@ class OffloadCallback(HookCallback):
         self.file_manager = file_manager
         self.recording_type = recording_type
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.step_offset = step_offset
+        self._stored_last: dict[int, int] = {}  # checkpoint -> last stored step at registration
+        self._offsets: dict[int, int] = {}  # checkpoint -> offset of this capture
         self._batch: tuple[int, int, Gradient, list[str]] | None = None  # step, ckpt, sum, ids
         #: Number of records written so far.
         self.num_written = 0
@@ -93,12 +121,39 @@ class OffloadCallback(HookCallback):
     def _selected(self, step: int) -> bool:
         return step % self.offload_interval == 0
 
+    def on_register(self, manager: Any) -> None:
+        """Note the last stored step of each checkpoint label (steps continue after it)."""
+        super().on_register(manager)
+        self.file_manager.refresh()
+        self._stored_last = self.file_manager.last_steps()
+        self._offsets = {}
+
+    def _stored_step(self, step: int, checkpoint: int) -> int:
+        if checkpoint not in self._offsets:
+            last = self._stored_last.get(checkpoint)
+            if self.step_offset is not None:
+                offset = self.step_offset
+                if last is not None and step + offset <= last:
+                    warnings.warn(
+                        f"OffloadCallback(step_offset={offset}): step {step + offset} at "
+                        f"checkpoint {checkpoint} is not after the last step already stored in "
+                        f"{self.file_manager.save_dir} ({last}); the store now holds records of "
+                        "two captures under the same step labels.",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+            else:
+                offset = 0 if last is None else max(0, last + 1 - step)
+            self._offsets[checkpoint] = offset
+        return step + self._offsets[checkpoint]
+
     def on_step_end(self, record: GradientRecord) -> None:
         """Write the record (or add it to the step's batch gradient)."""
         n = self.gradient_accumulation_steps
         step = record.step // n
         if not self._selected(step):
             return
+        step = self._stored_step(step, record.checkpoint)
         if self.recording_type == "per_sample":
             self.file_manager.write(
                 GradientRecord(
@@ -138,11 +193,15 @@ class OffloadCallback(HookCallback):
         self.num_written += 1
 
     def on_context_end(self) -> None:
-        """Write a pending batch gradient and make every record durable."""
-        self._write_batch()
-        self.file_manager.flush()
+        """Write a pending batch gradient, make every record durable, release the writer."""
+        try:
+            self._write_batch()
+        finally:
+            self.file_manager.close()
 
     def on_remove(self) -> None:
-        """Flush the store when the hooks come down."""
-        self._write_batch()
-        self.file_manager.flush()
+        """Flush the store and release its writer when the hooks come down."""
+        try:
+            self._write_batch()
+        finally:
+            self.file_manager.close()

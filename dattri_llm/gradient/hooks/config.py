@@ -9,11 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
+from dattri_llm.gradient.hooks.coverage import uncaptured_warning
 from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
 
-__all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "resolve_layers"]
+__all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "as_config", "resolve_layers"]
 
 
 class _RegisterAll:
@@ -66,13 +68,29 @@ class HookManagerConfig:
         shared_parameters: ``"sum"`` (default) treats modules that share a weight (tied
             embeddings) as one parameter whose gradient is the sum over sites, with exact
             cross terms; ``"separate"`` keeps each site as its own block.
-        check_coverage: On the first captured step, check that each hooked weight's captured
-            per-sample gradients sum to the gradient autograd computes for it, and warn once
-            per layer where they do not (the weight is also used outside its module, e.g. a
-            functional tie ``F.linear(h, wte.weight)``). Costs one extra GEMM per layer, once.
+        check_coverage: On the first captured step, check that each captured parameter's
+            per-sample gradients (weights, biases, norm parameters) sum to the gradient
+            autograd computes for it, and warn once per layer where they do not (the weight is
+            also used outside its module, e.g. a functional tie ``F.linear(h, wte.weight)``, or
+            the module does not compute what its layer type says). Costs two extra
+            contractions per layer (the sum and its round-off scale), once.
+        include_frozen: Also capture parameters that do not require grad. By default only
+            trainable parameters belong to the per-sample gradient: a layer whose weight is
+            frozen and whose bias trains (BitFit) contributes its bias alone, and a layer with
+            nothing trainable is not captured. With ``True``, hooked layers contribute every
+            parameter their type covers, frozen or not (the gradient with respect to frozen
+            weights, e.g. to attribute through a frozen backbone), and ``REGISTER_ALL``
+            selects every supported layer with parameters.
 
     With no selector and no ``hook_types`` at all, every eligible layer is captured
-    (``linear_io=REGISTER_ALL``).
+    (``linear_io=REGISTER_ALL``). Selector patterns and ``exclude`` patterns that match no
+    module are errors.
+
+    Tied parameters (``shared_parameters="sum"``): a weight shared by several modules is one
+    parameter, recorded once under its first module's name (a :class:`Shared` layer summing
+    the sites); a module's own parameter next to the shared one (the bias of a tied
+    ``nn.Linear`` head) is a layer of its own named ``"<module>.<parameter>"``, e.g.
+    ``"lm_head.bias"``.
     """
 
     linear_io: Selector | None = None
@@ -87,8 +105,29 @@ class HookManagerConfig:
     exclude: Sequence[str] = ()
     shared_parameters: str = "sum"
     check_coverage: bool = True
+    include_frozen: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("linear_io", "param_grad"):
+            sel = getattr(self, name)
+            if isinstance(sel, str):
+                setattr(self, name, [sel])
+            if sel is not None and sel is not REGISTER_ALL:
+                _check_patterns(name, getattr(self, name))
+        if isinstance(self.exclude, str):
+            self.exclude = [self.exclude]
+        _check_patterns("exclude", self.exclude)
+        for name in ("hook_types", "layer_types", "module_kwargs"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise TypeError(
+                    f"HookManagerConfig.{name} must be a dict keyed by module name, got "
+                    f"{type(getattr(self, name)).__name__}."
+                )
+        for name in ("check_coverage", "include_frozen"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"HookManagerConfig.{name} must be True or False, got {getattr(self, name)!r}."
+                )
         if self.projection is not None:
             from dattri_llm.gradient.ops.projection import resolve_projection
 
@@ -107,10 +146,49 @@ class HookManagerConfig:
                 raise ValueError(
                     f"hook_types[{name!r}] must be 'linear_io' or 'param_grad', got {kind!r}"
                 )
-        for name in ("linear_io", "param_grad"):
-            sel = getattr(self, name)
-            if isinstance(sel, str):
-                setattr(self, name, [sel])
+
+
+def as_config(config: Any) -> HookManagerConfig:
+    """``config`` itself, a default config for ``None``; anything else is a clear TypeError."""
+    if config is None:
+        return HookManagerConfig()
+    if isinstance(config, HookManagerConfig):
+        return config
+    hint = (
+        "HookManagerConfig(**your_dict)"
+        if isinstance(config, Mapping)
+        else "HookManagerConfig(linear_io=REGISTER_ALL)"
+    )
+    raise TypeError(
+        f"HookManager(config=...) must be a HookManagerConfig, got {type(config).__name__} "
+        f"{config!r}. Build one: config={hint} (from dattri_llm import HookManagerConfig, "
+        "REGISTER_ALL)."
+    )
+
+
+def _check_patterns(name: str, patterns: Any) -> None:
+    """Selector / exclude patterns: a sequence of regex strings (``REGISTER_ALL`` aside)."""
+    ok = isinstance(patterns, Sequence) and all(isinstance(p, str) for p in patterns)
+    if not ok:
+        hint = " (use REGISTER_ALL to select every eligible layer)" if name != "exclude" else ""
+        raise TypeError(
+            f"HookManagerConfig.{name} must be a list of module-name regexes{hint}, got "
+            f"{patterns!r}."
+        )
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            hint = (
+                "; to select every eligible layer use REGISTER_ALL "
+                "(from dattri_llm import REGISTER_ALL)"
+                if name != "exclude"
+                else ""
+            )
+            raise ValueError(
+                f"HookManagerConfig.{name} pattern {pattern!r} is not a valid regular "
+                f"expression ({err}){hint}."
+            ) from None
 
 
 @dataclass
@@ -161,9 +239,13 @@ def _candidates(name: str, names: Sequence[str]) -> str:
     )
 
 
-def _trainable(module: nn.Module) -> bool:
+def _trainable(module: nn.Module, include_frozen: bool = False) -> bool:
     params = list(module.parameters(recurse=False))
-    return bool(params) and any(p.requires_grad for p in params)
+    return bool(params) and (include_frozen or any(p.requires_grad for p in params))
+
+
+#: Selector strings users write when they mean "every layer".
+_ALL_WORDS = frozenset({"all", "ALL", "All", "*", "__all__", "register_all", "REGISTER_ALL"})
 
 
 def _select(
@@ -178,12 +260,32 @@ def _select(
         rx = re.compile(pattern)
         hits = [n for n in names if rx.fullmatch(n)]
         if not hits:
+            hint = (
+                f" To select every eligible layer, pass {kind}=REGISTER_ALL "
+                "(from dattri_llm import REGISTER_ALL)."
+                if pattern in _ALL_WORDS
+                else ""
+            )
             raise ValueError(
-                f"{kind} pattern {pattern!r} matches no module. Close candidates: "
-                f"{_candidates(pattern, names)}"
+                f"{kind} pattern {pattern!r} matches no module (patterns are regexes "
+                f"full-matched against module names). Close candidates: "
+                f"{_candidates(pattern, names)}.{hint}"
             )
         chosen += [n for n in hits if n not in chosen]
     return chosen
+
+
+def _check_exclude(patterns: Sequence[str], names: Sequence[str]) -> list[re.Pattern]:
+    """Compile ``exclude``; a pattern that matches no module is a (likely misspelt) error."""
+    compiled = [re.compile(p) for p in patterns]
+    unused = [p for p, rx in zip(patterns, compiled) if not any(rx.fullmatch(n) for n in names)]
+    if unused:
+        raise ValueError(
+            f"HookManagerConfig.exclude patterns {unused} match no module (patterns are regexes "
+            f"full-matched against module names), so they exclude nothing. Close candidates: "
+            f"{_candidates(unused[0], names)}. Fix or remove them."
+        )
+    return compiled
 
 
 def _check_fsdp_flat_parameters(model: nn.Module) -> None:
@@ -232,22 +334,20 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
             return get_rule(config.layer_types[name])
         return rule_for_module(modules[name])
 
-    eligible = {n for n in names if rule_of(n) is not None and _trainable(modules[n])}
-    if config.linear_io is REGISTER_ALL or (
-        config.linear_io is None and config.param_grad is None and not config.hook_types
-    ):
-        _warn_uncovered(modules, names, eligible)
+    frozen_ok = config.include_frozen
+    eligible = {n for n in names if rule_of(n) is not None and _trainable(modules[n], frozen_ok)}
     kinds: dict[str, str] = {}
     nothing_given = config.linear_io is None and config.param_grad is None and not config.hook_types
     linear_sel = REGISTER_ALL if nothing_given else config.linear_io
     for n in _select(linear_sel, names, eligible, "linear_io"):
         kinds[n] = "linear_io"
-    params_all = {n for n in names if _trainable(modules[n])}
+    params_all = {n for n in names if _trainable(modules[n], frozen_ok)}
     for n in _select(config.param_grad, names, params_all, "param_grad"):
         kinds[n] = "param_grad"
     kinds.update(config.hook_types)
-    excluded = [re.compile(p) for p in config.exclude]
+    excluded = _check_exclude(config.exclude, names)
     specs = []
+    left_out: set[str] = set()  # selected modules left out with a warning of their own
     for n in names:
         if n not in kinds or any(rx.fullmatch(n) for rx in excluded):
             continue
@@ -277,39 +377,99 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
             # REGISTER_ALL means every *eligible* layer: an unsupported configuration of a
             # known type (grouped conv, ...) is left out, loudly, instead of failing the run
             warnings.warn(f"REGISTER_ALL leaves out layer {n!r}: {err}", UserWarning, stacklevel=3)
+            left_out.add(n)
             continue
         kw = {**kw, **dict(config.module_kwargs.get(n, {}))}
+        how = "all" if linear_sel is REGISTER_ALL else "regex"
+        how = "exact" if n in config.hook_types else how
+        kw = _trainable_kwargs(rule, kw, module, n, config, how)
+        if kw is None:
+            if how != "all":
+                left_out.add(n)  # warned about by name already
+            continue
         _finalize_kwargs(rule, kw, n)
         specs.append(LayerSpec(n, module, kind, rule, kw))
     if not specs:
-        raise ValueError(
-            "the hook selection is empty: no module of the model matched. Eligible layers: "
-            f"{_candidates('', sorted(eligible)) or 'none'}"
-        )
+        raise ValueError(_empty_selection_message(model, eligible))
+    register_all = linear_sel is REGISTER_ALL
+    skip = left_out | {n for n in names if any(rx.fullmatch(n) for rx in excluded)}
+    uncaptured_warning(modules, specs, register_all=register_all, skip=skip)
     return specs
 
 
-def _warn_uncovered(
-    modules: Mapping[str, nn.Module], names: Sequence[str], eligible: set[str]
-) -> None:
-    """Warn once when REGISTER_ALL leaves trainable parameters of unknown layer classes out."""
-    left = sorted(
-        {type(modules[n]).__name__ for n in names if n not in eligible and _trainable(modules[n])}
-    )
-    if left:
-        key = ",".join(left)
-        if key not in _WARNED_UNCOVERED:
-            _WARNED_UNCOVERED.add(key)
-            warnings.warn(
-                f"REGISTER_ALL leaves out trainable parameters of modules of type {left}: no layer "
-                "rule recognises them. Declare them with layer_types + module_kwargs (e.g. "
-                "'nn.RMSNorm' for an RMSNorm class) or hook them with param_grad.",
-                UserWarning,
-                stacklevel=4,
-            )
+def _trainable_kwargs(
+    rule: LayerRule,
+    kw: dict,
+    module: nn.Module,
+    name: str,
+    config: HookManagerConfig,
+    how: str,
+) -> dict | None:
+    """``kw`` restricted to the parameters that require grad (unless ``include_frozen``).
+
+    Returns ``None`` for a layer whose covered parameters are all frozen, which is then left
+    out: silently under REGISTER_ALL (its other trainable parameters, if any, are named by the
+    uncaptured-parameter warning), with a warning when a selector pattern picked it; an exact
+    ``hook_types`` entry (``how="exact"``) raises.
+    """
+    names = rule.param_names(kw)
+    if config.include_frozen:
+        return kw
+    keep = [
+        p
+        for p in names
+        if not isinstance(getattr(module, p, None), torch.Tensor)  # declared by module_kwargs
+        or getattr(module, p).requires_grad
+    ]
+    if keep == names:
+        return kw
+    if not keep:
+        message = (
+            f"layer {name!r}: none of its parameters {names} require grad, so it has no "
+            "gradient to capture. Unfreeze them (requires_grad_(True)), leave the layer out of "
+            "the selection, or set HookManagerConfig(include_frozen=True) to capture the "
+            "gradient with respect to frozen parameters."
+        )
+        if how == "exact":
+            raise ValueError(message)
+        if how == "all":
+            return None
+        warnings.warn(f"{message} It is left out.", UserWarning, stacklevel=4)
+        return None
+    try:
+        return rule.restrict_params(kw, keep)
+    except ValueError as err:
+        raise ValueError(
+            f"layer {name!r}: only {keep} of its parameters require grad, but {err} Unfreeze "
+            "the others, or set HookManagerConfig(include_frozen=True)."
+        ) from None
 
 
-_WARNED_UNCOVERED: set[str] = set()
+def _empty_selection_message(model: nn.Module, eligible: set[str]) -> str:
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        why = (
+            "none of the model's parameters require grad (the model is frozen), so there is "
+            "no gradient to capture. Unfreeze what should be attributed (e.g. "
+            "model.requires_grad_(True)), or set HookManagerConfig(include_frozen=True) to "
+            "capture the gradient with respect to frozen parameters"
+        )
+    elif rule_for_module(model) is not None:
+        why = (
+            f"the model itself is one {type(model).__name__}, and layers are hooked by their "
+            "name inside the model: wrap it (nn.Sequential(model))"
+        )
+    elif not eligible:
+        from dattri_llm.gradient.layers import supported_layer_types
+
+        why = (
+            "no module of a supported layer type has trainable parameters (supported: "
+            f"{', '.join(supported_layer_types())}); declare custom layers with layer_types "
+            "+ module_kwargs or hook them with param_grad"
+        )
+    else:
+        why = f"eligible layers: {_candidates('', sorted(eligible))}"
+    return f"the hook selection is empty: no module of the model matched; {why}."
 
 
 def _finalize_kwargs(rule: LayerRule, kw: dict, name: str) -> None:

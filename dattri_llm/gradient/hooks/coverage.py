@@ -1,50 +1,65 @@
-"""Coverage check: do the captured per-sample gradients add up to autograd's weight gradient?
+"""Coverage: is every trainable parameter captured, and do the captures add up to autograd's?
 
-Hooks see a weight only through its module's forward. A weight also used *outside* the module
-(a functional tie such as ``F.linear(h, wte.weight)``, a fused LM head reading
+Hooks see a parameter only through its module's forward. A weight also used *outside* the
+module (a functional tie such as ``F.linear(h, wte.weight)``, a fused LM head reading
 ``lm_head.weight``) gets gradient the hooks never see, and the captured per-sample gradients
-silently miss that share. The check runs once per manager, on the first captured step: in the
-weight's gradient hook (which receives the whole gradient of this backward pass), the captured
-per-sample gradients of every site of that weight are summed over the batch (one contraction
-per site, ``batch_sum``) and compared with it.
+silently miss that share; a module that does not compute what its layer type says (an
+``nn.Linear`` subclass with its own forward) gives wrong ones. The check runs once per manager,
+on the first captured step, for every captured parameter (weights, biases, norm parameters):
+in the parameter's gradient hook (which receives the whole gradient of this backward pass),
+the captured per-sample gradients of every site of that parameter are summed over the batch
+(one contraction per site, ``batch_sum``) and compared with it.
+
+At construction, :func:`uncaptured_warning` names the trainable parameters no hook captures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from dattri_llm.gradient.gradient import Factorized, Materialized
 
 __all__ = [
-    "batch_weight_gradient",
+    "batch_param_gradient",
+    "bypass_message",
     "coverage_gap",
     "coverage_message",
     "site_coverage_gap",
+    "term_magnitude",
     "tolerance",
+    "uncaptured_warning",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 
+#: One site of a parameter: ``(items, rule, module_kwargs, parameter name)``.
+Site = tuple[Sequence[Any], Any, dict, str]
 
-def batch_weight_gradient(items: Sequence[Any], rule: Any, kwargs: dict) -> torch.Tensor | None:
-    """Sum over samples (and calls) of one site's captured gradients, as the ``weight`` tensor.
+
+def batch_param_gradient(
+    items: Sequence[Any], rule: Any, kwargs: dict, pname: str = "weight"
+) -> torch.Tensor | None:
+    """Sum over samples (and calls) of one site's captured gradients, as parameter ``pname``.
 
     Args:
         items: The site's buffered :class:`Factorized` / :class:`Materialized` items.
         rule: The site's layer rule.
         kwargs: The site's module kwargs.
+        pname: The parameter (``"weight"``, ``"bias"``).
 
     Returns:
-        The batch-summed weight gradient, or ``None`` for items the check cannot sum.
+        The batch-summed gradient, or ``None`` for items the check cannot sum.
     """
     total = None
     for item in items:
         if not isinstance(item, (Factorized, Materialized)):
             return None
-        part = rule.unflatten(item.batch_sum().data, kwargs).get("weight")
+        part = rule.unflatten(item.batch_sum().data, kwargs).get(pname)
         if part is None:
             return None
         part = part[0].to(torch.float64)
@@ -52,23 +67,43 @@ def batch_weight_gradient(items: Sequence[Any], rule: Any, kwargs: dict) -> torc
     return total
 
 
-def coverage_gap(captured: torch.Tensor, autograd: torch.Tensor) -> float:
-    """Relative difference ``|captured - autograd| / |autograd|`` (max norms)."""
+def term_magnitude(item: Any) -> float:
+    """Largest summed magnitude of a raw capture's terms, over all the layer's parameters.
+
+    The factors are replaced by their absolute values: the scale of the round-off the sum
+    over samples and tokens can carry.
+    """
+    if isinstance(item, Factorized):
+        return float(item.apply(torch.abs).batch_sum().data.abs().max())
+    return float(item.data.abs().sum(0).max())
+
+
+def coverage_gap(captured: torch.Tensor, autograd: torch.Tensor, magnitude: float = 0.0) -> float:
+    """Relative difference ``|captured - autograd| / |autograd|`` (max norms).
+
+    The scale is at least ``eps ** (1/4) * magnitude`` (the size of the captured terms, over
+    the layer's parameters): a gradient that cancels to round-off (a bias right before a
+    normalisation, a norm weight over few tokens whose ``x_hat`` the rule recomputes) is not
+    compared relative to that round-off (measured: up to ``2e-5 * magnitude`` in float32).
+    """
     ref = autograd.detach().to(torch.float64)
     scale = float(ref.abs().max())
+    if autograd.is_floating_point():
+        scale = max(scale, magnitude * torch.finfo(autograd.dtype).eps ** 0.25)
     if scale == 0.0:
         return 0.0 if float(captured.abs().max()) == 0.0 else float("inf")
     return float((captured - ref).abs().max()) / scale
 
 
 def site_coverage_gap(
-    sites: Sequence[tuple[Sequence[Any], Any, dict]], grad: torch.Tensor
+    sites: Sequence[Site], grad: torch.Tensor, magnitude: float = 0.0
 ) -> float | None:
-    """Gap between a weight's autograd gradient and the batch sum over all its sites' items.
+    """Gap between a parameter's autograd gradient and the batch sum over all its sites' items.
 
     Args:
-        sites: ``(items, rule, module_kwargs)`` of every site sharing the weight.
-        grad: The weight's gradient of this backward pass.
+        sites: ``(items, rule, module_kwargs, parameter name)`` of every site of the parameter.
+        grad: The parameter's gradient of this backward pass.
+        magnitude: Size of the captured terms (:func:`term_magnitude`), see :func:`coverage_gap`.
 
     Returns:
         The relative gap, or ``None`` when the two cannot be compared (sparse, sharded, an
@@ -77,50 +112,163 @@ def site_coverage_gap(
     if grad.is_sparse or type(grad).__name__ == "DTensor":  # FSDP2 shard: not comparable
         return None
     total = None
-    for items, rule, kwargs in sites:
-        part = batch_weight_gradient(items, rule, kwargs)
+    for items, rule, kwargs, pname in sites:
+        part = batch_param_gradient(items, rule, kwargs, pname)
         if part is None or tuple(part.shape) != tuple(grad.shape):
             return None
         total = part if total is None else total + part
-    return None if total is None else coverage_gap(total, grad)
+    return None if total is None else coverage_gap(total, grad, magnitude)
 
 
-def tolerance(sites: Sequence[tuple[Sequence[Any], Any, dict]], grad: torch.Tensor) -> float:
-    """Allowed gap: round-off of the captured dtype (half types sum far less exactly)."""
+def tolerance(sites: Sequence[Site], grad: torch.Tensor) -> float:
+    """Allowed gap: round-off of the least precise dtype involved.
+
+    A missing share (a functional tie) is typically tens of percent; the allowance covers what
+    the rules recompute (a norm's ``x_hat`` over few elements amplifies float32 round-off to
+    ~1e-3) and half types, which sum far less exactly.
+    """
     dtypes = {grad.dtype}
-    for items, _, _ in sites:
+    for items, *_ in sites:
         for item in items:
             dtypes.add(item.g.dtype if isinstance(item, Factorized) else item.data.dtype)
-    return 5e-2 if dtypes & set(_HALF) else 1e-3
+    if dtypes & set(_HALF):
+        return 5e-2
+    return 1e-2 if torch.float32 in dtypes else 1e-6
 
 
 def coverage_message(
-    name: str, specs: Sequence[Any], buffers: dict[str, list], grad: torch.Tensor
+    sites: Sequence[tuple[Any, str]],
+    buffers: Mapping[str, list],
+    grad: torch.Tensor,
+    magnitudes: Mapping[str, float] | None = None,
 ) -> str | None:
-    """The warning for weight ``name`` if its captured gradients miss part of ``grad``.
+    """The warning for a parameter if its captured gradients miss part of ``grad``.
 
     Args:
-        name: The first hooked site of the weight.
-        specs: Every hooked site (``LayerSpec``) sharing the weight.
-        buffers: The manager's step buffers, ``{layer: [(order, item), ...]}``.
-        grad: The weight's gradient of this backward pass.
+        sites: ``(LayerSpec, parameter name)`` of every hooked site of the parameter.
+        buffers: The step's buffered items that make up ``grad``, ``{layer: [(order, item)]}``
+            (those of the backward pass, or nested reentrant pass, ``grad`` comes from).
+        grad: The parameter's gradient of this backward pass.
+        magnitudes: ``{layer: term_magnitude}`` of the raw captures (round-off scale).
 
     Returns:
         The message, or ``None`` when the gradients agree or cannot be compared.
     """
-    sites = [
-        ([item for _, item in buffers[s.name]], s.rule, s.module_kwargs)
-        for s in specs
+    parts = [
+        ([item for _, item in buffers[s.name]], s.rule, s.module_kwargs, pname)
+        for s, pname in sites
         if s.name in buffers
     ]
-    gap = site_coverage_gap(sites, grad) if sites else None  # no site ran: bypass warning
-    if gap is None or gap <= tolerance(sites, grad):
+    magnitude = max((magnitudes or {}).get(s.name, 0.0) for s, _ in sites)
+    gap = site_coverage_gap(parts, grad, magnitude) if parts else None  # none ran: bypass
+    if gap is None or gap <= tolerance(parts, grad):
         return None
+    name, pname = sites[0][0].name, sites[0][1]
+    names = [s.name for s, _ in sites]
     return (
-        f"layer {name!r}: the captured per-sample gradients sum to a weight gradient that "
-        f"differs from autograd's by {gap:.1%} (relative, first step): the weight is also used "
-        f"outside the hooked module(s) {[s.name for s in specs]}, e.g. a functional tie such "
-        "as F.linear(h, wte.weight), so that share is missing from the captured gradients. "
-        f"Call the module instead, or exclude the layer (HookManagerConfig(exclude=[{name!r}]))"
-        "; check_coverage=False silences this."
+        f"layer {name!r}: the captured per-sample gradients sum to a {pname} gradient that "
+        f"differs from autograd's by {gap:.1%} (relative, first step): the {pname} is also "
+        f"used outside the hooked module(s) {names}, e.g. a functional tie such as "
+        "F.linear(h, wte.weight), so that share is missing from the captured gradients; or "
+        f"the module does not compute what its layer type ({sites[0][0].rule.layer_type}) "
+        "assumes (a subclass with its own forward). Call the module instead, or exclude the "
+        f"layer (HookManagerConfig(exclude=[{name!r}])); check_coverage=False silences this."
     )
+
+
+def bypass_message(entries: Sequence[Any]) -> str:
+    """The warning for one layer whose parameters got a gradient while none of their sites ran.
+
+    Args:
+        entries: The layer's ``ParamSites`` (see ``hooks/sharing.py``) that got a gradient.
+    """
+    names = [s.name for s, _ in entries[0].sites]
+    name = names[0]
+    pnames = " and ".join(e.sites[0][1] for e in entries)
+    tied = f" (tied with {names[1:]})" if len(names) > 1 else ""
+    return (
+        f"layer {name!r}{tied}: its {pnames} received a gradient in this backward pass but its "
+        "forward never ran, so the parameter was used outside the module (e.g. TRL's fused LM "
+        "head computes logits from lm_head.weight directly; nn.MultiheadAttention uses "
+        "out_proj.weight without calling out_proj). Hooks cannot see that use: its per-sample "
+        "gradient is recorded as zero. Exclude it "
+        f"(HookManagerConfig(exclude=[{name!r}])) or make the model call the module."
+    )
+
+
+_WARNED_UNCAPTURED: set[str] = set()
+
+
+def _listed(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def uncaptured_warning(
+    modules: Mapping[str, nn.Module], specs: Sequence[Any], register_all: bool, skip: set[str]
+) -> None:
+    """Name every trainable parameter the hooks will not capture (construction time, once).
+
+    Two cases: a hooked module's own parameter that its layer type does not cover (an
+    ``nn.Linear`` subclass with an extra parameter; warned whatever the selection), and, under
+    ``REGISTER_ALL``, any other trainable parameter of the model (a module no rule covers, a
+    parameter registered on the root module).
+
+    Args:
+        modules: ``{canonical module name: module}`` of the model (the root as ``""``).
+        specs: The resolved ``LayerSpec`` list.
+        register_all: The selection is ``REGISTER_ALL`` (or the default).
+        skip: Module names the user excluded, or that were left out with a warning already.
+    """
+    captured: set[int] = set()
+    for spec in specs:
+        if spec.hook_type == "param_grad":
+            captured.update(id(p) for p in spec.module.parameters(recurse=False))
+            continue
+        for pname in spec.rule.param_names(spec.module_kwargs):
+            p = getattr(spec.module, pname, None)
+            if isinstance(p, torch.Tensor):
+                captured.add(id(p))
+    hooked = {s.name: s for s in specs}
+    seen: set[int] = set()
+    in_hooked: dict[str, list[str]] = {}
+    elsewhere: list[str] = []
+    for mname, module in modules.items():
+        if mname in skip:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in captured or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if mname in hooked:
+                in_hooked.setdefault(mname, []).append(pname)
+            elif register_all:
+                where = "the root module" if not mname else "a"
+                elsewhere.append(
+                    f"{mname + '.' if mname else ''}{pname} ({where} {type(module).__name__})"
+                )
+    for mname, pnames in in_hooked.items():
+        spec = hooked[mname]
+        _warn_once(
+            f"extra:{mname}:{pnames}",
+            f"layer {mname!r} is hooked as {spec.rule.layer_type}, but its trainable "
+            f"parameter(s) {pnames} are not part of that layer type's gradient, so they are "
+            "not captured (and if they change how the module uses its weight, the weight's "
+            "captured gradient is wrong as well: the first-step coverage check warns then). "
+            f"Exclude the layer (HookManagerConfig(exclude=[{mname!r}])) or hook it with "
+            "param_grad (batch size 1), or freeze those parameters.",
+        )
+    if elsewhere:
+        _warn_once(
+            "elsewhere:" + ",".join(elsewhere),
+            f"REGISTER_ALL captures no per-sample gradient for these trainable parameters: "
+            f"{_listed(elsewhere)}. No layer rule covers them. Declare their modules with "
+            "layer_types + module_kwargs (e.g. 'nn.RMSNorm' for an RMSNorm class), hook them "
+            "with param_grad, or freeze them; otherwise attribution ignores them.",
+        )
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED_UNCAPTURED:
+        _WARNED_UNCAPTURED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=5)

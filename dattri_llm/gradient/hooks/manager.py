@@ -35,19 +35,24 @@ from dattri_llm.gradient.gradient import (
     Gradient,
     GradientRecord,
     LayerGradient,
-    Materialized,
-    Shared,
+)
+from dattri_llm.gradient.hooks.assembly import (
+    first_tensor,
+    grad_target,
+    merge_calls,
+    param_item,
+    ref_tensor,
 )
 from dattri_llm.gradient.hooks.config import (
     HookManagerConfig,
     LayerSpec,
-    canonical_name,
-    is_data_parallel,
+    as_config,
     resolve_layers,
 )
-from dattri_llm.gradient.hooks.coverage import coverage_message
+from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
+from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
+from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
-from dattri_llm.utils.hashing import hash_batch
 
 __all__ = ["HookManager"]
 
@@ -59,14 +64,6 @@ def warn_once(key: str, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
-        return x[0]
-    return None
 
 
 class HookManager:
@@ -112,10 +109,16 @@ class HookManager:
         precondition_scale: float | str = 1.0,
     ) -> None:
         self.model = model
-        self.config = config or HookManagerConfig()
+        self.config = as_config(config)
         self.callbacks: list[HookCallback] = list(callbacks or [])
         self.optimizer = optimizer
-        self.layers: list[LayerSpec] = resolve_layers(model, self.config)
+        specs = resolve_layers(model, self.config)
+        plan = plan_sharing(model, specs, self.config.shared_parameters)
+        for key, message in plan.warnings:
+            warn_once(key, message)
+        #: The hooked layers; a tied site's own parameter (e.g. a tied head's bias) is a layer
+        #: of its own, ``"<module>.<parameter>"`` (see :mod:`~dattri_llm.gradient.hooks.sharing`).
+        self.layers: list[LayerSpec] = plan.layers
         self.step = 0
         self.checkpoint = 0
         #: When True, outputs of hooked layers that do not require grad are made to (used by
@@ -131,15 +134,21 @@ class HookManager:
         self._queued_tasks: set[int] = set()
         self._manual_ids: list[str] | None = None
         self._transforms: list[Any] = []
-        #: Hooked layers whose forward ran / whose weight received a gradient this step: a
-        #: weight gradient without a forward means the weight was used outside the module.
+        #: Hooked layers whose forward ran / captured parameters that received a gradient this
+        #: step: a gradient without any of its sites' forwards means it was used outside them.
         self._forward_seen: set[str] = set()
-        self._weight_grad_seen: set[str] = set()
-        self._partly_hooked: set[str] = set()  # share a weight with an unhooked module
-        self._shared_groups = self._find_shared_groups()
-        #: The first captured step checks that captured gradients cover each weight's gradient.
+        self._grad_seen: set[int] = set()
+        self._grad_like: tuple[torch.dtype, torch.device] | None = None
+        self._partly_hooked: set[str] = plan.partly_hooked  # share with an unhooked module
+        self._shared_groups: dict[str, list[str]] = plan.groups
+        self._param_sites = plan.params
+        #: The first captured step checks that captured gradients cover each parameter's:
+        #: the graph task each item was captured in (a parameter's gradient hook sees the
+        #: gradient of one task: a reentrant checkpoint's inner backward is a task of its own)
+        #: and the size of each layer's terms (round-off scale).
         self._coverage_pending = bool(self.config.check_coverage)
-        self._weight_sites: dict[str, list[LayerSpec]] = {}
+        self._item_task: dict[tuple[str, int], int] = {}
+        self._magnitude: dict[str, float] = {}
         #: Capture-time projection resolved per layer (``None`` without ``config.projection``).
         self.projection = None
         if self.config.projection is not None:
@@ -179,54 +188,28 @@ class HookManager:
         """``{lead name: [site names]}`` of hooked layers sharing one weight (tied parameters)."""
         return {k: list(v) for k, v in self._shared_groups.items()}
 
-    def _find_shared_groups(self) -> dict[str, list[str]]:
-        if self.config.shared_parameters == "separate":
-            return {}
-        by_param: dict[int, list[str]] = {}
-        linear_io = [s for s in self.layers if s.hook_type == "linear_io"]
-        for spec in linear_io:
-            w = getattr(spec.module, "weight", None)
-            if isinstance(w, torch.Tensor):
-                by_param.setdefault(id(w), []).append(spec.name)
-        groups = {names[0]: names for names in by_param.values() if len(names) > 1}
-        hooked = {s.name for s in linear_io}
-        dp = is_data_parallel(self.model)
-        for raw_name, module in self.model.named_modules():
-            name = canonical_name(raw_name, dp)
-            w = getattr(module, "weight", None)
-            if name in hooked or not isinstance(w, nn.Parameter) or not w.requires_grad:
-                continue
-            for spec in linear_io:
-                if getattr(spec.module, "weight", None) is w:
-                    self._partly_hooked.add(spec.name)
-                    warn_once(
-                        f"shared-unhooked:{spec.name}:{name}",
-                        f"layer {spec.name!r} shares its weight with {name!r}, which is not "
-                        "hooked: its gradient covers only the hooked site(s).",
-                    )
-        return groups
+    def layer_parameters(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{layer name: {parameter name: parameter}}`` for the layers of a captured step.
+
+        The names are those of the layer rule's ``unflatten`` of the layer's materialised
+        gradient (a tied group maps to its one shared parameter).
+        """
+        return layer_parameters(self.layers, self._shared_groups)
 
     def _register(self) -> None:
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
         )
-        by_weight: dict[int, list[LayerSpec]] = {}
         for spec in self.layers:
             if spec.hook_type == "linear_io":
                 self._handles.append(spec.module.register_forward_hook(self._layer_hook(spec)))
-                weight = getattr(spec.module, "weight", None)
-                if isinstance(weight, nn.Parameter) and weight.requires_grad:
-                    self._handles.append(weight.register_hook(self._weight_hook(spec.name)))
-                    by_weight.setdefault(id(weight), []).append(spec)
             else:
                 for pname, p in spec.module.named_parameters(recurse=False):
                     if p.requires_grad:
                         self._handles.append(p.register_hook(self._param_hook(spec, pname)))
-        # one coverage check per weight, over all of its sites, run by its first site's hook (a
-        # weight shared with an unhooked module was already warned about)
-        for sites in by_weight.values():
-            if not self._partly_hooked & {s.name for s in sites}:
-                self._weight_sites[sites[0].name] = sites
+        # one hook per captured parameter, however many sites capture it (tied weights)
+        for pid, entry in self._param_sites.items():
+            self._handles.append(entry.param.register_hook(self._captured_param_hook(pid)))
 
     def remove(self) -> None:
         """Take every hook down (idempotent); the model is left as it was."""
@@ -250,6 +233,11 @@ class HookManager:
     def collect(self, deregister_on_exit: bool = False) -> Iterator[HookManager]:
         """Capture while the block runs.
 
+        When the block ends, normally or with an exception (a ``KeyboardInterrupt`` too),
+        every callback's ``on_context_end`` runs (``OffloadCallback`` makes its records durable
+        and releases the store) and, with ``deregister_on_exit``, the hooks come down, even if
+        one of those steps fails; the first failure is then raised.
+
         Args:
             deregister_on_exit: Call :meth:`remove` when the block ends.
         """
@@ -263,10 +251,8 @@ class HookManager:
         finally:
             self._active = False
             self._reset_step()
-            for cb in self.callbacks:
-                cb.on_context_end()
-            if deregister_on_exit:
-                self.remove()
+            steps = [cb.on_context_end for cb in self.callbacks]
+            _run_all(steps + ([self.remove] if deregister_on_exit else []))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[HookManager]:
@@ -306,27 +292,7 @@ class HookManager:
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._active or not torch.is_grad_enabled() or self._inputs is not None:
             return
-        fields: dict[str, torch.Tensor] = {}
-        if self._signature is not None:
-            try:
-                bound = self._signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = dict(kwargs)
-        else:
-            bound = dict(kwargs)
-        for k, v in bound.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                fields[k] = v
-            elif k == "kwargs" and isinstance(v, dict):
-                fields.update(
-                    {
-                        kk: vv
-                        for kk, vv in v.items()
-                        if isinstance(vv, torch.Tensor) and vv.dim() > 0
-                    }
-                )
-        if not fields and args and isinstance(args[0], torch.Tensor):
-            fields["input_ids"] = args[0]
+        fields = model_inputs(self._signature, args, kwargs)
         self._inputs = fields
         if fields:
             key = "input_ids" if "input_ids" in fields else next(iter(fields))
@@ -341,7 +307,7 @@ class HookManager:
             if not self._active or not torch.is_grad_enabled():
                 return None
             self._forward_seen.add(spec.name)
-            out = _first_tensor(output)
+            out = first_tensor(output)
             if out is None or not out.is_floating_point():
                 return None
             replaced = False
@@ -357,6 +323,11 @@ class HookManager:
                 out = out.expand(b, *out.shape[1:])
                 args = (args[0].expand(b, *args[0].shape[1:]),) + tuple(args[1:])
                 replaced = True
+            target = out
+            if not replaced:
+                target, new_out = grad_target(out)
+                replaced = new_out is not out
+                out = new_out
             a = rule.capture_input(module, args, out, kw)
             if self.projection is not None:  # logra: the raw activation is never kept
                 a = self.projection.project_input(spec, a)
@@ -364,7 +335,13 @@ class HookManager:
             self._forward_order += 1
             for cb in self.callbacks:
                 cb.on_forward(spec.name, module, a)
-            out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad))
+            if target is out:
+                out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad))
+            else:  # the base of a view: its gradient, in the output's shape
+                shape = out.shape
+                target.register_hook(
+                    lambda grad: self._on_output_grad(spec, order, a, grad.reshape(shape))
+                )
             if not replaced:
                 return None
             if isinstance(output, torch.Tensor):
@@ -385,6 +362,16 @@ class HookManager:
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
+        if (
+            self._coverage_pending
+            and not self.force_output_grad  # a frozen probe: no parameter gradient to check
+            and not self._transforms
+            and self.projection is None
+        ):
+            self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
+            self._magnitude[spec.name] = max(
+                self._magnitude.get(spec.name, 0.0), term_magnitude(item)
+            )
         if self.projection is not None:  # logra: project the factors, relabel the layer
             item = self.projection.project_factors(spec, item)
         for cb in self.callbacks:
@@ -409,22 +396,33 @@ class HookManager:
 
         return hook
 
-    def _weight_hook(self, name: str) -> Any:
+    def _captured_param_hook(self, pid: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if self._active:
-                self._weight_grad_seen.add(name)
-                if self._coverage_pending and name in self._weight_sites:
-                    self._check_coverage(name, grad)
+            if not self._active:
+                return
+            self._grad_seen.add(pid)
+            self._grad_like = (grad.dtype, grad.device)
+            if self._coverage_pending:
+                self._check_coverage(pid, grad)
+            self._ensure_end_callback()  # a step whose hooked forwards were all bypassed
 
         return hook
 
-    def _check_coverage(self, name: str, grad: torch.Tensor) -> None:
-        """Warn once if the captured gradients of ``name``'s weight miss part of ``grad``."""
+    def _check_coverage(self, pid: int, grad: torch.Tensor) -> None:
+        """Warn once if the captured gradients of a parameter miss part of ``grad``."""
         if self._transforms or self.projection is not None or self._preconditioning:
             return  # the items are no longer the raw per-sample gradients
-        message = coverage_message(name, self._weight_sites[name], self._buffers, grad)
+        sites = self._param_sites[pid].sites
+        if self._partly_hooked & {s.name for s, _ in sites}:
+            return  # shared with an unhooked module: warned about at construction
+        task = torch._C._current_graph_task_id()
+        buffers = {
+            name: [(o, it) for o, it in items if self._item_task.get((name, o)) == task]
+            for name, items in self._buffers.items()
+        }
+        message = coverage_message(sites, buffers, grad, self._magnitude)
         if message is not None:
-            warn_once(f"coverage:{name}", message)
+            warn_once(f"coverage:{sites[0][0].name}:{sites[0][1]}", message)
 
     def _ensure_end_callback(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -448,7 +446,10 @@ class HookManager:
     # ---- step assembly -----------------------------------------------------------------------
     def _reset_step(self) -> None:
         self._forward_seen = set()
-        self._weight_grad_seen = set()
+        self._grad_seen = set()
+        self._grad_like = None
+        self._item_task = {}
+        self._magnitude = {}
         self._buffers = {}
         self._param_grads = {}
         self._inputs = None
@@ -456,29 +457,11 @@ class HookManager:
         self._forward_order = 0
         self._queued_tasks = set()
 
-    def _merge_calls(self, items: list[tuple[int, LayerGradient]]) -> LayerGradient:
-        items = sorted(items, key=lambda x: x[0])
-        parts = [it for _, it in items]
-        if len(parts) == 1:
-            return parts[0]
-        if all(isinstance(p, Factorized) for p in parts):
-            rule = parts[0].rule
-            return Factorized(
-                rule.concat_tokens([p.a for p in parts]),
-                rule.concat_tokens([p.g for p in parts]),
-                parts[0].layer_type,
-                parts[0].module_kwargs,
-            )
-        total = sum(p.materialize().data for p in parts)
-        return Materialized(total, parts[0].layer_type, parts[0].module_kwargs)
-
-    def _zero_like(self, spec: LayerSpec, b: int, ref: torch.Tensor) -> LayerGradient:
-        k, d = spec.rule.matrix_shape(spec.module_kwargs)
-        if isinstance(spec.rule, EmbeddingRule):
-            a = torch.zeros(b, 1, dtype=torch.long, device=ref.device)
-            g = ref.new_zeros(b, 1, d)
-        else:
-            a, g = ref.new_zeros(b, 1, d), ref.new_zeros(b, 1, k)
+    def _zero_like(
+        self, spec: LayerSpec, b: int, like: tuple[torch.dtype, torch.device]
+    ) -> LayerGradient:
+        """An exactly zero gradient for a layer that received none in this step."""
+        a, g = spec.rule.zero_factors(b, spec.module_kwargs, *like)
         if self.projection is not None:
             a = self.projection.project_input(spec, a)
         item = Factorized(a, g, spec.rule.layer_type, spec.module_kwargs)
@@ -512,12 +495,18 @@ class HookManager:
     def _finish_step(self) -> None:
         buffers, param_grads = self._buffers, self._param_grads
         inputs, manual = self._inputs, self._manual_ids
-        bypassed = self._weight_grad_seen - self._forward_seen
+        forward_seen, grad_seen = self._forward_seen, self._grad_seen
+        grad_like, batch_size = self._grad_like, self._batch_size
         self._reset_step()
         self._manual_ids = None
-        if not buffers and not param_grads:
+        bypassed = [
+            e
+            for pid, e in self._param_sites.items()
+            if pid in grad_seen and not any(s.name in forward_seen for s, _ in e.sites)
+        ]
+        if not buffers and not param_grads and not bypassed:
             return
-        merged = {n: self._merge_calls(items) for n, items in buffers.items()}
+        merged = {n: merge_calls(items) for n, items in buffers.items()}
         sizes = {n: lg.batch_size for n, lg in merged.items()}
         if len(set(sizes.values())) > 1:
             raise RuntimeError(
@@ -525,32 +514,28 @@ class HookManager:
                 "un-batched input cannot give per-sample gradients; exclude it "
                 "(HookManagerConfig(exclude=[...]))."
             )
-        b = next(iter(sizes.values())) if sizes else 1
-        for name in sorted(bypassed - set(merged)):
-            warn_once(
-                f"bypassed:{name}",
-                f"layer {name!r}: its weight received a gradient in this backward pass but its "
-                "forward never ran, so the weight was used outside the module (e.g. TRL's fused "
-                "LM head computes logits from lm_head.weight directly). Hooks cannot see that "
-                "use: its per-sample gradient is recorded as zero (for tied weights, that "
-                f"site's share is missing). Exclude it (HookManagerConfig(exclude=[{name!r}])) "
-                "or make the model call the module.",
-            )
+        b = next(iter(sizes.values())) if sizes else (batch_size or 1)
+        by_layer: dict[str, list[Any]] = {}
+        for entry in bypassed:
+            by_layer.setdefault(entry.sites[0][0].name, []).append(entry)
+        for name, entries in by_layer.items():
+            warn_once(f"bypassed:{name}", bypass_message(entries))
         if merged:
             self._coverage_pending = False  # checked on the first captured step only
-        ref = _ref_tensor(merged)
+        ref = ref_tensor(merged)
+        like = (ref.dtype, ref.device) if ref is not None else grad_like
         layers: dict[str, LayerGradient] = {}
         for spec in self.layers:
             if spec.hook_type == "param_grad":
-                item = self._param_item(spec, param_grads.get(spec.name), b, ref)
+                item = param_item(spec, param_grads.get(spec.name), b, ref)
                 if item is not None:
                     layers[spec.name] = item
                 continue
             if spec.name in merged:
                 layers[spec.name] = merged[spec.name]
-            elif ref is not None:
-                layers[spec.name] = self._zero_like(spec, b, ref)
-        layers = self._group_shared(layers)
+            elif like is not None:
+                layers[spec.name] = self._zero_like(spec, b, like)
+        layers = group_shared(layers, self._shared_groups)
         metadata: dict[str, Any] = {}
         if self._preconditioning and layers:
             layers, metadata = self.preconditioner.apply(layers, b, self.projection)
@@ -561,62 +546,10 @@ class HookManager:
         for cb in self.callbacks:
             cb.on_step_end(record)
 
-    def _param_item(
-        self, spec: LayerSpec, grads: dict | None, b: int, ref: torch.Tensor | None
-    ) -> LayerGradient | None:
-        params = [(n, p) for n, p in spec.module.named_parameters(recurse=False) if p.requires_grad]
-        if b != 1:
-            raise RuntimeError(
-                f"layer {spec.name!r} is hooked with param_grad, which sees the batch gradient; "
-                f"per-sample gradients need batch size 1 (got {b}). Use linear_io or batch size 1."
-            )
-        vecs = []
-        for n, p in params:
-            gp = (grads or {}).get(n)
-            vecs.append((gp if gp is not None else torch.zeros_like(p)).reshape(1, -1))
-        data = torch.cat(vecs, dim=1)
-        if ref is not None:
-            data = data.to(ref.dtype)
-        return Materialized(data, "param_grad", {"params": [[n, list(p.shape)] for n, p in params]})
-
-    def _group_shared(self, layers: dict[str, LayerGradient]) -> dict[str, LayerGradient]:
-        if not self._shared_groups:
-            return layers
-        out: dict[str, LayerGradient] = {}
-        member_of = {m: lead for lead, ms in self._shared_groups.items() for m in ms}
-        for name, lg in layers.items():
-            lead = member_of.get(name)
-            if lead is None:
-                out[name] = lg
-                continue
-            if name != lead:
-                continue
-            names = [m for m in self._shared_groups[lead] if m in layers]
-            sites = [layers[m] for m in names]
-            if all(isinstance(s, Materialized) for s in sites):
-                out[name] = Materialized(
-                    sum(s.data for s in sites), sites[0].layer_type, sites[0].module_kwargs
-                )
-            else:
-                out[name] = Shared(sites, names)
-        return out
-
     def _hashes(self, inputs: dict | None, manual: list[str] | None, b: int) -> list[str]:
-        if manual is not None:
-            if len(manual) != b:
-                raise ValueError(f"set_sample_ids got {len(manual)} ids for a batch of {b}.")
-            return manual
-        key = self.config.sample_id_key
-        if inputs and key is not None:
-            if key not in inputs:
-                raise KeyError(
-                    f"sample_id_key {key!r} is not among the model inputs {sorted(inputs)}."
-                )
-            return [str(v) for v in inputs[key].reshape(inputs[key].shape[0], -1)[:, 0].tolist()]
-        if inputs:
-            batched = {k: v for k, v in inputs.items() if v.shape[0] == b}
-            if batched:
-                return hash_batch(batched, keys=_keys_for(self.config.hash_keys, batched))
+        ids = sample_ids(inputs, manual, b, self.config.sample_id_key, self.config.hash_keys)
+        if ids is not None:
+            return ids
         warn_once(
             "no-hash",
             "could not see the model's batched inputs, so samples are identified by step and "
@@ -625,16 +558,13 @@ class HookManager:
         return [f"step{self.step}:row{i}" for i in range(b)]
 
 
-def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
-    if keys is None:
-        return None
-    present = [k for k in keys if k in batched]
-    return present or None
-
-
-def _ref_tensor(layers: dict[str, LayerGradient]) -> torch.Tensor | None:
-    for lg in layers.values():
-        while isinstance(lg, Shared):
-            lg = lg.sites[0]
-        return lg.g if isinstance(lg, Factorized) else lg.data
-    return None
+def _run_all(steps: list[Any]) -> None:
+    """Call every step even if some fail; raise the first failure afterwards."""
+    error: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        raise error

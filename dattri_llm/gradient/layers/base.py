@@ -11,6 +11,10 @@ works on plain tensors with a leading batch axis and a token axis:
   as a last column of ``a`` (a column of ones), i.e. ``[W | b]``; :meth:`LayerRule.unflatten`
   maps it back to the parameters' own shapes.
 
+The matrix form holds exactly the parameters :meth:`LayerRule.param_names` lists: the flags
+``module_kwargs["weight"]`` / ``["bias"]`` say which are captured (a frozen weight, or the bias
+of a tied layer captured on its own, is left out; :meth:`LayerRule.restrict_params`).
+
 Every rule must be *exact*: the factorised and the materialised routes return the same numbers.
 """
 
@@ -51,7 +55,26 @@ class LayerRule:
 
     def param_names(self, kw: dict) -> list[str]:
         """Names of the module's parameters covered by the rule, in matrix-form order."""
-        return ["weight", "bias"] if kw.get("bias") else ["weight"]
+        names = ["weight"] if kw.get("weight", True) else []
+        return names + (["bias"] if kw.get("bias") else [])
+
+    def restrict_params(self, kw: dict, keep: Sequence[str]) -> dict:
+        """``kw`` with the parameters not in ``keep`` left out of the matrix form.
+
+        Raises:
+            ValueError: the rule cannot leave those parameters out, or none would be left.
+        """
+        names = self.param_names(kw)
+        out = dict(kw)
+        for name in names:
+            if name not in keep:
+                out[name] = False
+        left = self.param_names(out)
+        if not left or left != [n for n in names if n in keep]:
+            raise ValueError(
+                f"{self.layer_type} cannot capture only the parameters {list(keep)} of {names}."
+            )
+        return out
 
     def capture_input(
         self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
@@ -100,6 +123,17 @@ class LayerRule:
         for name, pos in positions.items():
             out[pos.reshape(-1)] = tensors[name].reshape(-1).to(out.dtype)
         return out
+
+    def zero_factors(
+        self, b: int, kw: dict, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors ``(a, g)`` of an exactly zero per-sample gradient (a layer without gradient).
+
+        One token: ``a`` ``(B, 1, D)`` and ``g`` ``(B, 1, K)`` for outer-product layers.
+        """
+        k, d = self.matrix_shape(kw)
+        z = torch.zeros((), dtype=dtype, device=device)
+        return z.new_zeros(b, 1, d), z.new_zeros(b, 1, k)
 
     # ---- maths -----------------------------------------------------------------------------
     def materialize(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -176,13 +210,50 @@ class OuterProductRule(LayerRule):
     """Layers whose per-sample weight gradient is ``sum_t g_t a_t^T`` (linear, conv, ...).
 
     ``a`` carries the bias as a trailing column of ones when the layer has a bias, so the matrix
-    form is ``[W | b]`` of shape ``(K, D)``.
+    form is ``[W | b]`` of shape ``(K, D)``. Without the weight (``kw["weight"]`` false: a
+    frozen weight, or a tied layer's own bias) ``a`` is that column alone: ``(K, 1)``.
+
+    Subclasses implement :meth:`input_features` (the weight's columns) and :meth:`num_features`.
     """
 
     kronecker = True
 
     def matrix_shape(self, kw: dict) -> tuple[int, int]:
         return kw["_k"], kw["_d"]
+
+    def num_features(self, kw: dict) -> int:
+        """Columns of the weight's matrix form (``D`` without the bias column)."""
+        raise NotImplementedError
+
+    def matrix_columns(self, kw: dict) -> int:
+        """Columns of the matrix form: the weight's (when captured) plus the bias column."""
+        weight = self.num_features(kw) if kw.get("weight", True) else 0
+        return weight + int(bool(kw.get("bias")))
+
+    def input_features(
+        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
+    ) -> torch.Tensor:
+        """The weight's ``a`` factor ``(B, T, D)`` (receptive fields, inputs), no bias column."""
+        raise NotImplementedError
+
+    def capture_input(
+        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
+    ) -> torch.Tensor:
+        if not kw.get("weight", True):  # the bias alone: a column of ones per output token
+            tokens = self.capture_output_grad(output.detach(), kw)
+            return tokens.new_ones(*tokens.shape[:2], 1)
+        return self.with_bias_column(
+            self.input_features(module, args, output, kw), bool(kw.get("bias"))
+        )
+
+    def split_matrix(self, m: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
+        """``{"weight": (B, K, D), "bias": (B, K)}`` (captured ones only) of ``(B, K, cols)``."""
+        out = {}
+        if kw.get("weight", True):
+            out["weight"] = m[..., : self.num_features(kw)]
+        if kw.get("bias"):
+            out["bias"] = m[..., -1]
+        return out
 
     @staticmethod
     def with_bias_column(a: torch.Tensor, bias: bool) -> torch.Tensor:

@@ -85,13 +85,16 @@ class ConvRule(OuterProductRule):
             "padding_mode": str(module.padding_mode),
         }
 
-    def matrix_shape(self, kw: dict) -> tuple[int, int]:
+    def num_features(self, kw: dict) -> int:
         kk = 1
         for k in kw["kernel_size"]:
             kk *= int(k)
-        return int(kw["out_channels"]), int(kw["in_channels"]) * kk + int(bool(kw.get("bias")))
+        return int(kw["in_channels"]) * kk
 
-    def capture_input(
+    def matrix_shape(self, kw: dict) -> tuple[int, int]:
+        return int(kw["out_channels"]), self.matrix_columns(kw)
+
+    def input_features(
         self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
     ) -> torch.Tensor:
         x = args[0].detach()
@@ -99,8 +102,7 @@ class ConvRule(OuterProductRule):
             x = x.unsqueeze(0)
         mode = kw.get("padding_mode", "zeros")
         x = F.pad(x, kw["pad"], mode="constant" if mode == "zeros" else mode)
-        a = im2col(x, kw["kernel_size"], kw["dilation"], kw["stride"])
-        return self.with_bias_column(a, bool(kw.get("bias")))
+        return im2col(x, kw["kernel_size"], kw["dilation"], kw["stride"])
 
     def capture_output_grad(self, grad: torch.Tensor, kw: dict) -> torch.Tensor:
         if grad.dim() == kw["ndim"] + 1:
@@ -109,10 +111,8 @@ class ConvRule(OuterProductRule):
 
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
         k, d = self.matrix_shape(kw)
-        m = dense.reshape(dense.shape[0], k, d)
-        cin = int(kw["in_channels"])
-        w = m[..., : d - int(bool(kw.get("bias")))]
-        out = {"weight": w.reshape(dense.shape[0], k, cin, *kw["kernel_size"])}
-        if kw.get("bias"):
-            out["bias"] = m[..., -1]
+        out = self.split_matrix(dense.reshape(dense.shape[0], k, d), kw)
+        if "weight" in out:
+            cin = int(kw["in_channels"])
+            out["weight"] = out["weight"].reshape(dense.shape[0], k, cin, *kw["kernel_size"])
         return out

@@ -44,7 +44,7 @@ class ConvTransposeRule(ConvRule):
             "ndim": len(module.kernel_size),
         }
 
-    def capture_input(
+    def input_features(
         self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
     ) -> torch.Tensor:
         x = args[0].detach()
@@ -64,17 +64,14 @@ class ConvTransposeRule(ConvRule):
             hi = spatial[i] - 1 + dil[i] * (ks[i] - 1) - lo - (dilated_shape[i] - 1)
             pad += [lo, hi]
         xp = F.pad(xd, pad)
-        a = im2col(xp, ks, dil, [1] * nd)
-        return self.with_bias_column(a, bool(kw.get("bias")))
+        return im2col(xp, ks, dil, [1] * nd)
 
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
         k, d = self.matrix_shape(kw)
         b = dense.shape[0]
-        m = dense.reshape(b, k, d)
-        cin, nd = int(kw["in_channels"]), int(kw["ndim"])
-        w = m[..., : d - int(bool(kw.get("bias")))].reshape(b, k, cin, *kw["kernel_size"])
-        w = w.flip(dims=tuple(range(3, 3 + nd))).transpose(1, 2)
-        out = {"weight": w}
-        if kw.get("bias"):
-            out["bias"] = m[..., -1]
+        out = self.split_matrix(dense.reshape(b, k, d), kw)
+        if "weight" in out:
+            cin, nd = int(kw["in_channels"]), int(kw["ndim"])
+            w = out["weight"].reshape(b, k, cin, *kw["kernel_size"])
+            out["weight"] = w.flip(dims=tuple(range(3, 3 + nd))).transpose(1, 2)
         return out

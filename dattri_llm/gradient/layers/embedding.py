@@ -62,6 +62,12 @@ class EmbeddingRule(LayerRule):
         v, d = self.matrix_shape(kw)
         return {"weight": dense.reshape(dense.shape[0], v, d)}
 
+    def zero_factors(
+        self, b: int, kw: dict, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.zeros(b, 1, dtype=torch.long, device=device)
+        return idx, torch.zeros(b, 1, int(kw["embedding_dim"]), dtype=dtype, device=device)
+
     def materialize(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         v, d = self.matrix_shape(kw)
         b = a.shape[0]

@@ -27,28 +27,28 @@ class LinearRule(OuterProductRule):
     def _dims(kw: dict) -> tuple[int, int]:
         return int(kw["in_features"]), int(kw["out_features"])
 
-    def matrix_shape(self, kw: dict) -> tuple[int, int]:
-        d, k = self._dims(kw)
-        return k, d + int(bool(kw.get("bias")))
+    def num_features(self, kw: dict) -> int:
+        return self._dims(kw)[0]
 
-    def capture_input(
+    def matrix_shape(self, kw: dict) -> tuple[int, int]:
+        return self._dims(kw)[1], self.matrix_columns(kw)
+
+    def input_features(
         self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict
     ) -> torch.Tensor:
         x = args[0].detach()
         d = self._dims(kw)[0]
-        a = x.reshape(x.shape[0], -1, d) if x.dim() > 1 else x.reshape(1, 1, d)
-        return self.with_bias_column(a, bool(kw.get("bias")))
+        return x.reshape(x.shape[0], -1, d) if x.dim() > 1 else x.reshape(1, 1, d)
 
     def capture_output_grad(self, grad: torch.Tensor, kw: dict) -> torch.Tensor:
         k = self._dims(kw)[1]
         return grad.reshape(grad.shape[0], -1, k) if grad.dim() > 1 else grad.reshape(1, 1, k)
 
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
-        d, k = self._dims(kw)
-        m = dense.reshape(dense.shape[0], k, -1)
-        out = {"weight": self._weight(m[..., :d])}
-        if kw.get("bias"):
-            out["bias"] = m[..., d]
+        k = self._dims(kw)[1]
+        out = self.split_matrix(dense.reshape(dense.shape[0], k, -1), kw)
+        if "weight" in out:
+            out["weight"] = self._weight(out["weight"])
         return out
 
     def _weight(self, m: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,12 @@ class _ElementwiseAffineRule(LayerRule):
     def matrix_shape(self, kw: dict) -> tuple[int, int]:
         return int(bool(kw.get("weight", True))) + int(bool(kw.get("bias"))), self._channels(kw)
 
-    def param_names(self, kw: dict) -> list[str]:
-        names = ["weight"] if kw.get("weight", True) else []
-        return names + (["bias"] if kw.get("bias") else [])
+    def zero_factors(
+        self, b: int, kw: dict, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self._channels(kw)
+        z = torch.zeros((), dtype=dtype, device=device)
+        return z.new_zeros(b, 1, c), z.new_zeros(b, 1, c)
 
     def _parts(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> list[torch.Tensor]:
         parts = [a * g] if kw.get("weight", True) else []
@@ -125,7 +128,11 @@ class LayerNormRule(_TrailingShapeRule):
 
 
 class RMSNormRule(_TrailingShapeRule):
-    """``nn.RMSNorm``, and any RMSNorm relabelled with ``layer_types`` (e.g. ``LlamaRMSNorm``)."""
+    """``nn.RMSNorm``, and any RMSNorm relabelled with ``layer_types`` (e.g. ``LlamaRMSNorm``).
+
+    A ``bias`` parameter on the module (OLMo's norms can carry one) is read as
+    ``y = x_hat * w + b``; the first-step coverage check verifies that reading.
+    """
 
     layer_type = "nn.RMSNorm"
     module_types = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
@@ -137,7 +144,7 @@ class RMSNormRule(_TrailingShapeRule):
             "normalized_shape": [int(v) for v in shape],
             "eps": None if eps is None else float(eps),
             "weight": getattr(module, "weight", None) is not None,
-            "bias": False,
+            "bias": isinstance(getattr(module, "bias", None), torch.Tensor),
         }
 
     @staticmethod

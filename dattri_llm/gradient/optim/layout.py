@@ -26,7 +26,7 @@ class LayerLayout:
 
     Args:
         name: The layer's name in captured gradients (a tied group's lead site).
-        module: The module owning the parameters.
+        params: ``{parameter name: parameter}`` (``HookManager.layer_parameters()``).
         rule: The layer's rule; ``kw`` its hyper-parameters.
         projection: The layer's capture-time projection (``LayerProjection``) or ``None``.
 
@@ -37,17 +37,24 @@ class LayerLayout:
             exact entries runs before it).
     """
 
-    def __init__(self, name: str, module: nn.Module, rule: Any, kw: dict, projection: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        params: Mapping[str, torch.Tensor],
+        rule: Any,
+        kw: dict,
+        projection: Any,
+    ) -> None:
         self.name = name
         self.rule, self.kw = rule, kw
         names = rule.param_names(kw)
-        missing = [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
+        missing = [n for n in names if not isinstance(params.get(n), torch.Tensor)]
         if missing:
             raise ValueError(
                 f"layer {name!r}: its rule expects parameters {names}, but the module has no "
                 f"{missing}; relabel the layer with a matching layer_types entry."
             )
-        self.params: list[tuple[str, nn.Parameter]] = [(n, getattr(module, n)) for n in names]
+        self.params: list[tuple[str, nn.Parameter]] = [(n, params[n]) for n in names]
         self.positions = rule.matrix_positions(kw)
         self.num_coords = rule.num_params(kw)
         self.indices: torch.Tensor | None = None
@@ -72,6 +79,23 @@ class LayerLayout:
             flat = flat[self.indices.to(flat.device)]
         return flat
 
+    def scatter(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of :meth:`gather` for ``(R, P)`` rows: ``{param name: (R, *param.shape)}``.
+
+        Coordinates outside a mask are zero.
+        """
+        flat = rows.new_zeros(rows.shape[0], self.rule.num_params(self.kw))
+        if self.indices is None:
+            flat = rows
+        else:
+            flat[:, self.indices.to(rows.device)] = rows
+        return {
+            n: flat[:, self.positions[n].reshape(-1).to(rows.device)].reshape(
+                rows.shape[0], *p.shape
+            )
+            for n, p in self.params
+        }
+
     def expand(
         self, values: Mapping[str, float], dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
@@ -88,14 +112,13 @@ def layer_layouts(manager: HookManager) -> dict[str, LayerLayout]:
 
     A tied group is one entry under its lead name (the parameter is one parameter).
     """
-    member_of = {m: lead for lead, ms in manager.shared_groups.items() for m in ms}
+    by_name = {s.name: s for s in manager.layers}
+    groups = manager.shared_groups
     out: dict[str, LayerLayout] = {}
-    for spec in manager.layers:
+    for name, params in manager.layer_parameters().items():
+        spec = by_name[groups[name][0]] if name in groups else by_name[name]
         if spec.hook_type != "linear_io":
             continue
-        lead = member_of.get(spec.name, spec.name)
-        if lead in out:
-            continue
-        projection = manager.projection[spec.name] if manager.projection is not None else None
-        out[lead] = LayerLayout(lead, spec.module, spec.rule, spec.module_kwargs, projection)
+        projection = manager.projection[name] if manager.projection is not None else None
+        out[name] = LayerLayout(name, params, spec.rule, spec.module_kwargs, projection)
     return out

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dattri_llm.gradient.store.format import FORMAT_NAME, FORMAT_VERSION, StoreFormatError
 from dattri_llm.gradient.store.manager import GradientStorageManager, RecordInfo, SampleLocation
+from dattri_llm.gradient.store.repair import RepairReport
 
 __all__ = [
     "GradientStorageManager",
     "RecordInfo",
     "SampleLocation",
+    "RepairReport",
     "StoreFormatError",
     "FORMAT_NAME",
     "FORMAT_VERSION",

@@ -40,6 +40,7 @@ __all__ = [
     "write_meta",
     "encode_record",
     "decode_schema",
+    "check_header",
     "decode_gradient",
     "tensor_keys",
     "schema_fingerprint",
@@ -92,18 +93,29 @@ def encode_json(obj: Any, where: str = "module_kwargs") -> Any:
 
 
 def decode_json(obj: Any) -> Any:
-    """Inverse of :func:`encode_json`."""
+    """Inverse of :func:`encode_json`.
+
+    Raises:
+        ValueError: a tagged value that is malformed (a corrupted store).
+    """
     if isinstance(obj, list):
         return [decode_json(v) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1:
             ((key, val),) = obj.items()
-            if key == "__tuple__":
+            if key == "__tuple__" and isinstance(val, list):
                 return tuple(decode_json(v) for v in val)
-            if key == "__size__":
+            if key == "__size__" and isinstance(val, list):
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in val):
+                    raise ValueError(f"malformed torch.Size {val!r}")
                 return torch.Size(val)
             if key == "__dtype__":
-                return getattr(torch, val)
+                dtype = getattr(torch, val, None) if isinstance(val, str) else None
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"unknown dtype {val!r}")
+                return dtype
+            if key in ("__tuple__", "__size__"):
+                raise ValueError(f"malformed {key} value {val!r}")
         return {k: decode_json(v) for k, v in obj.items()}
     return obj
 
@@ -138,9 +150,9 @@ def read_meta(directory: Path) -> dict:
             "GradientStorageManager wrote (its save_dir)."
         )
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise StoreFormatError(f"{path} is corrupted (not valid JSON): {e}") from None
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreFormatError(f"{path} is corrupted (not valid UTF-8 JSON): {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise StoreFormatError(
             f"{path} describes format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
@@ -152,6 +164,12 @@ def read_meta(directory: Path) -> dict:
             f"{path} has format version {version!r}; this dattri_llm reads versions 1.."
             f"{FORMAT_VERSION}. Upgrade dattri_llm to read it."
         )
+    for key, low in (("rank", 0), ("world_size", 1)):
+        value = meta.get(key, low)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise StoreFormatError(
+                f"{path} is corrupted: {key!r} must be an integer >= {low}, got {value!r}."
+            )
     return meta
 
 
@@ -239,7 +257,7 @@ def schema_fingerprint(schema: list[dict]) -> str:
 
 
 def decode_schema(raw: str | None, path: Path) -> dict:
-    """Parse a shard's JSON header, naming ``path`` when it is unreadable."""
+    """Parse and check a shard's JSON header, naming ``path`` when it is unreadable."""
     try:
         header = json.loads(raw) if raw is not None else None
     except json.JSONDecodeError as e:
@@ -249,6 +267,59 @@ def decode_schema(raw: str | None, path: Path) -> dict:
             f"shard {path} has no dattri_llm header (metadata key {SHARD_METADATA_KEY!r}); it "
             "was not written by GradientStorageManager or is corrupted."
         )
+    return check_header(header, path)
+
+
+def _check_leaf(spec: Any, where: str) -> None:
+    if not isinstance(spec, dict) or spec.get("kind") not in ("factorized", "materialized"):
+        raise ValueError(f"{where} has no valid 'kind'")
+    if not isinstance(spec.get("layer_type"), str):
+        raise ValueError(f"{where} has no valid 'layer_type'")
+    if not isinstance(spec.get("module_kwargs"), dict):
+        raise ValueError(f"{where} has no valid 'module_kwargs'")
+    decode_json(spec["module_kwargs"])
+
+
+def check_header(header: dict, path: Path) -> dict:
+    """Check the structure of a shard header (layers, step, checkpoint, hashes, metadata).
+
+    Raises:
+        StoreFormatError: naming ``path`` and the first malformed field.
+    """
+    try:
+        names = set()
+        for i, spec in enumerate(header["layers"]):
+            where = f"layer {i}"
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValueError(f"{where} has no valid 'name'")
+            if spec["name"] in names:
+                raise ValueError(f"layer {spec['name']!r} appears twice")
+            names.add(spec["name"])
+            if spec.get("kind") == "shared":
+                sites, site_names = spec.get("sites"), spec.get("site_names")
+                if (
+                    not isinstance(sites, list)
+                    or not isinstance(site_names, list)
+                    or not sites
+                    or len(sites) != len(site_names)
+                    or not all(isinstance(n, str) for n in site_names)
+                ):
+                    raise ValueError(f"shared {where} has no valid 'sites' / 'site_names'")
+                for j, site in enumerate(sites):
+                    _check_leaf(site, f"{where} site {j}")
+            else:
+                _check_leaf(spec, where)
+        for key in ("step", "checkpoint"):
+            if not isinstance(header.get(key), int) or isinstance(header.get(key), bool):
+                raise ValueError(f"no valid {key!r}")
+        hashes = header.get("hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            raise ValueError("no valid 'hashes'")
+        for key in ("metadata", "extra"):
+            if key in header and not isinstance(header[key], dict):
+                raise ValueError(f"{key!r} is not an object")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise StoreFormatError(f"shard {path} has a corrupted header: {e}.") from None
     return header
 
 

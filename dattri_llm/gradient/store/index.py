@@ -11,12 +11,24 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dattri_llm.gradient.store.format import StoreFormatError
+from dattri_llm.gradient.store.format import StoreFormatError, schema_fingerprint
 
-__all__ = ["IndexEntry", "read_index", "IndexAppender", "REQUIRED_FIELDS"]
+__all__ = [
+    "IndexEntry",
+    "read_index",
+    "parse_index",
+    "parse_lines",
+    "check_sequence",
+    "shard_name",
+    "entry_for",
+    "IndexAppender",
+    "REQUIRED_FIELDS",
+    "OPTIONAL_FIELDS",
+]
 
 #: Field name -> accepted Python type(s) of an index line.
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -31,31 +43,104 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "schema": str,
 }
 
+#: Optional fields of an index line and their types (also held by the shard header).
+OPTIONAL_FIELDS: dict[str, type] = {"metadata": dict, "extra": dict}
+#: Integer fields that cannot be negative.
+_NON_NEGATIVE = ("seq", "n", "bytes", "crc32")
+
 IndexEntry = dict[str, Any]
 
 
-def _check_entry(entry: Any, path: Path, lineno: int) -> IndexEntry:
-    if not isinstance(entry, dict):
-        raise StoreFormatError(f"{path}:{lineno}: index line is not a JSON object.")
-    for key, typ in REQUIRED_FIELDS.items():
-        value = entry.get(key)
-        if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
-            raise StoreFormatError(
-                f"{path}:{lineno}: index line has no valid {key!r} (got {value!r}); the index is "
-                "corrupted."
-            )
-    if len(entry["hashes"]) != entry["n"]:
-        raise StoreFormatError(
-            f"{path}:{lineno}: index line lists {len(entry['hashes'])} hashes for n={entry['n']}."
-        )
-    shard = entry["shard"]
-    if shard.startswith(("/", "\\")) or ".." in Path(shard).parts:
-        raise StoreFormatError(f"{path}:{lineno}: shard path {shard!r} leaves the store.")
+def shard_name(seq: int) -> str:
+    """The shard path (relative to its partition) of the record with sequence number ``seq``."""
+    return f"shards/{seq:09d}.safetensors"
+
+
+def entry_for(seq: int, header: dict, size: int, crc: int) -> IndexEntry:
+    """The index line of the shard ``seq`` whose header is ``header`` (size and CRC-32 given)."""
+    entry: IndexEntry = {
+        "seq": seq,
+        "step": header["step"],
+        "checkpoint": header["checkpoint"],
+        "shard": shard_name(seq),
+        "n": len(header["hashes"]),
+        "hashes": header["hashes"],
+        "bytes": size,
+        "crc32": crc,
+        "schema": schema_fingerprint(header["layers"]),
+    }
+    for key in OPTIONAL_FIELDS:
+        if key in header:
+            entry[key] = header[key]
     return entry
 
 
-def read_index(path: Path) -> tuple[list[IndexEntry], int]:
-    """Parse an index file.
+def _check_entry(entry: Any, path: Path, lineno: int) -> IndexEntry:
+    def bad(what: str) -> StoreFormatError:
+        return StoreFormatError(f"{path}:{lineno}: {what}; the index is corrupted.")
+
+    if not isinstance(entry, dict):
+        raise bad("index line is not a JSON object")
+    for key, typ in REQUIRED_FIELDS.items():
+        value = entry.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
+            raise bad(f"index line has no valid {key!r} (got {value!r})")
+    for key in _NON_NEGATIVE:
+        if entry[key] < 0:
+            raise bad(f"{key!r} is negative ({entry[key]})")
+    if entry["crc32"] >= 2**32:
+        raise bad(f"'crc32' {entry['crc32']} is not a CRC-32")
+    for key, typ in OPTIONAL_FIELDS.items():
+        if key in entry and not isinstance(entry[key], typ):
+            raise bad(f"{key!r} is not a JSON object (got {entry[key]!r})")
+    bad_hashes = [h for h in entry["hashes"] if not isinstance(h, str)]
+    if bad_hashes:
+        raise bad(f"'hashes' holds non-string items ({bad_hashes[0]!r})")
+    if len(entry["hashes"]) != entry["n"]:
+        raise bad(f"index line lists {len(entry['hashes'])} hashes for n={entry['n']}")
+    shard = entry["shard"]
+    if shard != shard_name(entry["seq"]):  # so it cannot point outside the partition either
+        raise bad(
+            f"shard {shard!r} is not the file of seq {entry['seq']} ({shard_name(entry['seq'])})"
+        )
+    return entry
+
+
+def check_sequence(entries: list[IndexEntry], path: Path) -> None:
+    """Check that line ``i`` of an index holds record ``seq == i`` (writers append in order).
+
+    A repeated ``seq`` is a duplicated line (the record would be counted twice); a skipped one
+    is a lost line (the record would be silently dropped).
+
+    Raises:
+        StoreFormatError: naming the index file, the line and what is wrong.
+    """
+    first_line: dict[int, int] = {}
+    for i, entry in enumerate(entries):
+        seq = entry["seq"]
+        if seq in first_line:
+            raise StoreFormatError(
+                f"{path}:{i + 1}: duplicated index line: seq {seq} ({entry['shard']}) is already "
+                f"listed on line {first_line[seq] + 1}, so the record would be counted twice. "
+                "Remove the duplicate line, or run GradientStorageManager.repair(save_dir) to "
+                "rebuild the index from the shards."
+            )
+        first_line[seq] = i
+        if seq != i:
+            what = (
+                f"records seq {i}..{seq - 1} are missing before it (a line was lost)"
+                if seq > i
+                else "the lines are out of order"
+            )
+            raise StoreFormatError(
+                f"{path}:{i + 1}: expected the record with seq {i}, found seq {seq}: {what}. "
+                "Run GradientStorageManager.repair(save_dir) to rebuild the index from the "
+                "shards, which carry their own headers."
+            )
+
+
+def read_index(path: Path, warn: bool = True) -> tuple[list[IndexEntry], int]:
+    """Parse and check an index file (every line valid, ``seq`` = line number).
 
     Returns:
         ``(entries, valid_bytes)``: the complete lines' entries and the byte length of the
@@ -63,13 +148,34 @@ def read_index(path: Path) -> tuple[list[IndexEntry], int]:
 
     Raises:
         StoreFormatError: naming the file and line of a complete line that is not a valid
-            entry.
+            entry, or of a duplicated or missing record (see :func:`check_sequence`).
+    """
+    entries, end, _ = parse_index(path, warn)
+    check_sequence(entries, path)
+    return entries, end
+
+
+def parse_index(
+    path: Path,
+    warn: bool = True,
+    check: Callable[[Any, Path, int], IndexEntry] | None = None,
+) -> tuple[list[IndexEntry], int, bool]:
+    """Parse an index file without the sequence check.
+
+    Args:
+        path: The JSONL file.
+        warn: Warn about a torn last line.
+        check: ``check(entry, path, lineno) -> entry`` validating each line (default: a
+            gradient-store index line); it raises ``StoreFormatError`` naming the line.
+
+    Returns:
+        ``(entries, valid_bytes, torn)``; ``torn``: the file ends in an incomplete line.
     """
     if not path.exists():
-        return [], 0
+        return [], 0, False
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
+    if end < len(data) and warn:
         warnings.warn(
             f"{path}: ignoring a torn last index line ({len(data) - end} bytes without a "
             "trailing newline), left by a writer that was killed while appending; that record "
@@ -87,8 +193,37 @@ def read_index(path: Path) -> tuple[list[IndexEntry], int]:
             raise StoreFormatError(
                 f"{path}:{lineno}: index line is not valid JSON ({e})."
             ) from None
-        entries.append(_check_entry(entry, path, lineno))
-    return entries, end
+        entries.append((check or _check_entry)(entry, path, lineno))
+    return entries, end, end < len(data)
+
+
+def parse_lines(path: Path) -> tuple[list[IndexEntry], int]:
+    """Leniently read an index for repair: the lines that name a shard, its size and CRC-32.
+
+    Returns:
+        ``(entries, bad)``: those lines' objects (unchecked otherwise), and the number of other
+        lines (unreadable, torn, or without those fields).
+    """
+    if not path.exists():
+        return [], 0
+    entries, bad = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            bad += 1
+            continue
+        ok = isinstance(entry, dict) and isinstance(entry.get("shard"), str)
+        if ok and all(
+            isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+            for k in ("bytes", "crc32")
+        ):
+            entries.append(entry)
+        else:
+            bad += 1
+    return entries, bad
 
 
 class IndexAppender:

@@ -15,26 +15,35 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from dattri_llm.gradient.compat import CaptureFacts
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, GradientRecord
 from dattri_llm.gradient.store.format import (
     FORMAT_VERSION,
     INDEX_FILE,
-    META_FILE,
     SHARD_METADATA_KEY,
-    StoreFormatError,
-    decode_gradient,
     decode_json,
     decode_schema,
-    read_meta,
-    tensor_keys,
-    write_meta,
 )
-from dattri_llm.gradient.store.index import IndexEntry, read_index
-from dattri_llm.gradient.store.writer import PartitionWriter, file_crc32
+from dattri_llm.gradient.store.index import IndexEntry, check_sequence, parse_index
+from dattri_llm.gradient.store.lifecycle import MODES, prepare_store
+from dattri_llm.gradient.store.lookup import SampleLocation, SampleLookup
+from dattri_llm.gradient.store.partition import Partition as _Partition
+from dattri_llm.gradient.store.partition import (
+    check_duplicate_records,
+    check_unindexed,
+    discover_partitions,
+)
+from dattri_llm.gradient.store.repair import RepairReport, repair_partition
+from dattri_llm.gradient.store.shard import (
+    check_header_matches,
+    merge_schema_facts,
+    open_shard,
+    read_gradient,
+    shard_dtype,
+)
+from dattri_llm.gradient.store.writer import PartitionWriter
 from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
-from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["GradientStorageManager", "RecordInfo", "SampleLocation"]
 
@@ -59,76 +68,77 @@ class RecordInfo(NamedTuple):
     path: Path
 
 
-class SampleLocation(NamedTuple):
-    """One occurrence of a sample: record ``record`` (store order), row ``row``."""
-
-    record: int
-    rank: int
-    step: int
-    checkpoint: int
-    row: int
-    path: Path
-
-
-class _Partition(NamedTuple):
-    rank: int
-    directory: Path
-
-
 def _metadata(entry: IndexEntry) -> dict:
     """A record's metadata (see ``GradientRecord.metadata``), decoded from its index line."""
     return decode_json(entry.get("metadata", {}))
 
 
-def _is_rank_dir(p: Path) -> bool:
-    return p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()
-
-
-class GradientStorageManager:
+class GradientStorageManager(SampleLookup):
     """Read and write a gradient store in ``save_dir``.
 
     Writing: pass it to ``OffloadCallback(file_manager=...)`` or call :meth:`write`; the
-    directory is created on the first write, and writing into an existing store appends
-    (resume). Under an initialised ``torch.distributed`` group each rank writes ``rank_N/``.
-    Call :meth:`close` (or use ``with``) so the last records become durable.
+    directory is created on the first write. What happens to records already in the store is
+    ``mode``: by default (``"create"``) the first write refuses a store that already holds
+    records, so re-running a capture cannot silently count every sample twice; ``"append"``
+    adds to them (resume an interrupted capture: ``OffloadCallback`` continues the steps after
+    the last stored one), ``"overwrite"`` deletes them first. Records this manager wrote are
+    always appended to (several capture contexts, several checkpoints). Under an initialised
+    ``torch.distributed`` group each rank writes ``rank_N/``. Call :meth:`close` (or use
+    ``with``; ``OffloadCallback`` does when its capture context ends) so the last records
+    become durable and the partition is released.
 
     Reading: the store merges every partition; records come in *store order* — by rank, then
-    step, then write order. ``len(store)`` is the number of records.
+    step, then write order. ``len(store)`` is the number of records. What the reader checks
+    (and :meth:`repair` fixes) is listed in ``docs/STORE_FORMAT.md``.
 
     Args:
         save_dir: The store directory.
+        mode: ``"create"`` (default), ``"append"`` or ``"overwrite"`` (see above; reading
+            is the same in every mode).
         async_write: Write shards on a background thread.
         max_pending: Records accepted by :meth:`write` but not yet durable (so a crash loses at
             most this many; default 1: only the in-flight record).
         fsync: fsync shards and index lines (turn off only for scratch stores).
         verify: Check a shard's CRC-32 against the index the first time this manager reads it
             (size, header and hashes are checked on every read); ``False`` skips the
-            full-file checksum (faster first reads).
+            full-file checksum (faster first reads, but a flipped bit in a tensor goes unseen).
+        allow_duplicate_records: Accept byte-identical records in two partitions (two ranks
+            that computed the very same batch); by default that is refused as a copied
+            partition.
 
     Raises:
-        StoreFormatError: ``save_dir`` holds files but is not a store, or a store of an
-            unsupported format version.
+        StoreFormatError: ``save_dir`` holds files but is not a store, a store of an
+            unsupported format version, or a damaged one (naming the file).
     """
 
     def __init__(
         self,
         save_dir: str | os.PathLike,
         *,
+        mode: str = "create",
         async_write: bool = True,
         max_pending: int = 1,
         fsync: bool = True,
         verify: bool = True,
+        allow_duplicate_records: bool = False,
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         self.save_dir = Path(save_dir)
         if self.save_dir.exists() and not self.save_dir.is_dir():
             raise NotADirectoryError(f"save_dir {self.save_dir} exists and is not a directory.")
+        self.mode = mode
         self.async_write = async_write
         self.max_pending = max_pending
         self.fsync = fsync
         self.verify = verify
+        self.allow_duplicate_records = allow_duplicate_records
         self._lock = threading.RLock()
         self._writer: PartitionWriter | None = None
         self._writer_part: _Partition | None = None
+        self._opened = False  # a writer was opened once: later ones append to our records
+        self._own: list[IndexEntry] = []  # the durable records of our open writer's partition
+        self._known: tuple[Path, tuple[list[IndexEntry], int]] | None = None  # at our close
         self._entries: list[tuple[_Partition, IndexEntry]] = []
         self._order: list[int] | None = None
         self._by_hash: dict[str, list[tuple[int, int]]] = {}
@@ -137,52 +147,35 @@ class GradientStorageManager:
         self.refresh()
 
     # ---- discovery ------------------------------------------------------------------------------
-    def _partitions(self) -> list[_Partition]:
-        root = self.save_dir
-        if not root.is_dir():
-            return []
-        subdirs = sorted(
-            (p for p in root.iterdir() if _is_rank_dir(p)), key=lambda p: int(p.name[5:])
-        )
-        has_meta = (root / META_FILE).is_file()
-        if not has_meta:
-            others = [
-                p.name
-                for p in root.iterdir()
-                if not _is_rank_dir(p) and not p.name.startswith(f".{META_FILE}")
-            ]
-            if others:
-                raise StoreFormatError(
-                    f"{root} is not a gradient store: it has no {META_FILE} but holds "
-                    f"{sorted(others)[:5]}. Pass an empty or new directory, or a store's save_dir."
-                )
-        else:
-            read_meta(root)
-        parts = []
-        if (root / INDEX_FILE).exists():
-            parts.append(_Partition(int(read_meta(root).get("rank", 0)), root))
-        for d in subdirs:
-            if (d / INDEX_FILE).exists() or (d / META_FILE).exists():
-                read_meta(d)
-                parts.append(_Partition(int(d.name[5:]), d))
-        return parts
-
     def refresh(self) -> None:
-        """Re-read every partition's index (see records written by other processes)."""
+        """Re-read every partition's index (see records written by other processes).
+
+        Raises:
+            StoreFormatError: a corrupted index, a partition copied under another rank, shards
+                no index line accounts for, or the same record in two partitions.
+        """
         with self._lock:
             entries = []
-            for part in self._partitions():
-                if self._writer_part is not None and part.directory == self._writer_part.directory:
-                    entries += [(p, e) for p, e in self._entries if p.directory == part.directory]
+            writing = self._writer is not None and not self._writer.closed
+            own = self._writer_part.directory if writing and self._writer_part else None
+            for part in discover_partitions(self.save_dir):
+                if part.directory == own:  # our writer's records (in flight ones excluded)
+                    entries += [(part, e) for e in self._own]
                     continue
-                found, _ = read_index(part.directory / INDEX_FILE)
+                path = part.directory / INDEX_FILE
+                found, _, torn = parse_index(path)
+                check_sequence(found, path)
+                check_unindexed(part, found, torn)
                 entries += [(part, e) for e in found]
+            if not self.allow_duplicate_records:
+                check_duplicate_records(entries)
             self._entries = entries
             self._order = None
 
     def _on_durable(self, entry: IndexEntry) -> None:
         assert self._writer_part is not None
         with self._lock:
+            self._own.append(entry)
             self._entries.append((self._writer_part, entry))
             self._order = None
 
@@ -209,16 +202,12 @@ class GradientStorageManager:
     def _ensure_writer(self) -> PartitionWriter:
         if self._writer is not None:
             return self._writer
-        distributed = is_distributed()
-        rank = get_rank()
-        directory = self.save_dir / f"rank_{rank}" if distributed else self.save_dir
-        self.save_dir.mkdir(parents=True, exist_ok=True)
-        self._partitions()  # refuse a directory that is not a store
-        if distributed:
-            write_meta(self.save_dir, {"layout": "ranks"})
-        meta = {"rank": rank, "world_size": get_world_size()}
+        rank, world = get_rank(), get_world_size()
+        directory = self.save_dir / f"rank_{rank}" if is_distributed() else self.save_dir
+        mode = self.mode if not self._opened else "append"
+        prepare_store(self.save_dir, directory, mode, rank, world, is_distributed())
+        meta = {"rank": rank, "world_size": world}
         with self._lock:
-            self._writer_part = _Partition(rank, directory)
             self._writer = PartitionWriter(
                 directory,
                 meta,
@@ -226,8 +215,15 @@ class GradientStorageManager:
                 async_write=self.async_write,
                 max_pending=self.max_pending,
                 fsync=self.fsync,
+                clear=mode == "overwrite",
+                known=self._known[1] if self._known and self._known[0] == directory else None,
             )
-            self.refresh()
+            self._writer_part = _Partition(rank, directory)
+            reused = self._own == self._writer.entries and self._known is not None
+            self._own = list(self._writer.entries)
+            self._opened = True
+            if not reused:  # reopened after our own close with nothing appended: up to date
+                self.refresh()
         return self._writer
 
     def write(self, record: GradientRecord, extra: Mapping[str, Any] | None = None) -> None:
@@ -248,12 +244,33 @@ class GradientStorageManager:
             self._writer.flush()
 
     def close(self) -> None:
-        """Flush and release the writer (the store stays readable)."""
+        """Flush and release the writer (the store stays readable; a later write reopens it)."""
         if self._writer is not None:
             try:
                 self._writer.close()
             finally:
-                self._writer = None
+                if not self._writer.taken_over:  # stay refused: another manager writes now
+                    index = self._writer.directory / INDEX_FILE
+                    size = index.stat().st_size if index.exists() else 0
+                    self._known = (self._writer.directory, (list(self._own), size))
+                    self._writer = None
+
+    @classmethod
+    def repair(cls, save_dir: str | os.PathLike) -> list[RepairReport]:
+        """Rebuild the damaged indexes of a store from its shards' own headers.
+
+        Lost, duplicated or mismatched index lines are rebuilt; shards that fail their
+        recorded CRC-32, copies and unreadable shards go to ``quarantine/``; shards no line
+        named are indexed from their headers (reported as unverified). Run it with no writer
+        open. The rules are in ``docs/STORE_FORMAT.md`` ("Repair").
+
+        Returns:
+            One :class:`~dattri_llm.gradient.store.RepairReport` per partition.
+        """
+        root = Path(save_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory.")
+        return [repair_partition(part) for part in discover_partitions(root)]
 
     def __enter__(self) -> GradientStorageManager:
         return self
@@ -334,10 +351,11 @@ class GradientStorageManager:
     def _header(self, part: _Partition, entry: IndexEntry) -> dict:
         key = (part.rank, entry["schema"])
         if key not in self._headers:
+            path = part.directory / entry["shard"]
             with self._open(part, entry, check_crc=False) as f:
-                self._headers[key] = decode_schema(
-                    f.metadata().get(SHARD_METADATA_KEY), part.directory / entry["shard"]
-                )
+                header = decode_schema(f.metadata().get(SHARD_METADATA_KEY), path)
+            check_header_matches(header, entry, path)
+            self._headers[key] = header
         return self._headers[key]
 
     @property
@@ -361,42 +379,49 @@ class GradientStorageManager:
             for s in self.schema
         }
 
-    # ---- lookup ---------------------------------------------------------------------------------
-    def _key(
-        self, key: str | Mapping[str, Any] | torch.Tensor, hash_keys: Sequence[str] | None = None
-    ) -> str:
-        return key if isinstance(key, str) else hash_sample(key, keys=hash_keys)
+    def last_steps(self) -> dict[int, int]:
+        """``{checkpoint label: its last stored step}`` over every partition.
 
-    def locations(self, sample_hash: str) -> list[SampleLocation]:
-        """Every (record, step, row) at which a sample occurs, in store order (O(1) lookup)."""
-        ordered = self._ordered()
-        out = []
-        for pos, row in self._by_hash.get(sample_hash, []):
-            part, e = ordered[pos]
-            out.append(
-                SampleLocation(
-                    pos, part.rank, e["step"], e["checkpoint"], row, part.directory / e["shard"]
-                )
-            )
+        Before the first write of a manager opened with ``mode="overwrite"`` this is empty: the
+        records it will write follow none of the present ones.
+        """
+        if self.mode == "overwrite" and not self._opened:
+            return {}
+        out: dict[int, int] = {}
+        for _, e in self._entries:
+            c = e["checkpoint"]
+            out[c] = max(out.get(c, e["step"]), e["step"])
         return out
 
-    def lookup(
-        self, inputs: Mapping[str, Any] | torch.Tensor | str, hash_keys: Sequence[str] | None = None
-    ) -> list[SampleLocation]:
-        """Locations of one sample given by its fields (hashed with ``hash_sample``) or hash.
+    def capture_facts(self, layers: Sequence[str] | None = None) -> CaptureFacts:
+        """What the store's gradients were captured as (layers, projection, dtype, metadata).
+
+        Read from the shard headers (every distinct layer schema is checked to describe the
+        same capture); the train / test compatibility check of the attributors compares these.
 
         Args:
-            inputs: One sample (a dict of tensors without batch axis) or its hash.
-            hash_keys: Fields to hash, as in capture (default: ``input_ids`` when present).
+            layers: Only these layers (default: all).
+
+        Raises:
+            ValueError: the store holds no records.
+            IncompatibleGradientsError: records of the store were captured incompatibly (e.g.
+                a different model or projection appended to it), naming two of their shards.
         """
-        return self.locations(self._key(inputs, hash_keys))
+        ordered = self._ordered()
+        if not ordered:
+            raise ValueError(f"the store {self.save_dir} holds no records yet.")
+        schemas = {}  # one shard per distinct layer schema
+        for part, e in ordered:
+            if (part.rank, e["schema"]) not in schemas:
+                path = part.directory / e["shard"]
+                schemas[part.rank, e["schema"]] = (path, self._header(part, e)["layers"])
+        layer_facts = merge_schema_facts(list(schemas.values()), layers, self.save_dir)
+        part, e = ordered[0]
+        with self._open(part, e, check_crc=False) as f:
+            dtype = shard_dtype(f)
+        return CaptureFacts(layer_facts, dtype, _metadata(e), f"store {self.save_dir}")
 
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, str):
-            return False
-        self._ordered()
-        return key in self._by_hash
-
+    # ---- lookup ---------------------------------------------------------------------------------
     # ---- reading --------------------------------------------------------------------------------
     def _open(
         self,
@@ -406,26 +431,10 @@ class GradientStorageManager:
         device: str | torch.device = "cpu",
     ) -> Any:
         path = part.directory / entry["shard"]
-        if not path.is_file():
-            raise StoreFormatError(
-                f"shard {path} is missing although {part.directory / INDEX_FILE} lists it."
-            )
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise StoreFormatError(
-                f"shard {path} is truncated or corrupted: {size} bytes, the index recorded "
-                f"{entry['bytes']}."
-            )
-        if check_crc and path not in self._verified:
-            if file_crc32(path) != entry["crc32"]:
-                raise StoreFormatError(
-                    f"shard {path} is corrupted: its CRC-32 does not match the index."
-                )
+        handle = open_shard(path, entry, check_crc and path not in self._verified, device)
+        if check_crc:
             self._verified.add(path)
-        try:
-            return safe_open(str(path), framework="pt", device=str(device))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
+        return handle
 
     def check_layers(self, layers: Sequence[str] | None) -> list[str] | None:
         """Validate a layer selection against the store (``None`` means every layer).
@@ -453,29 +462,8 @@ class GradientStorageManager:
         dtype: torch.dtype | None,
         rows: slice | None = None,
     ) -> Gradient:
-        path = part.directory / entry["shard"]
         with self._open(part, entry, self.verify, device) as f:
-            header = decode_schema(f.metadata().get(SHARD_METADATA_KEY), path)
-            if (
-                header.get("hashes") != entry["hashes"]
-                or header.get("step") != entry["step"]
-                or header.get("metadata") != entry.get("metadata")
-            ):
-                raise StoreFormatError(
-                    f"shard {path} does not hold the record its index line describes (step or "
-                    "hashes differ); the store is corrupted."
-                )
-            keys = tensor_keys(header["layers"], layers)
-            try:
-                if rows is None:
-                    tensors = {k: f.get_tensor(k) for k in keys}
-                else:
-                    tensors = {k: f.get_slice(k)[rows] for k in keys}
-            except (SafetensorError, KeyError) as e:
-                raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
-        if dtype is not None:
-            tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-        return decode_gradient(header["layers"], tensors, layers)
+            return read_gradient(f, part.directory / entry["shard"], entry, layers, dtype, rows)
 
     def load_record(
         self,
@@ -518,64 +506,8 @@ class GradientStorageManager:
     def __iter__(self) -> Iterator[GradientBlock]:
         return self.iter_blocks()
 
-    def load_sample_steps(
-        self,
-        sample: str | Mapping[str, Any] | torch.Tensor,
-        layers: Sequence[str] | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        hash_keys: Sequence[str] | None = None,
-    ) -> list[GradientBlock]:
-        """Every occurrence of one sample as one-row blocks, in store order.
-
-        Raises:
-            KeyError: the sample is not in the store.
-        """
-        h = self._key(sample, hash_keys)
-        locs = self.locations(h)
-        if not locs:
-            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
-        layers = self.check_layers(layers)
-        ordered = self._ordered()
-        out = []
-        for loc in locs:
-            part, e = ordered[loc.record]
-            grad = self._load(part, e, layers, device, dtype, slice(loc.row, loc.row + 1))
-            out.append(GradientBlock(e["step"], grad, [h], e["checkpoint"]))
-        return out
-
-    def load_sample(
-        self,
-        sample: str | Mapping[str, Any] | torch.Tensor,
-        step: int | None = None,
-        layers: Sequence[str] | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        hash_keys: Sequence[str] | None = None,
-    ) -> Gradient:
-        """One sample's gradient (one row): its first occurrence, or the one at ``step``.
-
-        Raises:
-            KeyError: the sample is not in the store, or not at ``step``.
-        """
-        h = self._key(sample, hash_keys)
-        locs = self.locations(h)
-        if step is not None:
-            at = [loc for loc in locs if loc.step == step]
-            if not at:
-                raise KeyError(
-                    f"sample {h[:16]}... is not stored at step {step}; it is at steps "
-                    f"{sorted({loc.step for loc in locs})}."
-                )
-            locs = at
-        if not locs:
-            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
-        part, e = self._ordered()[locs[0].record]
-        row = locs[0].row
-        return self._load(part, e, self.check_layers(layers), device, dtype, slice(row, row + 1))
-
     def verify_all(self) -> int:
-        """Check every shard (size, CRC-32, header); return the number checked.
+        """Check every shard (size, CRC-32, header vs index line); return the number checked.
 
         Raises:
             StoreFormatError: naming the first bad file.
@@ -583,6 +515,8 @@ class GradientStorageManager:
         ordered = self._ordered()
         self._verified.clear()
         for part, e in ordered:
+            path = part.directory / e["shard"]
             with self._open(part, e, check_crc=True) as f:
-                decode_schema(f.metadata().get(SHARD_METADATA_KEY), part.directory / e["shard"])
+                header = decode_schema(f.metadata().get(SHARD_METADATA_KEY), path)
+            check_header_matches(header, e, path)
         return len(ordered)

@@ -8,6 +8,10 @@ Write protocol of one record (the order is what makes a crash lose at most that 
 
 With ``async_write`` the three steps run on a background thread; at most ``max_pending``
 records (default 1) are accepted but not yet durable, so a crash loses at most that many.
+
+One writer per partition: other processes are kept out with ``flock``; within one process a
+new writer of a partition takes over from an earlier one that was never closed (an
+interrupted notebook cell): the earlier one is flushed and closed, with a warning.
 """
 
 from __future__ import annotations
@@ -32,19 +36,57 @@ from dattri_llm.gradient.store.format import (
     SHARD_DIR,
     SHARD_METADATA_KEY,
     encode_record,
-    schema_fingerprint,
     write_meta,
 )
-from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, read_index
+from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
+from dattri_llm.gradient.store.partition import Partition, check_unindexed
 
 try:  # advisory lock against two writers on one partition (POSIX only)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["PartitionWriter", "file_crc32"]
+__all__ = ["PartitionWriter", "file_crc32", "live_writer", "lock_partition"]
 
 LOCK_FILE = ".writer.lock"
+#: The open writers of this process, by partition directory.
+_LIVE: dict[str, weakref.ref[PartitionWriter]] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def _key(directory: Path) -> str:
+    return str(Path(directory).resolve())
+
+
+def live_writer(directory: Path) -> PartitionWriter | None:
+    """The open writer of ``directory`` in this process, if any."""
+    with _LIVE_LOCK:
+        ref = _LIVE.get(_key(directory))
+    writer = ref() if ref is not None else None
+    return writer if writer is not None and not writer.closed else None
+
+
+def lock_partition(directory: Path) -> object | None:
+    """Take the partition's writer lock (``flock``, POSIX) or raise naming the directory.
+
+    Returns:
+        The open lock file (closing it releases the lock), or ``None`` without ``fcntl``.
+
+    Raises:
+        RuntimeError: another process holds the lock.
+    """
+    if fcntl is None:
+        return None
+    f = open(directory / LOCK_FILE, "a")  # noqa: SIM115 - held while writing
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RuntimeError(
+            f"another process is writing to {directory}; one writer per partition (wait for it "
+            "to finish, or use a different save_dir)."
+        ) from None
+    return f
 
 
 def file_crc32(path: Path) -> int:
@@ -57,7 +99,15 @@ def file_crc32(path: Path) -> int:
             return zlib.crc32(mm)
 
 
-def _fsync_dir(path: Path) -> None:
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def fsync_dir(path: Path) -> None:
+    """Fsync a directory (its entries: a rename is durable after this)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -80,6 +130,14 @@ class PartitionWriter:
         async_write: Write on a background thread.
         max_pending: Records accepted but not yet durable (the most a crash can lose).
         fsync: fsync shards, directory and index (turn off only for scratch stores).
+        clear: Delete the partition's records first (``mode="overwrite"``).
+        known: ``(entries, index size)`` the same manager left when it closed its writer:
+            reused instead of parsing the index again when the index still has that size.
+
+    Raises:
+        RuntimeError: another process writes the partition.
+        StoreFormatError: the partition's index is corrupted or does not account for its
+            shards (see :func:`~dattri_llm.gradient.store.partition.check_unindexed`).
     """
 
     def __init__(
@@ -90,28 +148,59 @@ class PartitionWriter:
         async_write: bool = True,
         max_pending: int = 1,
         fsync: bool = True,
+        clear: bool = False,
+        known: tuple[list[IndexEntry], int] | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.directory = directory
         self.fsync = fsync
         self._on_durable = on_durable
+        self._taken_over = False
+        self._closed = True  # until the lock is held
         directory.mkdir(parents=True, exist_ok=True)
         write_meta(directory, meta)
-        self._lock_file = self._acquire_lock()
-        self.shard_dir = directory / SHARD_DIR
-        self.shard_dir.mkdir(exist_ok=True)
-        entries, valid = read_index(directory / INDEX_FILE)
-        self._cleanup({e["shard"] for e in entries})
-        self._index = IndexAppender(directory / INDEX_FILE, valid, fsync=fsync)
-        self._seq = max((e["seq"] for e in entries), default=-1) + 1
+        old = live_writer(directory)
+        if old is not None:
+            old._taken_over = True
+            warnings.warn(
+                f"{directory}: another writer of this process was still open (a capture "
+                "interrupted before its GradientStorageManager was closed?); its records were "
+                "flushed and it was closed, and this writer takes over.",
+                UserWarning,
+                stacklevel=4,
+            )
+            old.close()
+        self._lock_file = lock_partition(directory)
+        try:
+            self.shard_dir = directory / SHARD_DIR
+            self.shard_dir.mkdir(exist_ok=True)
+            if clear:
+                entries, valid = [], 0
+                IndexAppender(directory / INDEX_FILE, 0, fsync=fsync).close()  # truncate first
+            elif known is not None and _size(directory / INDEX_FILE) == known[1]:
+                entries, valid = list(known[0]), known[1]  # nobody appended since we closed
+            else:
+                entries, valid = read_index(directory / INDEX_FILE, warn=False)
+                check_unindexed(Partition(0, directory), entries, torn=True)
+            self._cleanup({e["shard"] for e in entries}, quiet=clear)
+            self._index = IndexAppender(directory / INDEX_FILE, valid, fsync=fsync)
+        except BaseException:
+            if self._lock_file is not None:
+                self._lock_file.close()
+            raise
+        #: The partition's records when the writer opened (in order).
+        self.entries: list[IndexEntry] = list(entries)
+        self._seq = len(entries)
         self._error: BaseException | None = None
         self._closed = False
+        with _LIVE_LOCK:
+            _LIVE[_key(directory)] = weakref.ref(self)
         self._async = async_write
         if async_write:
             self._slots = threading.Semaphore(max_pending)
             self._cv = threading.Condition()
-            self._queue: list[tuple[int, dict, dict, dict | None] | None] = []
+            self._queue: list[tuple[int, dict, dict] | None] = []
             self._pending = 0
             self._thread = threading.Thread(
                 target=self._run, name="dattri-store-writer", daemon=True
@@ -119,37 +208,36 @@ class PartitionWriter:
             self._thread.start()
             # a normal interpreter exit without close() still makes accepted records durable
             ref = weakref.WeakMethod(self.close)
-            atexit.register(lambda: ref() and ref()())
+            self._atexit = lambda: ref() and ref()()
+            atexit.register(self._atexit)
 
     # ---- setup --------------------------------------------------------------------------------
-    def _acquire_lock(self) -> object | None:
-        if fcntl is None:
-            return None
-        f = open(self.directory / LOCK_FILE, "a")  # noqa: SIM115 - held while writing
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            raise RuntimeError(
-                f"another process is writing to {self.directory}; one writer per partition (use "
-                "a different save_dir, or close the other GradientStorageManager first)."
-            ) from None
-        return f
+    @property
+    def closed(self) -> bool:
+        """Whether the writer was closed (or taken over)."""
+        return self._closed
 
-    def _cleanup(self, referenced: set[str]) -> None:
+    @property
+    def taken_over(self) -> bool:
+        """Whether a newer writer of this process took the partition over."""
+        return self._taken_over
+
+    def _cleanup(self, referenced: set[str], quiet: bool = False) -> None:
         """Remove temp files and shards no index line points at (a killed writer's leftovers).
 
         Temp files are the hidden ones: ours (``.{name}.tmp``) and safetensors' own (its
         ``save_file`` writes a ``.tmpXXXXXX`` file next to the target, then renames it).
         """
         removed = []
-        for p in self.shard_dir.iterdir():
-            rel = f"{SHARD_DIR}/{p.name}"
-            hidden = p.name.startswith(".") and p.is_file()
-            if hidden or (p.suffix == ".safetensors" and rel not in referenced):
-                p.unlink()
-                removed.append(p.name)
-        if removed:
+        for name in os.listdir(self.shard_dir):
+            if name.startswith("."):
+                if not (self.shard_dir / name).is_file():
+                    continue
+            elif not name.endswith(".safetensors") or f"{SHARD_DIR}/{name}" in referenced:
+                continue
+            (self.shard_dir / name).unlink()
+            removed.append(name)
+        if removed and not quiet:
             warnings.warn(
                 f"{self.directory}: removed {len(removed)} unfinished shard file(s) of an "
                 f"interrupted writer ({', '.join(sorted(removed)[:3])}"
@@ -162,26 +250,30 @@ class PartitionWriter:
     def write(self, record: GradientRecord, extra: dict | None = None) -> None:
         """Persist one record (blocks while ``max_pending`` records are in flight)."""
         self._raise_pending()
+        if self._taken_over:
+            raise RuntimeError(
+                f"this GradientStorageManager no longer writes {self.directory}: a newer one in "
+                "this process took the partition over. Write through the newer manager."
+            )
         if self._closed:
             raise RuntimeError(f"the writer of {self.directory} is closed.")
         tensors, header = encode_record(record)
         if extra is not None:
             json.dumps(extra, allow_nan=False)  # fail here, not on the thread
+            header["extra"] = extra
         seq = self._seq
         self._seq += 1
         if not self._async:
-            self._write_now(seq, tensors, header, extra)
+            self._write_now(seq, tensors, header)
             return
         self._slots.acquire()
         self._raise_pending()
         with self._cv:
-            self._queue.append((seq, tensors, header, extra))
+            self._queue.append((seq, tensors, header))
             self._pending += 1
             self._cv.notify_all()
 
-    def _write_now(
-        self, seq: int, tensors: dict[str, torch.Tensor], header: dict, extra: dict | None
-    ) -> None:
+    def _write_now(self, seq: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
         name = f"{seq:09d}.safetensors"
         tmp = self.shard_dir / f".{name}.tmp"
         final = self.shard_dir / name
@@ -202,22 +294,8 @@ class PartitionWriter:
         size = tmp.stat().st_size
         os.replace(tmp, final)
         if self.fsync:
-            _fsync_dir(self.shard_dir)
-        entry: IndexEntry = {
-            "seq": seq,
-            "step": header["step"],
-            "checkpoint": header["checkpoint"],
-            "shard": f"{SHARD_DIR}/{name}",
-            "n": len(header["hashes"]),
-            "hashes": header["hashes"],
-            "bytes": size,
-            "crc32": crc,
-            "schema": schema_fingerprint(header["layers"]),
-        }
-        if "metadata" in header:
-            entry["metadata"] = header["metadata"]
-        if extra is not None:
-            entry["extra"] = extra
+            fsync_dir(self.shard_dir)
+        entry = entry_for(seq, header, size, crc)
         self._index.append(entry)
         self._on_durable(entry)
 
@@ -266,6 +344,11 @@ class PartitionWriter:
                     self._queue.append(None)
                     self._cv.notify_all()
                 self._thread.join()
+                atexit.unregister(self._atexit)
             self._index.close()
             if self._lock_file is not None:
                 self._lock_file.close()
+            with _LIVE_LOCK:
+                ref = _LIVE.get(_key(self.directory))
+                if ref is not None and ref() is self:
+                    del _LIVE[_key(self.directory)]

@@ -99,6 +99,11 @@ class StepDynamics:
         self._coords = coords
         self._names = names
 
+    def fields(self, layer: str) -> list[str]:
+        """The tensors recorded for ``layer`` (e.g. ``["exp_avg", "exp_avg.post", ...]``)."""
+        prefix = f"{layer}|"
+        return sorted(k[len(prefix) :] for k in self._tensors if k.startswith(prefix))
+
     def has(self, layer: str, field: str) -> bool:
         """Whether ``field`` (e.g. ``"max_exp_avg_sq"``, ``"param"``) was recorded."""
         return f"{layer}|{field}" in self._tensors

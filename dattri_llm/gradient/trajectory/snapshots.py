@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dattri_llm.gradient.store.format import StoreFormatError
-from dattri_llm.gradient.store.index import IndexAppender
-from dattri_llm.gradient.store.writer import _fsync_dir, file_crc32
+from dattri_llm.gradient.store.index import IndexAppender, parse_index
+from dattri_llm.gradient.store.writer import file_crc32, fsync_dir
 
 __all__ = ["TrajectorySnapshots", "TRAJECTORY_FORMAT", "TRAJECTORY_VERSION"]
 
@@ -104,37 +103,14 @@ class TrajectorySnapshots:
     def _index_path(self) -> Path:
         return self.root / "index.jsonl"
 
-    def _load_index(self) -> int:
-        path = self._index_path()
-        if not path.exists():
-            return 0
-        data = path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            warnings.warn(
-                f"{path}: ignoring a torn last line left by a killed writer (that entry is lost).",
-                UserWarning,
-                stacklevel=3,
-            )
-        for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
-            try:
-                entry = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise StoreFormatError(f"{path}:{lineno}: not valid JSON ({e}).") from None
-            bad = [
-                k
-                for k, t in _FIELDS.items()
-                if not isinstance(entry, dict)
-                or not isinstance(entry.get(k), t)
-                or (t is int and isinstance(entry.get(k), bool))
-            ]
-            if bad or entry["kind"] not in KINDS or ".." in Path(entry["file"]).parts:
-                raise StoreFormatError(f"{path}:{lineno}: invalid trajectory index line ({bad}).")
+    def _load_index(self, warn: bool = True) -> int:
+        entries, end, _ = parse_index(self._index_path(), warn=warn, check=_check_line)
+        for lineno, entry in enumerate(entries, 1):
             key = (entry["kind"], entry["step"])
             if key in self._entries:
                 raise StoreFormatError(
-                    f"{path}:{lineno}: a second {entry['kind']!r} entry for step {entry['step']}; "
-                    "the index is corrupted."
+                    f"{self._index_path()}:{lineno}: a second {entry['kind']!r} entry for step "
+                    f"{entry['step']}; the index is corrupted."
                 )
             self._entries[key] = entry
             self._seq = max(self._seq, entry["seq"] + 1)
@@ -152,7 +128,7 @@ class TrajectorySnapshots:
             )
             os.replace(tmp, meta)
         self._entries.clear()
-        valid = self._load_index()
+        valid = self._load_index(warn=False)  # a torn line was reported on opening
         referenced = {e["file"] for e in self._entries.values()}
         for kind in KINDS:
             d = self.root / kind
@@ -189,7 +165,7 @@ class TrajectorySnapshots:
         crc, size = file_crc32(tmp), tmp.stat().st_size
         os.replace(tmp, final)
         if self.fsync:
-            _fsync_dir(d)
+            fsync_dir(d)
         entry = {
             "seq": seq,
             "kind": kind,
@@ -328,6 +304,20 @@ class TrajectorySnapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_line(entry: Any, path: Path, lineno: int) -> dict:
+    """Validate one trajectory index line (``parse_index``'s checker)."""
+    bad = [
+        k
+        for k, t in _FIELDS.items()
+        if not isinstance(entry, dict)
+        or not isinstance(entry.get(k), t)
+        or (t is int and isinstance(entry.get(k), bool))
+    ]
+    if bad or entry["kind"] not in KINDS or ".." in Path(entry["file"]).parts:
+        raise StoreFormatError(f"{path}:{lineno}: invalid trajectory index line ({bad}).")
+    return entry
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

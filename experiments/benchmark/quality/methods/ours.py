@@ -7,6 +7,7 @@ even if two images were identical); rows are realigned to dataset order with
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any
 
@@ -182,7 +183,7 @@ def kronecker(
             {"damping": 0.1, "relative": True} if damping is None else {"damping": damping}
         )
         if key not in ctx.extra:
-            tmp = tempfile.mkdtemp(prefix="quality-")
+            tmp = os.path.join(tempfile.gettempdir(), "quality-unsaved")  # nothing is saved
             attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]), non_kronecker=non_kronecker)
             factors = None
             if fisher == "sampled":  # fit on sampled labels, score the real train gradients

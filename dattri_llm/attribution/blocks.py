@@ -1,0 +1,186 @@
+"""The parts the shared score loop (:mod:`dattri_llm.attribution.base`) is built from.
+
+* :class:`LiveSource` — the live train side: streamed, and remembered within a memory budget;
+* :class:`Accumulator` — collects score rows (and token scores) into an ``AttributionScore``,
+  checking that every train block was captured like the first and like the test side;
+* block checks — hashes per row, token axes, duplicate test rows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.compat import CaptureFacts, check_same_capture, facts_of
+from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
+
+if TYPE_CHECKING:
+    from dattri_llm.attribution.base import BaseAttributor, _TestSide
+
+__all__ = [
+    "LiveSource",
+    "Accumulator",
+    "GRANULARITIES",
+    "source_name",
+    "first_occurrences",
+    "check_granularity",
+    "check_hashes",
+    "check_token_axis",
+]
+
+GRANULARITIES = ("sample", "token")
+
+
+class LiveSource:
+    """The live train side handed to ``fit``: not re-readable, but remembered within a budget.
+
+    The first complete iteration keeps its blocks while their total size stays within
+    ``budget`` bytes; later iterations (a second fit pass, the scoring loop) then read memory
+    instead of running the model again. Past the budget nothing is kept.
+    """
+
+    rereadable = False
+
+    def __init__(self, make: Callable[[], Iterator[GradientBlock]], budget: int) -> None:
+        self._make = make
+        self._budget = budget
+        self._blocks: list[GradientBlock] | None = None
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        if self._blocks is not None:
+            yield from self._blocks
+            return
+        kept: list[GradientBlock] | None = [] if self._budget > 0 else None
+        size = 0
+        for block in self._make():
+            if kept is not None:
+                size += block.gradient.nbytes
+                if size <= self._budget:
+                    kept.append(block)
+                else:
+                    kept = None  # over budget: later reads stream again
+            yield block
+        self._blocks = kept
+
+    def cached(self, checkpoint: int) -> list[GradientBlock] | None:
+        """The kept blocks of one checkpoint, or ``None`` when nothing was kept."""
+        if self._blocks is None:
+            return None
+        return [b for b in self._blocks if int(b.checkpoint) == checkpoint]
+
+
+class Accumulator:
+    """Checks every train block's capture and hands its score rows to a sink.
+
+    The sink (:mod:`dattri_llm.attribution.sinks`) keeps the full matrix (default) or a
+    streamed top-k.
+    """
+
+    def __init__(self, granularity: str, source: str = "train source", sink: Any = None) -> None:
+        from dattri_llm.attribution.sinks import FullSink
+
+        self.granularity = granularity
+        self.source = source
+        self.sink = sink if sink is not None else FullSink(granularity)
+        self.facts: CaptureFacts | None = None  # of the first train block
+        self._checked: set[int] = set()  # test sides the train facts were checked against
+
+    def check_facts(
+        self, attributor: BaseAttributor, block: GradientBlock, test: _TestSide
+    ) -> None:
+        """Check a train block against the first one and, once, the first against the test."""
+        if self.facts is None:
+            self.facts = facts_of(block.gradient, block.metadata, self.source)
+        else:
+            check_same_capture(
+                self.facts, block.gradient, self.source, f"the block at step {block.step}"
+            )
+        if id(test) not in self._checked:
+            attributor.check_compatible(self.facts, test.facts)
+            self._checked.add(id(test))
+
+    def add(
+        self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
+    ) -> None:
+        """Append one train block's score rows (and per-token scores)."""
+        n = scores.shape[0]
+        self.add_rows(
+            scores, block.hashes, [int(block.step)] * n, [int(block.checkpoint)] * n, tokens
+        )
+
+    def add_rows(
+        self,
+        scores: torch.Tensor,
+        hashes: list[str],
+        steps: list[int],
+        checkpoints: list[int],
+        tokens: list[torch.Tensor] | None,
+    ) -> None:
+        """Append score rows with each row's identity, step and checkpoint."""
+        self.sink.add(scores, hashes, steps, checkpoints, tokens)
+
+    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
+        """The collected rows as an :class:`AttributionScore` over ``columns``."""
+        return self.sink.result(columns, output_dir)
+
+
+def source_name(source: Any, side: str) -> str:
+    """How errors name a source: its store directory, or "train / test source"."""
+    store = getattr(source, "store", None)
+    if store is not None and hasattr(store, "save_dir"):
+        return f"{side} store {store.save_dir}"
+    return f"{side} source"
+
+
+def first_occurrences(hashes: list[str], checkpoint: int, source: str) -> list[int]:
+    """Rows of the first occurrence of each test id (a duplicate would double its column)."""
+    first: dict[str, int] = {}
+    for i, h in enumerate(hashes):
+        first.setdefault(h, i)
+    if len(first) < len(hashes):
+        dup = next(h for i, h in enumerate(hashes) if first[h] != i)
+        warnings.warn(
+            f"test sample {dup!r} occurs {hashes.count(dup)} times in the {source} at checkpoint "
+            f"{checkpoint} ({len(hashes) - len(first)} duplicate row(s) in all): identical "
+            "samples share one id and one score column, which holds one occurrence's score. "
+            "Deduplicate the test set to silence this.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return sorted(first.values())
+
+
+def check_granularity(g: str) -> None:
+    """Refuse an unknown ``attribution_granularity``."""
+    if g not in GRANULARITIES:
+        raise ValueError(f"attribution_granularity must be one of {GRANULARITIES}, got {g!r}.")
+
+
+def check_hashes(block: GradientBlock, side: str) -> None:
+    """Refuse a block without exactly one sample identity per gradient row."""
+    n = block.gradient.batch_size
+    if len(block.hashes) != n:
+        raise ValueError(
+            f"{side} block at step {block.step} (checkpoint {block.checkpoint}) has "
+            f"{len(block.hashes)} sample hashes for {n} gradient rows: every row needs exactly one "
+            "hash (check the capture's set_sample_ids / hash_keys)."
+        )
+
+
+def check_token_axis(grad: Gradient) -> None:
+    """Refuse token granularity on layers captured without their token axis."""
+    bad = []
+    for name, lg in grad.layers.items():
+        sites = lg.sites if isinstance(lg, Shared) else [lg]
+        if any(isinstance(s, Materialized) for s in sites):
+            bad.append(name)
+    if bad:
+        raise ValueError(
+            f"attribution_granularity='token' needs the train gradients' token axis, but layers "
+            f"{bad} were captured materialized (no token axis). Capture factorized: "
+            "HookManagerConfig(capture_style='factorized') and no 'dense' projection."
+        )

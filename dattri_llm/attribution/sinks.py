@@ -1,0 +1,441 @@
+"""Where the score loop puts its rows: the full matrix, or a streamed per-query top-k.
+
+* :class:`FullSink` keeps every score row (one per train row: sample and step), in order.
+* :class:`TopKSink` keeps, per query, only the ``k`` largest and ``k`` smallest *agnostic*
+  scores (a sample's rows summed over the steps and checkpoints it occurs at) while train blocks
+  stream by: memory ``O(M·k)`` plus the block being scored, plus one ``M``-vector per sample
+  whose rows are not all scored yet (none when every sample has one row: one checkpoint, one
+  epoch). It needs to know, before scoring, how many rows each sample has (``counts``): a
+  store's index and a dataset's identities give them without reading any gradient.
+
+Both can write their state to a checkpoint (:meth:`state` / :meth:`from_state`: tensors for
+safetensors, the rest JSON) and be merged across ranks (``merge``); the result is an
+:class:`~dattri_llm.attribution.score.AttributionScore` either way. A top-k result holds one row
+per kept sample and ``NaN`` where a (sample, query) score was not among that query's kept ones
+(``score.top_k_kept`` is ``k``): ``top_k(k' <= k)`` and ``query`` of kept entries are exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dattri_llm.attribution.score import AttributionScore
+
+__all__ = ["FullSink", "TopKSink", "check_top_k", "merge_top_k", "top_k_of"]
+
+
+def check_top_k(top_k: Any) -> int | None:
+    """Validate a ``top_k=`` argument (``None``: the full matrix)."""
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int (or None for every score), got {top_k!r}.")
+    return int(top_k)
+
+
+class FullSink:
+    """Every score row, in the order the train rows were scored."""
+
+    def __init__(self, granularity: str = "sample") -> None:
+        self.granularity = granularity
+        self.rows: list[torch.Tensor] = []
+        self.hashes: list[str] = []
+        self.steps: list[int] = []
+        self.checkpoints: list[int] = []
+        self.tokens: list[torch.Tensor] | None = [] if granularity == "token" else None
+        self._taken = 0  # rows handed to a checkpoint already (see take_new)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows added so far."""
+        return len(self.hashes)
+
+    def add(
+        self,
+        scores: torch.Tensor,
+        hashes: Sequence[str],
+        steps: Sequence[int],
+        checkpoints: Sequence[int],
+        tokens: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Append score rows ``(b, M)`` with each row's identity, step and checkpoint."""
+        self.rows.append(scores)
+        self.hashes += [str(h) for h in hashes]
+        self.steps += [int(s) for s in steps]
+        self.checkpoints += [int(c) for c in checkpoints]
+        if self.tokens is not None and tokens is not None:
+            self.tokens += tokens
+
+    def _matrix(self, num_cols: int) -> torch.Tensor:
+        if not self.rows:
+            return torch.zeros(0, num_cols)
+        dtype = self.rows[0].dtype
+        for r in self.rows[1:]:
+            dtype = torch.promote_types(dtype, r.dtype)
+        scores = torch.cat([r.to(dtype) for r in self.rows])
+        if scores.shape[1] < num_cols:  # columns added by a later checkpoint
+            scores = torch.nn.functional.pad(scores, (0, num_cols - scores.shape[1]))
+        return scores
+
+    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
+        """The rows as an :class:`AttributionScore` over ``columns``."""
+        if not self.rows:
+            raise ValueError(
+                "the train source yielded no gradients: is the train set (or store) empty?"
+            )
+        scores = self._matrix(len(columns))
+        tokens = None
+        if self.tokens is not None:
+            tokens = [
+                torch.nn.functional.pad(t.to(scores.dtype), (0, len(columns) - t.shape[1]))
+                for t in self.tokens
+            ]
+        return AttributionScore(
+            scores,
+            self.hashes,
+            self.steps,
+            columns,
+            token_scores=tokens,
+            output_dir=output_dir,
+            train_checkpoints=self.checkpoints,
+        )
+
+    # ---- checkpoints ----
+    def take_new(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The rows added since the last call, as a checkpoint part (``None``: nothing new)."""
+        n = self.num_rows
+        if n == self._taken:
+            return None
+        first = self._taken
+        self._taken = n
+        done = 0
+        parts = []
+        for r in self.rows:
+            lo, hi = done, done + r.shape[0]
+            if hi > first:
+                parts.append(r[max(0, first - lo) :])
+            done = hi
+        tensors = {"scores": torch.cat(parts).contiguous()}
+        meta: dict[str, Any] = {
+            "hashes": self.hashes[first:],
+            "steps": self.steps[first:],
+            "checkpoints": self.checkpoints[first:],
+        }
+        if self.tokens is not None:
+            toks = self.tokens[first:]
+            meta["token_lengths"] = [int(t.shape[0]) for t in toks]
+            tensors["tokens"] = (
+                torch.cat(toks).contiguous() if toks else torch.zeros(0, tensors["scores"].shape[1])
+            )
+        return tensors, meta
+
+    def add_part(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Re-add a part written by :meth:`take_new` (resuming)."""
+        tokens = None
+        if self.tokens is not None:
+            tokens = list(torch.split(tensors["tokens"], list(meta["token_lengths"])))
+        self.add(tensors["scores"], meta["hashes"], meta["steps"], meta["checkpoints"], tokens)
+        self._taken = self.num_rows
+
+
+class TopKSink:
+    """Per query, the ``k`` largest and ``k`` smallest agnostic scores, streamed.
+
+    Args:
+        k: How many proponents and opponents to keep per query.
+        num_cols: ``M``, the queries.
+        counts: ``{train hash: rows}`` — how many score rows each sample will get (its steps
+            and checkpoints, and duplicated items); a sample's score enters the top-k once its
+            rows are all in. A row of a sample not in ``counts`` (or beyond its count) is an
+            error: its earlier rows may already have been ranked alone.
+        duplicates: As ``AttributionScore.agnostic_matrix``'s: ``"warn"`` / ``"sum"`` sum the
+            rows of a sample seen twice at one step (warning with ``"warn"``); ``"error"``
+            refuses them. (``"separate"`` has no top-k meaning and is refused.)
+    """
+
+    def __init__(
+        self,
+        k: int,
+        num_cols: int,
+        counts: Mapping[str, int],
+        duplicates: str = "warn",
+    ) -> None:
+        if duplicates not in ("warn", "sum", "error"):
+            raise ValueError(
+                f"top_k streaming takes duplicates='warn', 'sum' or 'error', got {duplicates!r}."
+            )
+        self.k = int(k)
+        self.num_cols = int(num_cols)
+        self.counts = counts
+        self.duplicates = duplicates
+        self.num_train = 0  # samples whose score is complete
+        self.top_vals: torch.Tensor | None = None  # (M, k)
+        self.top_ids = torch.full((self.num_cols, self.k), -1, dtype=torch.long)
+        self.bot_vals: torch.Tensor | None = None
+        self.bot_ids = torch.full((self.num_cols, self.k), -1, dtype=torch.long)
+        self.ids: list[str] = []  # id -> train hash of the samples that can still be kept
+        self.row_step: list[int] = []  # id -> its step (-1: several)
+        self.row_ckpt: list[int] = []
+        # hash -> [partial (M,), rows left, step, ckpt, (step, ckpt) seen]
+        self.pending: dict[str, list[Any]] = {}
+        self._dup_warned = False
+
+    # ---- streaming ----
+    def add(
+        self,
+        scores: torch.Tensor,
+        hashes: Sequence[str],
+        steps: Sequence[int],
+        checkpoints: Sequence[int],
+        tokens: Any = None,
+    ) -> None:
+        """Rank score rows ``(b, M)``; a sample's rows are summed before it is ranked."""
+        scores = scores.detach().to("cpu")
+        direct: list[int] = []
+        done: list[tuple[str, torch.Tensor, int, int]] = []
+        for i, h in enumerate(hashes):
+            h = str(h)
+            n = self.counts.get(h)
+            if n is None:
+                raise ValueError(
+                    f"top_k: train sample {h!r} was not announced before scoring (its rows are "
+                    "counted in advance to sum them exactly); this is a bug of the train "
+                    "source's row counts."
+                )
+            if n == 1 and h not in self.pending:
+                direct.append(i)
+                continue
+            key = (int(steps[i]), int(checkpoints[i]))
+            entry = self.pending.get(h)
+            if entry is None:
+                entry = [scores[i].clone(), n - 1, key[0], key[1], [key]]
+                self.pending[h] = entry
+            else:
+                if entry[1] <= 0:
+                    raise ValueError(
+                        f"top_k: train sample {h!r} has more rows than announced ({n})."
+                    )
+                self._check_duplicate(h, key, entry[4])
+                entry[0] += scores[i]
+                entry[1] -= 1
+                entry[4].append(key)
+                if key[0] != entry[2]:
+                    entry[2] = -1
+                if key[1] != entry[3]:
+                    entry[3] = -1
+            if entry[1] == 0:
+                del self.pending[h]
+                done.append((h, entry[0], entry[2], entry[3]))
+        rows, ids = [], []
+        if direct:
+            idx = torch.as_tensor(direct, dtype=torch.long)
+            rows.append(scores.index_select(0, idx))
+            for i in direct:
+                ids.append(self._new_id(str(hashes[i]), int(steps[i]), int(checkpoints[i])))
+        if done:
+            rows.append(torch.stack([d[1] for d in done]))
+            ids += [self._new_id(h, s, c) for h, _, s, c in done]
+        if rows:
+            self._merge(torch.cat(rows), torch.as_tensor(ids, dtype=torch.long))
+
+    def _check_duplicate(self, h: str, key: tuple[int, int], seen: list) -> None:
+        if key not in seen:
+            return
+        message = (
+            f"train sample {h!r} occurs more than once at step {key[0]}: identical samples "
+            "share one id, so their rows are summed into one (the influence of all the copies "
+            "together). Deduplicate the train set, or pass duplicates='sum' to sum them without "
+            "this message."
+        )
+        if self.duplicates == "error":
+            raise ValueError(message)
+        if self.duplicates == "warn" and not self._dup_warned:
+            self._dup_warned = True
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _new_id(self, h: str, step: int, ckpt: int) -> int:
+        self.ids.append(h)
+        self.row_step.append(step)
+        self.row_ckpt.append(ckpt)
+        self.num_train += 1
+        return len(self.ids) - 1
+
+    def _merge(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        m = self.num_cols
+        if self.top_vals is None:
+            self.top_vals = torch.full((m, self.k), float("-inf"), dtype=rows.dtype)
+            self.bot_vals = torch.full((m, self.k), float("inf"), dtype=rows.dtype)
+        dtype = torch.promote_types(self.top_vals.dtype, rows.dtype)
+        cols = rows.to(dtype).T  # (M, f)
+        all_ids = ids.unsqueeze(0).expand(m, -1)
+        for largest in (True, False):
+            vals = self.top_vals if largest else self.bot_vals
+            keep = self.top_ids if largest else self.bot_ids
+            v = torch.cat([vals.to(dtype), cols], dim=1)
+            i = torch.cat([keep, all_ids], dim=1)
+            v, pos = v.topk(self.k, dim=1, largest=largest)
+            if largest:
+                self.top_vals, self.top_ids = v, i.gather(1, pos)
+            else:
+                self.bot_vals, self.bot_ids = v, i.gather(1, pos)
+        if len(self.ids) > 8 * (2 * self.k * m + 256):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Forget the samples no query keeps (their ids are renumbered)."""
+        used = torch.cat([self.top_ids.flatten(), self.bot_ids.flatten()])
+        used = torch.unique(used[used >= 0])
+        remap = torch.full((len(self.ids) + 1,), -1, dtype=torch.long)
+        remap[used] = torch.arange(used.numel())
+        self.top_ids = remap[self.top_ids]  # -1 maps to remap[-1] = -1
+        self.bot_ids = remap[self.bot_ids]
+        keep = used.tolist()
+        self.ids = [self.ids[i] for i in keep]
+        self.row_step = [self.row_step[i] for i in keep]
+        self.row_ckpt = [self.row_ckpt[i] for i in keep]
+
+    # ---- result ----
+    def check_complete(self) -> None:
+        """Refuse a result while some sample's rows are still missing."""
+        if self.pending:
+            h, entry = next(iter(self.pending.items()))
+            raise ValueError(
+                f"top_k: {len(self.pending)} train sample(s) did not get all their rows (e.g. "
+                f"{h!r}: {entry[1]} row(s) missing); the train source yielded fewer rows than "
+                "its index announced."
+            )
+
+    def result(self, columns: list[str], output_dir: str | None) -> AttributionScore:
+        """The kept scores: one row per kept sample, ``NaN`` where not kept for a query."""
+        self.check_complete()
+        if self.num_train == 0:
+            raise ValueError(
+                "the train source yielded no gradients: is the train set (or store) empty?"
+            )
+        self._compact()
+        assert self.top_vals is not None and self.bot_vals is not None
+        n = len(self.ids)
+        dtype = self.top_vals.dtype
+        mat = torch.full((n, self.num_cols), float("nan"), dtype=dtype)
+        cols = torch.arange(self.num_cols).unsqueeze(1).expand(-1, self.k)
+        for ids, vals in ((self.top_ids, self.top_vals), (self.bot_ids, self.bot_vals)):
+            ok = ids >= 0
+            mat[ids[ok], cols[ok]] = vals[ok]
+        if mat.shape[1] < len(columns):
+            mat = torch.nn.functional.pad(mat, (0, len(columns) - mat.shape[1]), value=float("nan"))
+        return AttributionScore(
+            mat,
+            self.ids,
+            self.row_step,
+            columns,
+            output_dir=output_dir,
+            train_checkpoints=self.row_ckpt,
+            top_k_kept=self.k,
+            num_train=self.num_train,
+        )
+
+    # ---- checkpoints ----
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Tensors and JSON metadata of the whole state (a checkpoint rewrites it)."""
+        self._compact()
+        tensors: dict[str, torch.Tensor] = {
+            "top_ids": self.top_ids.contiguous(),
+            "bot_ids": self.bot_ids.contiguous(),
+        }
+        if self.top_vals is not None:
+            tensors["top_vals"] = self.top_vals.contiguous()
+            tensors["bot_vals"] = self.bot_vals.contiguous()
+        pend = list(self.pending.items())
+        if pend:
+            tensors["pending"] = torch.stack([e[0] for _, e in pend]).contiguous()
+        meta = {
+            "k": self.k,
+            "num_cols": self.num_cols,
+            "num_train": self.num_train,
+            "ids": self.ids,
+            "row_step": self.row_step,
+            "row_ckpt": self.row_ckpt,
+            "pending": [[h, e[1], e[2], e[3], [list(x) for x in e[4]]] for h, e in pend],
+            "dup_warned": self._dup_warned,
+        }
+        return tensors, meta
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore a state written by :meth:`state`."""
+        if meta["k"] != self.k or meta["num_cols"] != self.num_cols:
+            raise ValueError("top_k checkpoint was written for another k or query set.")
+        self.num_train = int(meta["num_train"])
+        self.top_ids, self.bot_ids = tensors["top_ids"], tensors["bot_ids"]
+        self.top_vals = tensors.get("top_vals")
+        self.bot_vals = tensors.get("bot_vals")
+        self.ids = list(meta["ids"])
+        self.row_step = [int(s) for s in meta["row_step"]]
+        self.row_ckpt = [int(c) for c in meta["row_ckpt"]]
+        self.pending = {}
+        for i, (h, left, step, ckpt, keys) in enumerate(meta["pending"]):
+            keys = [tuple(x) for x in keys]
+            self.pending[h] = [tensors["pending"][i].clone(), int(left), step, ckpt, keys]
+        self._dup_warned = bool(meta["dup_warned"])
+
+
+def merge_top_k(
+    states: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
+    counts: Mapping[str, int],
+    duplicates: str = "warn",
+) -> TopKSink:
+    """Merge the top-k states of ranks that scored disjoint sets of train samples.
+
+    Each rank's lists are the exact top / bottom ``k`` of its samples, so the global ones are
+    the top / bottom ``k`` of their concatenation.
+    """
+    meta0 = states[0][1]
+    k, m = int(meta0["k"]), int(meta0["num_cols"])
+    out = TopKSink(k, m, counts, duplicates)
+    cand: dict[bool, list[tuple[torch.Tensor, torch.Tensor]]] = {True: [], False: []}
+    total = 0
+    for tensors, meta in states:
+        if meta["pending"]:
+            raise ValueError("merge_top_k: a rank's top-k state still has incomplete samples.")
+        total += int(meta["num_train"])
+        if "top_vals" not in tensors:
+            continue  # a rank without train rows
+        local_ids = torch.cat([tensors["top_ids"].flatten(), tensors["bot_ids"].flatten()])
+        used = sorted({int(i) for i in local_ids.tolist() if i >= 0})
+        remap = torch.full((len(meta["ids"]) + 1,), -1, dtype=torch.long)
+        for i in used:
+            remap[i] = out._new_id(meta["ids"][i], meta["row_step"][i], meta["row_ckpt"][i])
+        cand[True].append((tensors["top_vals"], remap[tensors["top_ids"]]))
+        cand[False].append((tensors["bot_vals"], remap[tensors["bot_ids"]]))
+    out.num_train = total
+    for largest, parts in cand.items():
+        if not parts:
+            continue
+        dtype = parts[0][0].dtype
+        for v, _ in parts[1:]:
+            dtype = torch.promote_types(dtype, v.dtype)
+        vals = torch.cat([v.to(dtype) for v, _ in parts], dim=1)
+        ids = torch.cat([i for _, i in parts], dim=1)
+        v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
+        if largest:
+            out.top_vals, out.top_ids = v, ids.gather(1, pos)
+        else:
+            out.bot_vals, out.bot_ids = v, ids.gather(1, pos)
+    return out
+
+
+def top_k_of(score: AttributionScore, k: int, duplicates: str = "warn") -> AttributionScore:
+    """Reduce a full result to the top-k form (sources without an index; trajectory methods)."""
+    if score.top_k_kept is not None:
+        return score
+    ids, matrix = score.agnostic_matrix(duplicates)
+    where: dict[str, tuple[int, int]] = {}
+    for h, s, c in zip(score.train_hashes, score.train_steps, score.train_checkpoints):
+        old = where.get(h)
+        where[h] = (s, c) if old is None else (s if old[0] == s else -1, c if old[1] == c else -1)
+    sink = TopKSink(k, score.num_test, dict.fromkeys(ids, 1), "sum")
+    sink.add(matrix, ids, [where[h][0] for h in ids], [where[h][1] for h in ids])
+    return sink.result(list(score.test_hashes), score.output_dir)

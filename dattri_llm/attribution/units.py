@@ -1,0 +1,157 @@
+"""The train side as *units*: blocks known (rows, identities) before any gradient is read.
+
+A gradient store's index tells every record's rows, sample identities, step and checkpoint
+without loading a tensor. The score loop uses that to count each sample's rows in advance
+(exact top-k streaming), to show a progress bar over samples with an ETA, to skip the records a
+checkpoint already covers (resuming), and to split the records across ranks
+(:mod:`dattri_llm.attribution.distributed`).
+
+:class:`RecordSource` is a :class:`~dattri_llm.gradient.sources.GradientSource` over a chosen
+list of a store's records (and optionally chosen rows of each), in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dattri_llm.gradient.gradient import GradientBlock
+
+__all__ = ["Unit", "RecordSource", "units_of", "row_counts", "unit_digest"]
+
+
+@dataclass
+class Unit:
+    """One record of a store (or the chosen rows of it).
+
+    Attributes:
+        index: The record's position in store order (``store.records()``).
+        hashes: Its rows' sample identities (only the chosen rows).
+        step: The record's step; checkpoint: its checkpoint label.
+        rows: The chosen rows of the record (``None``: all of them).
+    """
+
+    index: int
+    hashes: list[str]
+    step: int
+    checkpoint: int
+    rows: list[int] | None = None
+    nbytes: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this unit contributes."""
+        return len(self.hashes)
+
+
+@dataclass
+class RecordSource:
+    """A re-readable source over chosen records of a store (see the module docstring).
+
+    Attributes:
+        store: The ``GradientStorageManager``.
+        units: The records (and rows) to yield, in order.
+        layers: Read only these layers (``None``: all); device / dtype: where and how.
+        all_checkpoints: Every checkpoint label of the full train side (a rank's share may
+            miss some).
+    """
+
+    store: Any
+    units: list[Unit]
+    layers: list[str] | None = None
+    device: Any = "cpu"
+    dtype: torch.dtype | None = None
+    all_checkpoints: list[int] = field(default_factory=list)
+
+    rereadable = True
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows over all units."""
+        return sum(u.num_rows for u in self.units)
+
+    def load(self, unit: Unit) -> GradientBlock:
+        """Read one unit from the store."""
+        rec = self.store.load_record(
+            unit.index, layers=self.layers, device=self.device, dtype=self.dtype
+        )
+        grad, hashes = rec.gradient, list(rec.hashes)
+        if unit.rows is not None:
+            grad = grad.slice(unit.rows)
+            hashes = [hashes[i] for i in unit.rows]
+        return GradientBlock(rec.step, grad, hashes, rec.checkpoint, rec.metadata)
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        for unit in self.units:
+            yield self.load(unit)
+
+    def capture_facts(self) -> Any:
+        """What the store's gradients were captured as (see ``DiskGradientSource``)."""
+        return self.store.capture_facts(self.layers)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of the layers the blocks hold."""
+        return list(self.layers) if self.layers is not None else self.store.layer_names
+
+    def subset(self, units: Sequence[Unit]) -> RecordSource:
+        """The same store and options over other units."""
+        return RecordSource(
+            self.store, list(units), self.layers, self.device, self.dtype, self.all_checkpoints
+        )
+
+
+def units_of(source: Any) -> RecordSource | None:
+    """A :class:`RecordSource` over a ``DiskGradientSource`` (or itself); else ``None``."""
+    from dattri_llm.gradient.sources import DiskGradientSource
+
+    if isinstance(source, RecordSource):
+        return source
+    if not isinstance(source, DiskGradientSource):
+        return None
+    store = source.store
+    wanted = source.checkpoints
+    units = []
+    ordered = store._ordered()  # (partition, index entry) in store order
+    for i, rec in enumerate(store.records()):
+        if wanted is not None and rec.checkpoint not in wanted:
+            continue
+        entry = ordered[i][1]
+        units.append(
+            Unit(i, list(rec.hashes), rec.step, rec.checkpoint, None, int(entry.get("bytes", 0)))
+        )
+    ckpts = sorted({u.checkpoint for u in units})
+    return RecordSource(store, units, source.layers, source.device, source.dtype, ckpts)
+
+
+def row_counts(units: Sequence[Unit]) -> dict[str, int]:
+    """``{train hash: rows}`` over the units."""
+    counts: dict[str, int] = {}
+    for u in units:
+        for h in u.hashes:
+            counts[h] = counts.get(h, 0) + 1
+    return counts
+
+
+def unit_digest(source: RecordSource) -> str:
+    """A digest of the records a source covers (store, record identities, rows, layers)."""
+    import hashlib
+    import json
+    import os
+
+    ordered = source.store._ordered()
+    h = hashlib.sha256()
+    h.update(os.path.realpath(source.store.save_dir).encode())
+    h.update(json.dumps(source.layers).encode())
+    for u in source.units:
+        part, e = ordered[u.index]
+        key = [part.rank, e["seq"], e["step"], e["checkpoint"], e["n"], e["bytes"], u.rows]
+        h.update(json.dumps(key).encode())
+        h.update("\0".join(u.hashes).encode())
+    return h.hexdigest()

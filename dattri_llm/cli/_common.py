@@ -1,0 +1,156 @@
+"""What every command shares: exit codes, errors that name the argument, inputs, output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Any
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_USAGE",
+    "EXIT_DAMAGED",
+    "EXIT_INTERRUPTED",
+    "CommandError",
+    "UsageError",
+    "HelpFormatter",
+    "add_progress_flag",
+    "open_store",
+    "load_scores",
+    "load_texts_arg",
+    "snippet",
+]
+
+#: Success.
+EXIT_OK = 0
+#: The command ran and failed (e.g. the stores are incompatible, a file is unreadable).
+EXIT_ERROR = 1
+#: The command line is wrong (an unknown option, a missing or invalid argument).
+EXIT_USAGE = 2
+#: ``inspect --verify`` found damaged files (each is named on standard error).
+EXIT_DAMAGED = 3
+#: Interrupted (Ctrl-C).
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}    success
+  {EXIT_ERROR}    the command failed (the message says why)
+  {EXIT_USAGE}    invalid command line (the message names the argument)
+  {EXIT_DAMAGED}    inspect --verify found damaged files
+  {EXIT_INTERRUPTED}  interrupted"""
+
+
+class CommandError(Exception):
+    """A failure reported as ``dattri-llm COMMAND: error: MESSAGE`` with exit ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class UsageError(CommandError):
+    """An invalid argument value (exit 2); the message starts with the argument's name."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"argument {argument}: {message}", EXIT_USAGE)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps description layouts and shows every option's default (when it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" not in text
+            and not any(default is x for x in (None, False, argparse.SUPPRESS))
+            and (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--no-progress``: bars on standard error, by default on a terminal."""
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars on standard error (default: only when it is a terminal)",
+    )
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether to show progress bars for ``args`` (see :func:`add_progress_flag`)."""
+    if args.progress is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty()
+
+
+def open_store(path: str, argument: str) -> Any:
+    """Open the gradient store at ``path``; an error names ``argument`` and says what is wrong."""
+    from dattri_llm.gradient.store import GradientStorageManager, StoreFormatError
+
+    if not os.path.exists(path):
+        raise UsageError(argument, f"{path!r} does not exist (expected a gradient store).")
+    if not os.path.isdir(path):
+        raise UsageError(argument, f"{path!r} is not a directory (expected a gradient store).")
+    try:
+        store = GradientStorageManager(path)
+    except StoreFormatError as e:
+        raise UsageError(argument, str(e)) from None
+    if len(store) == 0:
+        raise UsageError(
+            argument,
+            f"{path!r} holds no gradient records: pass the save_dir a GradientStorageManager "
+            "wrote during capture.",
+        )
+    return store
+
+
+def load_scores(path: str, argument: str) -> Any:
+    """Load an :class:`AttributionScore` directory; an error names ``argument``."""
+    from dattri_llm.attribution.score import AttributionScore
+
+    if not os.path.isdir(path):
+        raise UsageError(
+            argument, f"{path!r} is not a directory (expected the --out of dattri-llm attribute)."
+        )
+    try:
+        return AttributionScore.load(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(argument, str(e)) from None
+
+
+def load_texts_arg(path: str | None, argument: str) -> dict:
+    """Read a texts JSONL (:func:`~dattri_llm.attribution.report.load_texts`); ``{}`` if None."""
+    if path is None:
+        return {}
+    from dattri_llm.attribution.report import load_texts
+
+    if not os.path.isfile(path):
+        raise UsageError(argument, f"{path!r} is not a file (expected JSON Lines of texts).")
+    try:
+        return load_texts(path)
+    except ValueError as e:
+        raise UsageError(argument, str(e)) from None
+
+
+def snippet(text: str, width: int) -> str:
+    """One line of at most ``width`` characters.
+
+    Whitespace is collapsed and control characters are shown escaped, so that a text cannot
+    write terminal codes.
+    """
+    from dattri_llm.attribution.token_view import display_token
+
+    line = display_token(" ".join(text.split()))
+    return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
+
+
+def terminal_width(default: int = 100) -> int:
+    """Columns of the terminal (``default`` when the output is not one)."""
+    return shutil.get_terminal_size((default, 24)).columns

@@ -1,0 +1,352 @@
+"""``dattri-llm attribute``: score two gradient stores with any attributor that reads a store.
+
+The methods are the :data:`METHODS` registry: a CLI name mapped to a :class:`Method`, whose
+factory builds the library's attributor. Adding a method is one entry, e.g.::
+
+    Method("less", "LESS: ...", attributor("LESSAttributor")),
+
+(``attributor(name, **kwargs)`` builds ``dattri_llm.<name>(args, **kwargs)`` lazily; pass
+``call_kwargs=`` for options of its ``attribute_from_cache`` call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dattri_llm.cli._common import (
+    HelpFormatter,
+    UsageError,
+    add_progress_flag,
+    open_store,
+    show_progress,
+)
+
+__all__ = ["Method", "METHODS", "attributor", "RUN_FILE"]
+
+#: Written beside the scores: the method and settings of the run (read by ``report``).
+RUN_FILE = "attribution_run.json"
+
+Factory = Callable[[argparse.Namespace, Any], Any]
+
+
+def attributor(name: str, **kwargs: Any) -> Factory:
+    """A factory of ``dattri_llm.<name>(args, **kwargs)``, imported when the command runs."""
+
+    def build(ns: argparse.Namespace, args: Any) -> Any:
+        import dattri_llm
+
+        return getattr(dattri_llm, name)(args, **kwargs)
+
+    return build
+
+
+@dataclass(frozen=True)
+class Method:
+    """One ``--method`` of ``dattri-llm attribute``.
+
+    Attributes:
+        name: The CLI name.
+        help: One line for ``--help``.
+        factory: ``factory(namespace, AttributionArguments) -> attributor``.
+        last_checkpoint: Score only the train store's last checkpoint label unless
+            ``--checkpoints`` is given (single-checkpoint methods such as Grad-Dot).
+        damping: Takes ``--damping`` / ``--relative-damping`` (passed to the call).
+        call_kwargs: Extra keyword arguments of ``attribute_from_cache`` from the namespace.
+    """
+
+    name: str
+    help: str
+    factory: Factory
+    last_checkpoint: bool = False
+    damping: bool = False
+    call_kwargs: Callable[[argparse.Namespace], dict] | None = None
+
+
+def _registry(*methods: Method) -> dict[str, Method]:
+    return {m.name: m for m in methods}
+
+
+#: The methods, by CLI name (see the module docstring to add one).
+METHODS: dict[str, Method] = _registry(
+    Method(
+        "tracin",
+        "TracIn: gradient dot products summed over every stored checkpoint",
+        attributor("TracInAttributor"),
+    ),
+    Method(
+        "grad-dot",
+        "Grad-Dot: gradient dot products at one checkpoint (the last, by default)",
+        attributor("TracInAttributor"),
+        last_checkpoint=True,
+    ),
+    Method(
+        "grad-cos",
+        "Grad-Cos: gradient cosines at one checkpoint (the last, by default)",
+        attributor("TracInAttributor", normalized_grad=True),
+        last_checkpoint=True,
+    ),
+    Method(
+        "kfac",
+        "K-FAC influence, fitted from the train store",
+        attributor("KFACAttributor"),
+        damping=True,
+    ),
+    Method(
+        "ekfac",
+        "EK-FAC influence, fitted from the train store",
+        attributor("EKFACAttributor"),
+        damping=True,
+    ),
+    Method(
+        "less",
+        "LESS: cosines of preconditioned train gradients with raw queries, weighted by lr",
+        attributor("LESSAttributor"),
+        call_kwargs=lambda ns: {"learning_rates": ns.learning_rate, "pair_by": ns.pair_by},
+    ),
+    Method(
+        "adamw-influence",
+        "AdamW-influence: unrolled through the recorded Adam/AdamW run (needs --dynamics)",
+        lambda ns, args: _trajectory("AdamWInfluenceAttributor", ns, args),
+        call_kwargs=lambda ns: {"dynamics": _need(ns.dynamics, "--dynamics")},
+    ),
+    Method(
+        "dvemb",
+        "DVEmb: data value embeddings of an SGD run (needs --learning-rate or --dynamics)",
+        lambda ns, args: _trajectory("DVEmbAttributor", ns, args),
+        call_kwargs=lambda ns: {
+            "learning_rate": ns.learning_rate,
+            "dynamics": _need(ns.dynamics, "--dynamics or --learning-rate")
+            if ns.learning_rate is None
+            else ns.dynamics,
+        },
+    ),
+)
+
+
+def _trajectory(name: str, ns: argparse.Namespace, args: Any) -> Any:
+    import dattri_llm
+
+    return getattr(dattri_llm, name)(args, loss_reduction=ns.loss_reduction)
+
+
+def _need(value: Any, flag: str) -> Any:
+    if value is None:
+        raise UsageError(flag.split()[0], f"this method needs {flag}.")
+    return value
+
+
+DESCRIPTION = """Score every (training sample, query) pair from two gradient stores (no model
+needed) and write an AttributionScore to --out (scores.safetensors + scores.json, plus
+attribution_run.json with the settings). A positive score means the training sample helped
+the query (training on it lowered the query's loss).
+
+methods:
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register the command."""
+    methods = "\n".join(f"  {m.name:<10} {m.help}" for m in METHODS.values())
+    p = sub.add_parser(
+        "attribute",
+        help="score two gradient stores with an attribution method",
+        description=DESCRIPTION + methods,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=list(METHODS),
+        metavar="METHOD",
+        help=f"attribution method: {', '.join(METHODS)} (see above)",
+    )
+    p.add_argument(
+        "--train", required=True, metavar="STORE", help="gradient store of the train set"
+    )
+    p.add_argument("--test", required=True, metavar="STORE", help="gradient store of the queries")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the scores are written")
+    p.add_argument(
+        "--damping",
+        type=float,
+        default=None,
+        help="kfac/ekfac: absolute damping (default: 0.1 x each layer's mean eigenvalue)",
+    )
+    p.add_argument(
+        "--relative-damping",
+        action="store_true",
+        help="kfac/ekfac: --damping is a factor of each layer's mean eigenvalue",
+    )
+    p.add_argument(
+        "--checkpoints",
+        type=int,
+        nargs="+",
+        metavar="C",
+        default=None,
+        help="score only records with these checkpoint labels (default: all; for grad-dot and "
+        "grad-cos the train store's last)",
+    )
+    p.add_argument("--layers", nargs="+", metavar="NAME", help="score only these layers")
+    p.add_argument(
+        "--granularity",
+        choices=("sample", "token"),
+        default="sample",
+        help="token: also split each score over the train sample's token positions",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also print the K top proponents and opponents of each query (0: none)",
+    )
+    p.add_argument(
+        "--dynamics",
+        metavar="DIR",
+        default=None,
+        help="adamw-influence, dvemb: the trajectory directory OptimizerStateCallback wrote",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        metavar="LR",
+        help="less: one weight for every step (default: the recorded learning rates); dvemb: "
+        "the constant learning rate (default: the recorded ones, --dynamics)",
+    )
+    p.add_argument(
+        "--loss-reduction",
+        choices=("sum", "mean"),
+        default="sum",
+        help="adamw-influence, dvemb: how the training loss combined each batch",
+    )
+    p.add_argument(
+        "--pair-by",
+        choices=("checkpoint", "step"),
+        default="checkpoint",
+        help="less: pair train and query gradients by checkpoint label or by step",
+    )
+    p.add_argument("--cpu", action="store_true", help="compute on the CPU even with a GPU")
+    p.add_argument(
+        "--block-size", type=int, default=1024, help="train rows and queries scored per block"
+    )
+    add_progress_flag(p)
+    p.set_defaults(run=run)
+
+
+def _check_out(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError("--out", f"{out!r} exists and is not a directory.")
+    if os.path.isdir(out):
+        names = set(os.listdir(out))
+        if names and "scores.json" not in names:
+            raise UsageError(
+                "--out",
+                f"{out!r} exists and holds other files ({sorted(names)[:3]}); pass a new "
+                "directory or one written by dattri-llm attribute.",
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command."""
+    from dattri_llm import AttributionArguments, __version__
+
+    method = METHODS[args.method]
+    if not method.damping and (args.damping is not None or args.relative_damping):
+        flag = "--damping" if args.damping is not None else "--relative-damping"
+        takes = ", ".join(m.name for m in METHODS.values() if m.damping)
+        raise UsageError(flag, f"--method {method.name} takes no damping (only {takes} do).")
+    if args.damping is not None and args.damping < 0:
+        raise UsageError("--damping", f"must be >= 0, got {args.damping}.")
+    if args.relative_damping and args.damping is None:
+        raise UsageError("--relative-damping", "needs --damping (the factor).")
+    if args.top_k < 0:
+        raise UsageError("--top-k", f"must be >= 0, got {args.top_k}.")
+    if args.block_size < 1:
+        raise UsageError("--block-size", f"must be >= 1, got {args.block_size}.")
+    _check_out(args.out)
+    train = open_store(args.train, "--train")
+    test = open_store(args.test, "--test")
+    checkpoints = args.checkpoints
+    for name, store in (("--train", train), ("--test", test)):
+        if checkpoints is not None:
+            missing = sorted(set(checkpoints) - set(store.available_checkpoints()))
+            if missing:
+                raise UsageError(
+                    "--checkpoints",
+                    f"{missing} not in {name} {store.save_dir} (it holds checkpoint labels "
+                    f"{store.available_checkpoints()}).",
+                )
+        if args.layers:
+            unknown = [x for x in args.layers if x not in store.layer_names]
+            if unknown:
+                raise UsageError(
+                    "--layers", f"{unknown} not in {name} {store.save_dir}: it holds "
+                    f"{store.layer_names}."
+                )  # fmt: skip
+    if checkpoints is None and method.last_checkpoint and len(train.available_checkpoints()) > 1:
+        last = train.available_checkpoints()[-1]
+        if last not in test.available_checkpoints():
+            raise UsageError(
+                "--checkpoints",
+                f"--method {method.name} scores one checkpoint: the train store holds labels "
+                f"{train.available_checkpoints()} and the test store "
+                f"{test.available_checkpoints()}; choose one that both hold.",
+            )
+        checkpoints = [last]
+    progress = show_progress(args)
+    run_args = AttributionArguments(
+        output_dir=args.out,
+        use_cpu=args.cpu,
+        score_block_size=args.block_size,
+        show_progress=progress,
+    )
+    kwargs: dict[str, Any] = {}
+    if method.damping and args.damping is not None:
+        kwargs["damping"] = args.damping
+        kwargs["relative"] = bool(args.relative_damping)
+    if method.call_kwargs is not None:
+        kwargs.update(method.call_kwargs(args))
+    t0 = time.perf_counter()
+    score = method.factory(args, run_args).attribute_from_cache(
+        train, test, args.granularity, args.layers, checkpoints=checkpoints, **kwargs
+    )
+    seconds = time.perf_counter() - t0
+    score.save(args.out)
+    settings = {
+        "method": method.name,
+        "train store": os.path.abspath(args.train),
+        "test store": os.path.abspath(args.test),
+        "checkpoints": "all" if checkpoints is None else checkpoints,
+        "layers": args.layers or f"all ({len(train.layer_names)})",
+        "granularity": args.granularity,
+        "seconds": round(seconds, 3),
+        "dattri_llm": __version__,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if method.damping:
+        settings["damping"] = (
+            "default (0.1 x mean eigenvalue)"
+            if args.damping is None
+            else f"{args.damping:g}" + (" x mean eigenvalue" if args.relative_damping else "")
+        )
+    with open(os.path.join(args.out, RUN_FILE), "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=1)
+    ids, _ = score.agnostic_matrix()
+    print(
+        f"{method.name}: {len(ids)} training samples x {score.num_test} queries "
+        f"({len(score.train_hashes)} rows over steps {score.steps[:8]}"
+        f"{'...' if len(score.steps) > 8 else ''}) in {seconds:.1f} s -> {args.out}",
+        file=sys.stdout,
+    )
+    if args.top_k:
+        from dattri_llm.cli.top import print_top
+
+        print_top(score, k=args.top_k, texts={}, queries=None)
+    return 0

@@ -1,0 +1,594 @@
+"""Targeted data selection with LESS (Xia et al., 2024): offline benchmark on real corpora.
+
+    OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run [--quick] [--target dialogues]
+
+Protocol (the paper's, scaled to a CPU; details in docs/benchmarks/selection.md):
+
+1. Pool of ``--pool-size`` 64-token windows from four offline corpora (Python docs,
+   Shakespeare, chatterbot dialogues, ABC news; see :mod:`.data`), ``--target-share`` of them
+   from the target domain; ``--n-val`` validation queries (one per group of the target domain:
+   LESS's few-shot set) and a disjoint ``--n-test`` target test set.
+2. Base model: a GPT-2 2x128 built from a config with a fixed seed (no download), BPE
+   tokenizer trained on the corpora on the fly.
+3. Per seed: warm-up run of the base model on a random ``--warmup-frac`` of the pool
+   (AdamW, linear decay, ``--warmup-epochs`` epochs), keeping the weights and the optimizer
+   state at the end of every epoch.
+4. Selection of ``--select-frac`` of the pool by each method:
+   * LESS, frozen form: Γ (AdamW's update direction for the sample alone, from the
+     checkpoint's optimizer state) at every checkpoint, raw query gradients at the same
+     weights, ``score = Σ_k η̄_k cos(Γ_k(z), ∇ℓ(q; θ_k))`` with η̄_k the mean learning rate of
+     epoch k (the paper's weights);
+   * TracIn-Cos over the same checkpoints (raw gradients: LESS without the Adam map);
+   * Grad-Cos (``TracInAttributor(normalized_grad=True)``) and EK-FAC (default damping) at
+     the last warm-up checkpoint;
+   * random, and random *from the target domain* (a reference no method can see);
+   each gradient method's per-query scores aggregated over the queries by ``max`` (the paper:
+   max over validation subtasks of the mean over the subtask; here one query per subtask) and
+   by ``mean``.
+5. Fine-tune the base model on each selection (same epochs and schedule as the warm-up) and
+   report the target test loss (mean ± std over seeds), the selection's share of
+   target-domain samples, and each selection method's time and peak memory.
+
+Writes experiments/benchmark/results/selection[-quick].{json,md} and prints the tables.
+"""
+
+from __future__ import annotations
+
+from experiments.benchmark.utils.env import ensure_env
+
+if __name__ == "__main__":
+    ensure_env()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from experiments.benchmark.quality.common import CACHE_DIR, RESULTS_DIR  # noqa: E402
+from experiments.benchmark.selection.data import (  # noqa: E402
+    DOMAINS,
+    Splits,
+    chunk,
+    load_texts,
+    make_splits,
+    tokenizer_sample,
+)
+from experiments.benchmark.utils.env import header  # noqa: E402
+from experiments.benchmark.utils.memory import memory_method_ok, peak_rss_bytes  # noqa: E402
+from experiments.benchmark.utils.models import ModelShape, batch_loss, build_model  # noqa: E402
+from experiments.benchmark.utils.table import fmt_bytes, fmt_s, md_table  # noqa: E402
+
+BLOCKS = [r"transformer\.h\.\d+\.(attn|mlp)\.c_(attn|proj|fc)"]  # the blocks' linear layers
+BASE_SEED = 0  # the one base model every run starts from
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- training ----------------------------------------------------------------------------------
+def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Sum over samples of each sample's mean token loss (per-sample gradients = ∇ℓ(z))."""
+    return batch_loss(model, batch["input_ids"])
+
+
+def train(
+    model: nn.Module,
+    ids: torch.Tensor,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    keep_checkpoints: bool = False,
+) -> tuple[list[dict], list[dict], list[float]]:
+    """AdamW, linear warm-up (3 %) then linear decay to 0, mean loss over the batch.
+
+    Returns the weights and optimizer state at the end of each epoch (when
+    ``keep_checkpoints``) and the mean learning rate of each epoch (LESS's η̄_k).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    per_epoch = math.ceil(len(ids) / batch_size)
+    total, warm = epochs * per_epoch, max(1, round(0.03 * epochs * per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / (total - warm))
+    )
+    ckpts, states, epoch_lrs = [], [], []
+    model.train()
+    for _ in range(epochs):
+        lrs = []
+        perm = torch.randperm(len(ids), generator=gen)
+        for i in range(0, len(ids), batch_size):
+            batch = ids[perm[i : i + batch_size]]
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        epoch_lrs.append(sum(lrs) / len(lrs))
+        if keep_checkpoints:
+            ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            states.append(_clone_state(opt.state_dict()))
+    opt.zero_grad(set_to_none=True)
+    return ckpts, states, epoch_lrs
+
+
+def _clone_state(state: dict) -> dict:
+    out = {"param_groups": [dict(g) for g in state["param_groups"]], "state": {}}
+    for k, s in state["state"].items():
+        out["state"][k] = {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+    return out
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, ids: torch.Tensor, batch_size: int = 64) -> float:
+    """Mean next-token loss over ``ids`` (all windows have the same length)."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(ids), batch_size):
+        total += float(batch_loss(model, ids[i : i + batch_size]))
+    model.train()
+    return total / len(ids)
+
+
+# ---- selection ---------------------------------------------------------------------------------
+def aggregate(m: torch.Tensor, groups: Sequence[str], how: str) -> torch.Tensor:
+    """Per-sample score from the ``(N, M)`` per-query scores.
+
+    ``max``: max over validation subtasks (query groups) of the mean over the subtask's
+    queries (LESS); ``mean``: mean over all queries (the influence on the mean query loss).
+    """
+    if how == "mean":
+        return m.mean(1)
+    cols = {}
+    for j, g in enumerate(groups):
+        cols.setdefault(g, []).append(j)
+    return torch.stack([m[:, js].mean(1) for js in cols.values()], 1).amax(1)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, dict]:
+    """Run ``fn``; its result with wall time, process CPU time and peak extra memory."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    peak, out = peak_rss_bytes(fn)
+    cost = {
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+        "peak_bytes": peak,
+    }
+    return out, cost
+
+
+def score_methods(
+    model: nn.Module,
+    ckpts: list[dict],
+    states: list[dict],
+    epoch_lrs: list[float],
+    pool: list[dict],
+    val: list[dict],
+    methods: Sequence[str],
+    batch_size: int,
+) -> dict[str, tuple[torch.Tensor, dict]]:
+    """``{method: ((N, M) scores aligned with pool x val, cost)}`` for the gradient methods."""
+    from dattri_llm import (
+        AttributionArguments,
+        AttributionTask,
+        EKFACAttributor,
+        HookManagerConfig,
+        LESSAttributor,
+        TracInAttributor,
+        hash_sample,
+    )
+
+    args = AttributionArguments(
+        output_dir="unused",  # nothing is saved
+        use_cpu=True,
+        show_progress=False,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+    )
+    hook = HookManagerConfig(linear_io=BLOCKS)
+    pool_h, val_h = [hash_sample(x) for x in pool], [hash_sample(x) for x in val]
+    multi = AttributionTask(loss_func=loss_sum, model=model, checkpoints=ckpts)
+    last = AttributionTask(loss_func=loss_sum, model=model, checkpoints=ckpts[-1])
+
+    def less() -> Any:
+        optimizers = []  # each checkpoint's AdamW state, over the live model's parameters
+        for state in states:
+            optimizers.append(torch.optim.AdamW(model.parameters(), lr=epoch_lrs[0]))
+            optimizers[-1].load_state_dict(state)
+        attr = LESSAttributor(
+            args, task=multi, optimizers=optimizers, checkpoint_weights=epoch_lrs
+        )  # η̄_k: the mean learning rate of epoch k (a decayed schedule ends at 0)
+        return attr.attribute(pool, val, hook)
+
+    runs = {
+        "LESS": less,
+        "TracIn-Cos": lambda: TracInAttributor(
+            args, task=multi, normalized_grad=True, checkpoint_weights=epoch_lrs
+        ).attribute(pool, val, hook),
+        "Grad-Cos": lambda: TracInAttributor(args, task=last, normalized_grad=True).attribute(
+            pool, val, hook
+        ),
+        "EK-FAC": lambda: EKFACAttributor(args, task=last).attribute(pool, val, hook),
+    }
+    out = {}
+    for name in methods:
+        log(f"    scoring {name} ...")
+        score, cost = timed(runs[name])
+        out[name] = (score.query(pool_h, val_h), cost)
+        log(f"    {name}: {cost['wall_s']:.1f} s, peak {cost['peak_bytes'] / 1e6:.0f} MB")
+    return out
+
+
+def momentum_diagnostic(
+    model: nn.Module, ckpts: list[dict], states: list[dict], pool_ids: torch.Tensor
+) -> list[dict]:
+    """How much of LESS's Γ is the sample's own gradient, at each checkpoint.
+
+    For a few pool samples (one backward each, the hooked layers' parameters): the median of
+    ``|(1-β1) g_z| / |β1 m|`` (the sample's share of the new first moment against the shared
+    momentum) and the mean pairwise cosine of the Γ(z) and of the raw g(z). When the momentum
+    dominates, every Γ points the same way and LESS's cosine separates samples less than
+    Grad-Cos's.
+    """
+    import re
+
+    names = [n for n, _ in model.named_parameters() if re.match(BLOCKS[0], n.rsplit(".", 1)[0])]
+    out = []
+    for ckpt, state in zip(ckpts, states):
+        model.load_state_dict(ckpt)
+        params = dict(model.named_parameters())
+        order = [n for n, _ in model.named_parameters()]
+        group = state["param_groups"][0]
+        (b1, b2), eps = group["betas"], group["eps"]
+        st = {order[i]: s for i, s in state["state"].items()}
+        c = int(st[names[0]]["step"]) + 1
+        m = torch.cat([st[n]["exp_avg"].flatten() for n in names])
+        v = torch.cat([st[n]["exp_avg_sq"].flatten() for n in names])
+        gs, gammas = [], []
+        for x in pool_ids:
+            model.zero_grad(set_to_none=True)
+            batch_loss(model, x[None]).backward()
+            g = torch.cat([params[n].grad.flatten() for n in names])
+            m1, v1 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            gammas.append((m1 / (1 - b1**c)) / ((v1 / (1 - b2**c)).sqrt() + eps))
+            gs.append(g)
+        model.zero_grad(set_to_none=True)
+        g, gam = torch.stack(gs), torch.stack(gammas)
+        ratio = ((1 - b1) * g.norm(dim=1) / (b1 * m.norm())).median()
+
+        def mean_cos(x: torch.Tensor) -> float:
+            x = x / x.norm(dim=1, keepdim=True)
+            gram = x @ x.T
+            n = len(x)
+            return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
+
+        out.append(
+            {"step": c - 1, "sample_vs_momentum": float(ratio), "cos_gamma": mean_cos(gam),
+             "cos_grad": mean_cos(g)}
+        )  # fmt: skip
+    return out
+
+
+def pretrained_base(model: nn.Module, pre_ids: torch.Tensor, args: argparse.Namespace) -> dict:
+    """Pretrain the base model (or load it from the cache: same windows, same settings)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    key = hashlib.sha256(pre_ids.numpy().tobytes())
+    key.update(repr((args.pretrain_epochs, args.pretrain_lr, args.width, args.layers,
+                     BASE_SEED, torch.__version__)).encode())  # fmt: skip
+    path = CACHE_DIR / "selection" / f"base-{key.hexdigest()[:16]}.safetensors"
+    if path.exists():
+        model.load_state_dict(load_file(str(path)))
+        log(f"base model loaded from {path}")
+    else:
+        t0 = time.perf_counter()
+        train(model, pre_ids, args.pretrain_epochs, 32, args.pretrain_lr, seed=BASE_SEED)
+        log(f"base model pretrained in {time.perf_counter() - t0:.0f} s")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(state, str(tmp))
+        tmp.replace(path)  # atomic: a killed run leaves no half-written base
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized smoke run")
+    p.add_argument("--target", default="python-docs", choices=DOMAINS)
+    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated pool domains")
+    p.add_argument("--pool-size", type=int, default=None, help="default 2000 (quick: 600)")
+    p.add_argument("--target-share", type=float, default=0.1)
+    p.add_argument("--n-val", type=int, default=None, help="queries (default 32, quick: 16)")
+    p.add_argument("--n-test", type=int, default=None, help="default 256 (quick: 96)")
+    p.add_argument("--select-frac", type=float, default=0.05)
+    p.add_argument("--warmup-frac", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=int, default=4, help="= checkpoints kept")
+    p.add_argument("--finetune-epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3, help="warm-up and fine-tuning")
+    p.add_argument("--pretrain-windows", type=int, default=None, help="default 3000 (quick 1000)")
+    p.add_argument("--pretrain-epochs", type=int, default=5)
+    p.add_argument("--pretrain-lr", type=float, default=5e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated subset of LESS,TracIn-Cos,Grad-Cos,EK-FAC (default: all; quick: "
+        "LESS,Grad-Cos,EK-FAC)",
+    )
+    p.add_argument("--full-pool", action="store_true", help="also fine-tune on the whole pool")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--from-json", default=None, help="re-render the tables of a results JSON")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.pool_size = args.pool_size or (600 if q else 2000)
+    args.n_val = args.n_val or (16 if q else 32)
+    args.n_test = args.n_test or (96 if q else 256)
+    args.pretrain_windows = args.pretrain_windows or (1000 if q else 3000)
+    default = "LESS,Grad-Cos,EK-FAC" if q else "LESS,TracIn-Cos,Grad-Cos,EK-FAC"
+    args.methods = (args.methods or default).split(",")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dattri_llm.demo import build_tokenizer
+
+    t_start = time.perf_counter()
+    domains = tuple(args.domains.split(","))
+    texts = load_texts(domains)
+    tok = build_tokenizer(tokenizer_sample(texts), vocab_size=args.vocab)
+    chunks = chunk(texts, tok, args.seq_len)
+    sp: Splits = make_splits(
+        chunks, args.target, args.pool_size, args.target_share, args.n_val, args.n_test,
+        args.pretrain_windows, seed=args.data_seed,
+    )  # fmt: skip
+    pool_ids = torch.tensor([c.ids for c in sp.pool])
+    val_ids = torch.tensor([c.ids for c in sp.val])
+    test_ids = torch.tensor([c.ids for c in sp.test])
+    pool_items = [{"input_ids": x} for x in pool_ids]
+    val_items = [{"input_ids": x} for x in val_ids]
+    val_groups = [c.group for c in sp.val]
+    in_target = torch.tensor([c.domain == sp.target for c in sp.pool])
+    k = round(args.select_frac * len(sp.pool))
+    n_warm = round(args.warmup_frac * len(sp.pool))
+    shape = ModelShape("gpt2", args.layers, args.width, 4, args.vocab, args.seq_len, 16)
+    comp = {d: sum(c.domain == d for c in sp.pool) for d in domains}
+    pre_comp = {d: sum(c.domain == d for c in sp.pretrain) for d in domains}
+    log(
+        f"pool {len(sp.pool)} ({comp}), {len(sp.val)} queries from {len(set(val_groups))} "
+        f"groups, {len(sp.test)} test windows of {sp.target}; select {k}, warm-up on {n_warm}; "
+        f"pretraining {len(sp.pretrain)} ({pre_comp})"
+    )
+    model = build_model(shape, BASE_SEED)
+    n_params = sum(p.numel() for p in model.parameters())
+    init_loss = eval_loss(model, test_ids)
+    pre_ids = torch.tensor([c.ids for c in sp.pretrain])
+    base_state = pretrained_base(model, pre_ids, args)
+    base_loss = eval_loss(model, test_ids)
+    log(f"base model: target loss {init_loss:.3f} at init, {base_loss:.3f} pretrained")
+
+    def base() -> nn.Module:
+        model = build_model(shape, BASE_SEED)
+        model.load_state_dict(base_state)
+        return model
+
+    def finetune(idx: torch.Tensor, seed: int) -> float:
+        model = base()
+        train(model, pool_ids[idx], args.finetune_epochs, args.batch_size, args.lr, seed)
+        return eval_loss(model, test_ids)
+
+    per_seed: list[dict] = []
+    for seed in range(args.seeds):
+        log(f"seed {seed}: warm-up")
+        gen = torch.Generator().manual_seed(1000 + seed)
+        warm_idx = torch.randperm(len(sp.pool), generator=gen)[:n_warm]
+        model = base()
+        ckpts, states, epoch_lrs = train(
+            model, pool_ids[warm_idx], args.warmup_epochs, args.batch_size, args.lr,
+            seed=seed, keep_checkpoints=True,
+        )  # fmt: skip
+        warm_loss = eval_loss(model, test_ids)
+        diag = momentum_diagnostic(model, ckpts, states, pool_ids[:48])
+        log(f"  Γ diagnostic: {diag}")
+        scores = score_methods(
+            model, ckpts, states, epoch_lrs, pool_items, val_items, args.methods, 32
+        )
+        selections: dict[str, tuple[torch.Tensor, dict | None]] = {}
+        selections["random"] = (torch.randperm(len(sp.pool), generator=gen)[:k], None)
+        tgt = in_target.nonzero().flatten()
+        pick = tgt[torch.randperm(len(tgt), generator=gen)[:k]]
+        selections["random (target domain only)"] = (pick, None)
+        for name, (m, cost) in scores.items():
+            for how in ("max", "mean"):
+                sel = aggregate(m, val_groups, how).topk(k).indices
+                selections[f"{name} ({how})"] = (sel, cost)
+        if args.full_pool:
+            selections["full pool (reference)"] = (torch.arange(len(sp.pool)), None)
+        rows = {}
+        for name, (idx, cost) in selections.items():
+            loss = finetune(idx, seed)
+            doms = {d: sum(sp.pool[i].domain == d for i in idx.tolist()) for d in domains}
+            rows[name] = {
+                "target_loss": loss,
+                "target_share": float(in_target[idx].float().mean()),
+                "domains": doms,
+                "cost": cost,
+                "selected": sorted(idx.tolist()),
+            }
+            log(f"  {name:<32} loss {loss:.4f}  target share {rows[name]['target_share']:.0%}")
+        overlap = {}
+        names = [n for n in rows if "(" in n and not n.startswith(("random", "full"))]
+        for a in names:
+            for b in names:
+                if a < b:
+                    sa, sb = set(rows[a]["selected"]), set(rows[b]["selected"])
+                    overlap[f"{a} & {b}"] = len(sa & sb) / k
+        per_seed.append(
+            {"seed": seed, "warmup_target_loss": warm_loss, "epoch_lrs": epoch_lrs, "gamma": diag,
+             "methods": rows, "overlap": overlap}
+        )  # fmt: skip
+    return {
+        "config": {**vars(args), "params": n_params, "model": f"GPT-2 {args.layers}x{args.width}"},
+        "data": {
+            "pool": comp,
+            "available_windows": sp.available,
+            "n_val": len(sp.val),
+            "val_groups": sorted(set(val_groups)),
+            "n_test": len(sp.test),
+            "k": k,
+            "n_warmup": n_warm,
+            "pretrain": pre_comp,
+            "examples": {d: next(c for c in sp.pool if c.domain == d).text(tok) for d in domains},
+        },
+        "init_target_loss": init_loss,
+        "base_target_loss": base_loss,
+        "seeds": per_seed,
+        "total_s": time.perf_counter() - t_start,
+    }
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+def _stats(xs: list[float]) -> tuple[float, float]:
+    t = torch.tensor(xs, dtype=torch.float64)
+    return float(t.mean()), float(t.std()) if len(xs) > 1 else 0.0
+
+
+def summarize(res: dict) -> tuple[str, list[dict]]:
+    seeds = res["seeds"]
+    names = list(seeds[0]["methods"])
+    rnd, _ = _stats([s["methods"]["random"]["target_loss"] for s in seeds])
+    rows, table = [], []
+    for name in names:
+        loss, sd = _stats([s["methods"][name]["target_loss"] for s in seeds])
+        share, share_sd = _stats([s["methods"][name]["target_share"] for s in seeds])
+        costs = [s["methods"][name]["cost"] for s in seeds if s["methods"][name]["cost"]]
+        wall = _stats([c["wall_s"] for c in costs])[0] if costs else None
+        cpu = _stats([c["cpu_s"] for c in costs])[0] if costs else None
+        peak = max(c["peak_bytes"] for c in costs) if costs else None
+        beats = sum(
+            s["methods"][name]["target_loss"] < s["methods"]["random"]["target_loss"] for s in seeds
+        )
+        rows.append(
+            {"method": name, "target_loss": loss, "target_loss_std": sd, "vs_random": loss - rnd,
+             "target_share": share, "target_share_std": share_sd, "wall_s": wall, "cpu_s": cpu,
+             "peak_bytes": peak, "beats_random_seeds": beats}
+        )  # fmt: skip
+        table.append(
+            [name, f"{loss:.3f} ± {sd:.3f}", "—" if name == "random" else f"{loss - rnd:+.3f}",
+             f"{beats}/{len(seeds)}" if name != "random" else "—",
+             f"{share:.0%} ± {share_sd:.0%}",
+             "—" if wall is None else f"{fmt_s(wall)} ({fmt_s(cpu)} CPU)",
+             "—" if peak is None else fmt_bytes(peak)]
+        )  # fmt: skip
+    heads = ["selection (aggregation)", "target test loss", "vs random", "beats random",
+             "target-domain share", "selection time (wall, CPU)", "peak memory"]  # fmt: skip
+    return md_table(heads, table), rows
+
+
+def report(res: dict, args: argparse.Namespace) -> str:
+    cfg, data = res["config"], res["data"]
+    extra = {
+        "pool": f"{sum(data['pool'].values())} windows of {cfg['seq_len']} tokens: "
+        + ", ".join(f"{d} {n}" for d, n in data["pool"].items()),
+        "target": f"{cfg['target']}: {data['n_val']} validation queries "
+        f"({len(data['val_groups'])} groups), {data['n_test']} test windows",
+        "model": f"{cfg['model']} from a config ({cfg['params'] / 1e6:.2f}M parameters, BPE "
+        f"vocab {cfg['vocab']} trained on the corpora), hooked: the blocks' linear layers",
+        "protocol": f"warm-up on {data['n_warmup']} random pool windows, {cfg['warmup_epochs']} "
+        f"epochs AdamW lr {cfg['lr']} linear decay, checkpoint + optimizer state per epoch; "
+        f"select {data['k']} ({cfg['select_frac']:.0%}); fine-tune the base model "
+        f"{cfg['finetune_epochs']} epochs; {cfg['seeds']} seeds (warm-up subset, warm-up and "
+        "fine-tune order, random selection)",
+        "memory method": f"ok (100 MB probe read {memory_method_ok()[1]:.0f} MB)",
+    }
+    if args.from_json:
+        extra["note"] = (
+            f"tables re-rendered from {args.from_json}; the run itself: `{res['command']}`"
+        )
+    table, _ = summarize(res)
+    base = res["base_target_loss"]
+    warm = _stats([s["warmup_target_loss"] for s in res["seeds"]])
+    lines = [
+        header("Targeted data selection (LESS)", extra),
+        table,
+        f"Target test loss of the base model: {res['init_target_loss']:.3f} at init, "
+        f"{base:.3f} after pretraining on {sum(data['pretrain'].values())} windows "
+        f"({', '.join(f'{d} {n}' for d, n in data['pretrain'].items())}); of the warm-up "
+        f"model: {warm[0]:.3f} ± {warm[1]:.3f}. Loss: mean next-token cross-entropy (nats) "
+        "on the target test windows, mean ± std over seeds; 'beats random': seeds where the "
+        f"selection's loss is below random's. Total time {res['total_s'] / 60:.1f} min.",
+        "",
+        "Composition of the selections (mean count over seeds):",
+        "",
+    ]
+    doms = list(data["pool"])
+    comp_rows = []
+    for name in res["seeds"][0]["methods"]:
+        counts = [
+            sum(s["methods"][name]["domains"][d] for s in res["seeds"]) / len(res["seeds"])
+            for d in doms
+        ]
+        comp_rows.append([name, *(f"{c:.1f}" for c in counts)])
+    lines.append(md_table(["selection", *doms], comp_rows))
+    lines.append(
+        "LESS's Γ at each warm-up checkpoint (48 pool windows, seed 0): the sample's share of "
+        "the new first moment against the carried momentum, median of |(1-β1) g| / |β1 m|, "
+        "and the mean pairwise cosine of the Γ(z) and of the raw gradients g(z):\n"
+    )
+    lines.append(
+        md_table(
+            ["optimizer step", "|(1-β1) g| / |β1 m|", "mean cos(Γ(z), Γ(z'))", "mean cos(g, g')"],
+            [[d["step"], f"{d['sample_vs_momentum']:.2f}", f"{d['cos_gamma']:.3f}",
+              f"{d['cos_grad']:.3f}"] for d in res["seeds"][0]["gamma"]],
+        )
+    )  # fmt: skip
+    ov = res["seeds"][0]["overlap"]
+    if ov:
+        lines.append("Overlap of the selections of one aggregation (seed 0, share of k):\n")
+        same = [(k, v) for k, v in ov.items() if k.count("(max)") == 2 or k.count("(mean)") == 2]
+        lines.append(md_table(["pair", "overlap"], [[k, f"{v:.0%}"] for k, v in same]))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse(argv)
+    if args.from_json:
+        res = json.loads(open(args.from_json).read())
+        res.setdefault("command", "OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run")
+        for key in ("quick", "target"):
+            setattr(args, key, res["config"][key])
+    else:
+        res = run(args)
+        res["command"] = header("").splitlines()[2].split("`")[1]
+    md = report(res, args)
+    print(md)
+    stem = "selection-quick" if args.quick else "selection"
+    if args.target != "python-docs":
+        stem += f"_{args.target}"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{stem}.md").write_text(md)
+    _, rows = summarize(res)
+    res["summary"] = rows
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    log(f"wrote {RESULTS_DIR / stem}.{{json,md}}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Fidelity of the capture on OLMo-core runs (see run.py)."""

@@ -1,0 +1,1 @@
+"""Randomized differential tests (larger runs than the CI suite's fixed seed sets)."""
