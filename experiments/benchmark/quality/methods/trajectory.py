@@ -275,36 +275,18 @@ def chunked(
 
 
 # ---- AdamW-influence ---------------------------------------------------------------------------
-def _attributor_class(curvature: bool, recorded: torch.dtype | None) -> Any:
-    """``AdamWInfluenceAttributor``, or a benchmark subclass:
-
-    * ``curvature=False`` (ablation): each step's batch curvature term dropped (δg = push);
-    * ``recorded=torch.float32`` with a float64 ``compute_dtype``: works around a library
-      refusal — ``_clip`` checks that the consumed gradient recovered from the moments is a
-      multiple of the captured batch gradient with a tolerance taken from the *compute* dtype
-      (``10·sqrt(eps)``: 1.5e-7 in float64), while the moments were rounded in float32 by the
-      optimizer (residual 1.8e-7 at step 374 here), so float64 propagation of a float32 run is
-      refused. The check is redone at the recorded precision (no clipping is active here; the
-      factor found is 1).
-    """
+def _attributor_class(curvature: bool) -> Any:
+    """``AdamWInfluenceAttributor``, or (``curvature=False``, ablation) a benchmark subclass
+    with each step's batch curvature term dropped (δg = push)."""
     from dattri_llm import AdamWInfluenceAttributor
 
     class Variant(AdamWInfluenceAttributor):
         def _step(self, *args: Any, **kwargs: Any) -> Any:
             step = super()._step(*args, **kwargs)
-            if not curvature:
-                step.curvature.vectors = None
+            step.curvature.vectors = None
             return step
 
-        def _clip(self, dyn: Any, captured: Any, consumed: Any, where: str) -> Any:
-            if recorded is None or consumed.dtype == recorded:
-                return super()._clip(dyn, captured, consumed, where)
-            clip, unit = super()._clip(dyn, captured.to(recorded), consumed.to(recorded), where)
-            return clip, None if unit is None else unit.to(consumed.dtype)
-
-    if curvature and recorded is None:
-        return AdamWInfluenceAttributor
-    return Variant
+    return AdamWInfluenceAttributor if curvature else Variant
 
 
 def _mc_fisher_class(curvature_source: Any) -> Any:
@@ -389,8 +371,7 @@ def adamw_influence(
             exclude=exclude,
         )
         rec = recording(ctx, name, config)
-        recorded = torch.float32 if compute_dtype == torch.float64 else None
-        cls = _attributor_class(curvature, recorded)
+        cls = _attributor_class(curvature)
         dynamics = OptimizerDynamics(rec["trajectory"])
         itemsize = 8 if compute_dtype == torch.float64 else 4
         with tempfile.TemporaryDirectory() as tmp:
@@ -405,6 +386,40 @@ def adamw_influence(
         return scores
 
     return fn
+
+
+def adamw_influence_exact_hessian(ctx: Context) -> torch.Tensor:
+    """AdamW-influence with each step's true batch-loss Hessian (the library's
+    ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
+    a parameter-snapshot recording of the same run); every step, every coordinate, float32.
+    Language-model settings only (the loss is the gpt2 setting's mean next-token CE)."""
+    from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
+    from experiments.benchmark.quality.gpt2 import per_sample_ce
+
+    config = _full_config()
+    rec = recording(ctx, "full", config)
+    snaps = recording(ctx, "snapshots", config, False, True)
+    curvature = ExactHessian(
+        ctx.model(),
+        snaps["trajectory"],
+        lambda model, batch: per_sample_ce(model, batch["x"], batch["y"]).mean(),
+        hook_config=config,
+    )
+    dynamics = OptimizerDynamics(rec["trajectory"])
+    with tempfile.TemporaryDirectory() as tmp:
+        attributor = AdamWInfluenceAttributor(
+            _args(tmp), loss_reduction="mean", curvature=curvature
+        )
+        scores = chunked(
+            ctx,
+            config,
+            lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
+            4,
+        )
+    ctx.extra["last_note"] = _note(
+        rec, f"curvature replayed from a parameter-snapshot recording ({_note(snaps)})"
+    )
+    return scores
 
 
 # ---- LESS (frozen form at the reference run's checkpoints) -----------------------------------
@@ -470,13 +485,10 @@ def dvemb_on_adam(ctx: Context) -> torch.Tensor:
 
 def _replay_hashes(ctx: Context) -> list[str]:
     """The identity a replayed step gives each train sample: the content hash of the model's
-    input as the hook manager names it (``forward(x)`` -> field ``x``)."""
-    import inspect
-
+    input (a bare first positional tensor is ``hash_sample(x)``, whatever ``forward`` names it)."""
     from dattri_llm import hash_sample
 
-    field = next(iter(inspect.signature(ctx.setting.make_model().forward).parameters))
-    hashes = [hash_sample({field: x}) for x in ctx.setting.train.x]
+    hashes = [hash_sample(x) for x in ctx.setting.train.x]
     if len(set(hashes)) != len(hashes):
         raise RuntimeError("two train inputs are identical: replayed identities would collide")
     return hashes
@@ -678,8 +690,18 @@ def methods(quick: bool, kind: str) -> list[Method]:
                         "AdamW-influence (float64 propagation)",
                         adamw_influence("full", compute_dtype=torch.float64),
                     ),
-                    "compute_dtype=torch.float64 (the library's consumed-gradient check redone "
-                    "at the recorded float32 precision: see methods/trajectory.py)",
+                    "compute_dtype=torch.float64 (the consumed-gradient check at the recorded "
+                    "float32 precision)",
+                ),
+                Method(
+                    "AdamW-influence, exact Hessian (every step, all coordinates)",
+                    "dattri_llm",
+                    saving(
+                        "AdamW-influence, exact Hessian (every step, all coordinates)",
+                        adamw_influence_exact_hessian,
+                    ),
+                    "curvature=ExactHessian(...): each step's batch-loss Hessian by "
+                    "Hessian-vector products",
                 ),
             ]
             out.append(
