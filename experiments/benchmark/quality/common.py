@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -73,6 +74,9 @@ class Setting:
             the batch); ``None`` = ``loss_sum`` (dattri_llm's ``AttributionTask.target_func``).
         make_target_single: Optional test-side ``make_loss_single`` (dattri's
             ``AttributionTask.target_func``); ``None`` = ``make_loss_single``.
+        trajectory: The optimizer family of ``train_func`` (``"adamw"`` or ``"sgd"``) when its
+            loop takes ``observer=`` and ``mask_index=`` (the trajectory methods and the
+            trajectory-specific LOO); ``""``: not wired.
     """
 
     name: str
@@ -95,6 +99,7 @@ class Setting:
     checkpoint_weights: list[float] | None = None
     target_sum: Callable[[nn.Module, dict], torch.Tensor] | None = None
     make_target_single: Callable[[nn.Module], Callable[[dict, Any], torch.Tensor]] | None = None
+    trajectory: str = ""
 
     def tracin_weights(self, n: int) -> list[float]:
         """TracIn weights of the ``n`` stored checkpoints (the learning rate at each)."""
@@ -108,6 +113,24 @@ class Setting:
         return [self.lr] * n
 
 
+class TrainObserver:
+    """Watches a setting's own training loop (``train_func(..., observer=...)``), e.g. to run it
+    under a ``HookManager`` and record what the trajectory methods read. The loop calls
+    :meth:`run` once (a context around the whole loop), then per update ``step`` (0-based)
+    :meth:`before_backward` with the batch's train-set indices and tensors, before its forward,
+    and :meth:`after_step` right after ``optimizer.step()``. The default does nothing."""
+
+    def run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """A context manager entered around the training loop."""
+        return contextlib.nullcontext()
+
+    def before_backward(self, step: int, index: torch.Tensor, batch: dict) -> None:
+        """Before the forward of update ``step``; ``batch = {"x", "y"}``."""
+
+    def after_step(self, step: int) -> None:
+        """Right after ``optimizer.step()`` of update ``step``."""
+
+
 def loader_batches(dataloader: Any) -> Any:
     """Yield the ``(x, y)`` batches of a loader over a (``Subset`` of a) ``TupleDataset``.
 
@@ -115,19 +138,35 @@ def loader_batches(dataloader: Any) -> Any:
     global torch RNG, is kept) but are gathered with one tensor index instead of a per-item
     collate: 20-50x faster for these small models. Any other loader is iterated as is.
     """
+    for _, x, y in loader_index_batches(dataloader):
+        yield x, y
+
+
+def loader_index_batches(dataloader: Any, mask_index: int | None = None) -> Any:
+    """As :func:`loader_batches`, with each batch's train-set indices: ``(idx, x, y)``.
+
+    ``idx`` is ``None`` for a loader that is not over a (``Subset`` of a) ``TupleDataset``.
+    ``mask_index`` drops that train-set index from every batch it falls in (trajectory-specific
+    LOO); the other batches are exactly the unmasked run's.
+    """
     ds, base = dataloader.dataset, None
     if isinstance(ds, torch.utils.data.Subset) and isinstance(ds.dataset, TupleDataset):
         base, remap = ds.dataset, torch.as_tensor(list(ds.indices), dtype=torch.long)
     elif isinstance(ds, TupleDataset):
         base, remap = ds, None
     if base is None or dataloader.batch_sampler is None:
-        yield from dataloader
+        if mask_index is not None:
+            raise ValueError("mask_index needs a loader over a (Subset of a) TupleDataset.")
+        for x, y in dataloader:
+            yield None, x, y
         return
     for idx in dataloader.batch_sampler:
         idx = torch.as_tensor(idx, dtype=torch.long)
         if remap is not None:
             idx = remap[idx]
-        yield base.x[idx], base.y[idx]
+        if mask_index is not None:
+            idx = idx[idx != int(mask_index)]
+        yield idx, base.x[idx], base.y[idx]
 
 
 def as_dicts(ds: TupleDataset) -> list[dict[str, torch.Tensor]]:

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from experiments.benchmark.quality.common import Setting, TupleDataset, loader_batches, seed_all
+from experiments.benchmark.quality.common import (
+    Setting,
+    TrainObserver,
+    TupleDataset,
+    loader_batches,
+    loader_index_batches,
+    seed_all,
+)
 
 N_TRAIN, N_TEST = 1000, 500
 
@@ -75,6 +82,9 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         )
     hp = HPARAMS[name]
     train, test = load_digits_tensors(dtype)
+    # SGD (the benchmark's); "adamw" exists for the tests of the trajectory adapters only
+    adamw = hp.get("optimizer", "sgd") == "adamw"
+    optimizer_class = torch.optim.AdamW if adamw else torch.optim.SGD
     batch_size = 64
     n_ckpt = 4
     ckpt_epochs = [round(hp["epochs"] * (k + 1) / n_ckpt) for k in range(n_ckpt)]
@@ -83,21 +93,34 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         return hp["model"]().to(dtype)
 
     def train_func(
-        dataloader: Any, seed: int | None = None, return_checkpoints: bool = False, **_: Any
+        dataloader: Any,
+        seed: int | None = None,
+        return_checkpoints: bool = False,
+        mask_index: int | None = None,
+        observer: TrainObserver | None = None,
+        **_: Any,
     ) -> Any:
+        """dattri's train contract. ``mask_index`` (trajectory-specific LOO): that train sample
+        is dropped from every batch it falls in (the batch's mean loss is over the others),
+        all else as in the unmasked run; ``observer`` watches the loop."""
         if seed is not None:
             seed_all(seed)
         model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], weight_decay=hp["wd"])
-        ckpts = []
+        opt = optimizer_class(model.parameters(), lr=hp["lr"], weight_decay=hp["wd"])
+        ckpts, step = [], 0
+        observer = observer or TrainObserver()
         model.train()
-        for epoch in range(1, hp["epochs"] + 1):
-            for x, y in loader_batches(dataloader):
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-            if return_checkpoints and epoch in ckpt_epochs:
-                ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        with observer.run(model, opt):
+            for epoch in range(1, hp["epochs"] + 1):
+                for idx, x, y in loader_index_batches(dataloader, mask_index):
+                    observer.before_backward(step, idx, {"x": x, "y": y})
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    observer.after_step(step)
+                    step += 1
+                if return_checkpoints and epoch in ckpt_epochs:
+                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         model.eval()
         return (model, ckpts) if return_checkpoints else model
 
@@ -138,10 +161,11 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
             "kwargs": {},
         },
         task_kind="classification",
+        trajectory="adamw" if adamw else "sgd",
         config={
             "data": "sklearn load_digits, X/16, train=[0,1000), test=[1000,1500)",
             "model": hp["model"].__name__,
-            "optimizer": f"SGD(lr={hp['lr']}, weight_decay={hp['wd']})",
+            "optimizer": f"{optimizer_class.__name__}(lr={hp['lr']}, weight_decay={hp['wd']})",
             "epochs": hp["epochs"],
             "batch_size": batch_size,
             "checkpoint_epochs": ckpt_epochs,

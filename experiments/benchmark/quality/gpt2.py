@@ -40,7 +40,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.func import functional_call
 
-from experiments.benchmark.quality.common import CACHE_DIR, Setting, TupleDataset, seed_all
+from experiments.benchmark.quality.common import (
+    CACHE_DIR,
+    Setting,
+    TrainObserver,
+    TupleDataset,
+    seed_all,
+)
 
 BLOCK = 64
 N_TRAIN, N_TEST = 1000, 100
@@ -227,13 +233,18 @@ def make_setting(name: str = "gpt2") -> Setting:
         seed: int | None = None,
         return_checkpoints: bool = False,
         mask_index: int | None = None,
+        observer: TrainObserver | None = None,
+        mask_weight: float = 0.0,
         **_: Any,
     ) -> Any:
         """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
 
         ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
         it falls in (the batch's mean loss is taken over the others); the batch order, the
-        step count and the learning-rate schedule stay those of the unmasked run.
+        step count and the learning-rate schedule stay those of the unmasked run. With
+        ``mask_weight`` ``w != 0`` it is kept with weight ``w`` in a weighted mean instead
+        (a partial removal, ``quality/trajectory_check.py``).
+        ``observer`` watches the loop (the trajectory methods record the reference run with it).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
@@ -247,22 +258,30 @@ def make_setting(name: str = "gpt2") -> Setting:
         bs = HP["batch_size"]
         steps = HP["epochs"] * math.ceil(len(members) / bs)
         ckpts, step = [], 0
+        observer = observer or TrainObserver()
         model.train()
-        for _epoch in range(HP["epochs"]):
-            perm = members[torch.randperm(len(members), generator=gen)]
-            for s in range(0, len(perm), bs):
-                step += 1
-                idx = perm[s : s + bs]
-                if mask_index is not None:
-                    idx = idx[idx != int(mask_index)]
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, steps)
-                loss = per_sample_ce(model, train.x[idx], train.y[idx]).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if return_checkpoints and step in ckpt_steps:
-                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        with observer.run(model, opt):
+            for _epoch in range(HP["epochs"]):
+                perm = members[torch.randperm(len(members), generator=gen)]
+                for s in range(0, len(perm), bs):
+                    step += 1
+                    idx, weight = perm[s : s + bs], None
+                    if mask_index is not None and mask_weight == 0:
+                        idx = idx[idx != int(mask_index)]
+                    elif mask_index is not None and bool((idx == int(mask_index)).any()):
+                        weight = 1 - (1 - mask_weight) * (idx == int(mask_index)).float()
+                    for group in opt.param_groups:
+                        group["lr"] = lr_at(step, steps)
+                    x, y = train.x[idx], train.y[idx]
+                    observer.before_backward(step - 1, idx, {"x": x, "y": y})
+                    ce = per_sample_ce(model, x, y)
+                    loss = ce.mean() if weight is None else (weight * ce).sum() / weight.sum()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    observer.after_step(step - 1)
+                    if return_checkpoints and step in ckpt_steps:
+                        ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         model.eval()
         return (model, ckpts) if return_checkpoints else model
 
@@ -312,6 +331,7 @@ def make_setting(name: str = "gpt2") -> Setting:
         checkpoint_weights=[lr_at(s, steps_full) for s in ckpt_steps],
         target_sum=target_sum,
         make_target_single=lambda model: _single(model, True),
+        trajectory="adamw",
         config={
             "data": f"pydoc_data.topics (Python {__import__('sys').version.split()[0]}), "
             f"UTF-8 bytes; {facts}",

@@ -31,13 +31,16 @@ LDS_SEED, LOO_SEED = 1000, 0
 def protocol(setting: str, quick: bool) -> dict:
     """Subsets, runs and LOO indices per setting (quick = CI-sized smoke run)."""
     if setting.startswith("digits"):
-        return {
+        spec = {
             "num_subsets": 16 if quick else 50,
             "runs": 2,
             "loo_indices": list(range(20 if quick else 100)),
             "lds_seed": LDS_SEED,
             "loo_seed": LOO_SEED,
         }
+        # SGD runs: the trajectory-specific LOO of DVEmb (every 10th sample; 50th with --quick)
+        spec["trajectory_loo_indices"] = list(range(0, 1000, 50 if quick else 10))
+        return spec
     if setting == "char-gpt":
         return {
             "num_subsets": 8 if quick else 50,
@@ -81,26 +84,33 @@ def build_setting(name: str) -> Setting:
     raise SystemExit(f"--setting {name}: not implemented yet (see docs/benchmarks/quality.md).")
 
 
-#: gpt2 --quick: the rows that fit its ~8-minute budget (random, the TracIn family, the EK-FAC
-#: damping sweep, dattri's unprojected Grad-Dot as the same-maths check, kronfluence EK-FAC).
+#: gpt2 --quick: the rows that fit its budget (random, the TracIn family, the EK-FAC damping
+#: sweep, dattri's unprojected Grad-Dot as the same-maths check, kronfluence EK-FAC, the
+#: trajectory methods).
 GPT2_QUICK_ROWS = re.compile(
     r"^(Random|Grad-Dot|Grad-Cos|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
-    r"Grad-Dot \(unprojected\))$"
+    r"Grad-Dot \(unprojected\)|AdamW-influence.*|LESS.*|DVEmb.*)$"
 )
 
 
 def all_methods(
-    quick: bool, peers: bool, kind: str = "classification", setting: str = ""
+    quick: bool,
+    peers: bool,
+    kind: str = "classification",
+    setting: str = "",
+    trajectory_kind: str = "",
 ) -> list[Method]:
     from experiments.benchmark.quality.methods import (
         dattri_peer,
         kronfluence_peer,
         ours,
         reference,
+        trajectory,
     )
 
     classifier = kind == "classification"
     out = list(reference.METHODS) + ours.methods(quick, classifier=classifier)
+    out += trajectory.methods(quick, trajectory_kind)
     if peers:
         out += dattri_peer.methods(quick, classifier=classifier)
         out += kronfluence_peer.methods(quick, classifier=classifier)
@@ -113,6 +123,10 @@ def fmt(m: dict | None) -> str:
     if m is None:
         return "—"
     return f"{m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]"
+
+
+def fmt_mb(mb: float | None) -> str:
+    return "—" if mb is None else f"{mb:.0f}"
 
 
 def score_agreement(results: list[MethodResult]) -> list[str]:
@@ -208,32 +222,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# LDS ground truth {variant}: {lds_metas[variant]['seconds']:.0f} s", flush=True)
     primary = next(iter(lds_gts))
     lds_gt, lds_meta, reliability = lds_gts[primary], lds_metas[primary], reliabilities[primary]
-    loo_gt, loo_meta = None, None
+    loo_gt, loo_meta, tsloo_gt, tsloo_meta = None, None, None, None
     if spec["loo_indices"]:
         loo_gt, loo_meta = gtm.loo_ground_truth(
             setting, folder, spec["loo_indices"], seed=spec["loo_seed"]
         )
-    elif spec.get("trajectory_loo_indices"):
-        loo_gt, loo_meta = gtm.trajectory_loo_ground_truth(
+    if spec.get("trajectory_loo_indices"):
+        tsloo_gt, tsloo_meta = gtm.trajectory_loo_ground_truth(
             setting, folder, spec["trajectory_loo_indices"], spec["loo_seed"], ckpts[-1]
         )
         print(
-            f"# trajectory LOO ground truth: {loo_meta['seconds']:.0f} s, mean |delta| "
-            f"{loo_meta['mean_abs_delta']:.2e}",
+            f"# trajectory LOO ground truth: {tsloo_meta['seconds']:.0f} s, mean |delta| "
+            f"{tsloo_meta['mean_abs_delta']:.2e}",
             flush=True,
         )
     print(f"# ground truth ready ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
-    ctx = Context(setting, ckpts, quick=a.quick)
+    ctx = Context(
+        setting, ckpts, quick=a.quick, extra={"cache_dir": folder, "loo_seed": spec["loo_seed"]}
+    )
     results: list[MethodResult] = []
     rows = []
-    for method in all_methods(a.quick, not a.no_peers, setting.task_kind, setting.name):
+    methods = all_methods(
+        a.quick, not a.no_peers, setting.task_kind, setting.name, setting.trajectory
+    )
+    for method in methods:
         if a.methods and not re.search(a.methods, method.name):
             continue
         r = run_method(method, ctx)
         results.append(r)
-        lds_m = lds_metric(r.scores, lds_gt) if r.status == "ok" else None
-        loo_m = loo_metric(r.scores, loo_gt) if r.status == "ok" and loo_gt else None
+        ok = r.status == "ok"
+        lds_m = lds_metric(r.scores, lds_gt) if ok else None
+        loo_m = loo_metric(r.scores, loo_gt) if ok and loo_gt else None
+        tsloo_m = loo_metric(r.scores, tsloo_gt) if ok and tsloo_gt else None
         by_variant = {
             v: (lds_metric(r.scores, g) if r.status == "ok" else None) for v, g in lds_gts.items()
         }
@@ -244,15 +265,18 @@ def main(argv: list[str] | None = None) -> int:
                 "status": r.status,
                 "lds": lds_m,
                 "loo": loo_m,
+                "tsloo": tsloo_m,
                 "lds_variants": by_variant,
                 "seconds": r.seconds,
+                "peak_mb": r.peak_mb,
                 "note": r.note,
             }
         )
         cells = " | ".join(f"LDS[{v}] {fmt(m):<24}" for v, m in by_variant.items())
         print(
             f"{r.source:>13} | {r.name:<34} | {r.status:<7} | {cells} | "
-            f"LOO {fmt(loo_m):<24} | {r.seconds:6.1f} s | {r.note}",
+            f"LOO {fmt(loo_m):<24} | TSLOO {fmt(tsloo_m):<24} | {r.seconds:6.1f} s | "
+            f"{fmt_mb(r.peak_mb)} MB | {r.note}",
             flush=True,
         )
 
@@ -269,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "lds_ground_truth_variants": lds_metas,
         "reliability_variants": reliabilities,
         "loo_ground_truth": loo_meta,
+        "trajectory_loo_ground_truth": tsloo_meta,
         "reference_run": ref_meta,
         "reliability": reliability,
         "rows": rows,
@@ -286,14 +311,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def upgrade(out: dict) -> dict:
+    """A result file written before the trajectory-LOO column had its own key: there (gpt2) the
+    ``loo`` entry of every row *was* the trajectory-specific LOO."""
+    spec = out["protocol"]
+    if "trajectory_loo_ground_truth" not in out and spec.get("trajectory_loo_indices"):
+        out["trajectory_loo_ground_truth"] = out.get("loo_ground_truth")
+        out["loo_ground_truth"] = None
+        for r in out["rows"]:
+            r["tsloo"], r["loo"] = r.get("loo"), None
+    return out
+
+
 def merge_results(old: dict, new: dict) -> dict:
     """``--update``: the new run's rows replace the old rows of the same (source, method); the
     old rows not re-run are kept in their place, new ones appended. Commands are listed."""
+    old = upgrade(old)
     fresh = {(r["source"], r["method"]): r for r in new["rows"]}
     rows = [fresh.pop((r["source"], r["method"]), r) for r in old["rows"]]
     rows += [r for r in new["rows"] if (r["source"], r["method"]) in fresh]
     commands = old.get("commands") or [old["command"]]
     merged = {**new, "rows": rows, "commands": [*commands, new["command"]]}
+    # the kept rows' peers: versions recorded by the runs that made them stay
+    env = {k: v for k, v in old.get("environment", {}).items() if v is not None}
+    merged["environment"] = {
+        **env,
+        **{k: v for k, v in new["environment"].items() if v is not None},
+    }
     merged["agreement"] = sorted(set(old.get("agreement", [])) | set(new["agreement"]))
     merged["total_seconds"] = old.get("total_seconds", 0.0) + new["total_seconds"]
     return merged
@@ -301,36 +345,40 @@ def merge_results(old: dict, new: dict) -> dict:
 
 def markdown(out: dict) -> str:
     """The result as a markdown section (pasted into docs/benchmarks/quality.md)."""
+    out = upgrade(out)
     spec = out["protocol"]
     rels = out.get("reliability_variants") or {"default": out["reliability"]}
     variants = list(rels)
-    trajectory = not spec["loo_indices"] and bool(spec.get("trajectory_loo_indices"))
-    has_loo = bool(spec["loo_indices"]) or trajectory
+    has_loo = bool(spec["loo_indices"])
+    trajectory = bool(spec.get("trajectory_loo_indices"))
     env = out["environment"]
     kf = f", kronfluence {env['kronfluence']} (own venv)" if env.get("kronfluence") else ""
     head = f"LDS: {spec['num_subsets']} subsets x {spec['runs']} runs (seed {spec['lds_seed']})"
-    if trajectory:
-        idx = spec["trajectory_loo_indices"]
-        meta = out.get("loo_ground_truth") or {}
-        head += (
-            f"; trajectory-specific LOO: {len(idx)} train blocks (indices {idx[0]}, "
-            f"{idx[1]}, ..., {idx[-1]}), each masked out of its batch in a run otherwise "
-            f"identical to the reference run (seed {spec['loo_seed']}; reference reproduced "
-            f"bit-exactly; mean |target change| {meta.get('mean_abs_delta', float('nan')):.1e})"
-        )
-    elif has_loo:
+    if has_loo:
         idx = spec["loo_indices"]
         head += (
             f"; LOO: {len(idx)} removed samples (indices {idx[0]}..{idx[-1]}, "
             f"seed {spec['loo_seed']})"
+        )
+    if trajectory:
+        idx = spec["trajectory_loo_indices"]
+        meta = out.get("trajectory_loo_ground_truth") or {}
+        head += (
+            f"; trajectory-specific LOO: {len(idx)} train samples (indices {idx[0]}, "
+            f"{idx[1]}, ..., {idx[-1]}), each masked out of its batch in a run otherwise "
+            f"identical to the reference run (seed {spec['loo_seed']}; reference reproduced "
+            f"bit-exactly; mean |target change| {meta.get('mean_abs_delta', float('nan')):.1e})"
         )
     lds_cols = (
         ["LDS [95% CI]"]
         if variants == ["default"]
         else [f"LDS {VARIANTS.get(v, v)} [95% CI]" for v in variants]
     )
-    loo_col = "trajectory LOO [95% CI]" if trajectory else "LOO [95% CI]"
-    cols = lds_cols + ([loo_col] if has_loo else [])
+    cols = (
+        lds_cols
+        + (["LOO [95% CI]"] if has_loo else [])
+        + (["trajectory LOO [95% CI]"] if trajectory else [])
+    )
     lines = [
         f"### {out['setting']}{' (quick)' if out['quick'] else ''}",
         "",
@@ -339,26 +387,28 @@ def markdown(out: dict) -> str:
         f"{env['torch_threads']}, torch {env['torch']}, dattri {env['dattri']}{kf}.",
         head + ".",
         "",
-        "| method | source | " + " | ".join(cols) + " | time (s) | note |",
-        "|---|---|" + "---|" * len(cols) + "---|---|",
+        "| method | source | " + " | ".join(cols) + " | time (s) | peak RSS (MB) | note |",
+        "|---|---|" + "---|" * len(cols) + "---|---|---|",
     ]
-    rel_cells = [fmt(rels[v]) for v in variants] + (["—"] if has_loo else [])
+    rel_cells = [fmt(rels[v]) for v in variants] + ["—"] * (has_loo + trajectory)
     avg = ", ".join(f"{rels[v].get('mean_avg', float('nan')):.3f}" for v in variants)
     lines.append(
         "| ground truth split-run reliability (ceiling) | dattri 0.3.0 retrain | "
         + " | ".join(rel_cells)
-        + f" | — | run 0 vs run 1; {spec['runs']}-run average: {avg} (Spearman-Brown) |"
+        + f" | — | — | run 0 vs run 1; {spec['runs']}-run average: {avg} (Spearman-Brown) |"
     )
     for r in out["rows"]:
         if r["status"] == "ok":
             by = r.get("lds_variants") or {"default": r["lds"]}
-            cells = [fmt(by.get(v)) for v in variants] + ([fmt(r["loo"])] if has_loo else [])
-            time_cell = f"{r['seconds']:.1f}"
+            cells = [fmt(by.get(v)) for v in variants]
+            cells += [fmt(r.get("loo"))] if has_loo else []
+            cells += [fmt(r.get("tsloo"))] if trajectory else []
+            time_cell, mem_cell = f"{r['seconds']:.1f}", fmt_mb(r.get("peak_mb"))
         else:
-            cells, time_cell = [r["status"]] * len(cols), "—"
+            cells, time_cell, mem_cell = [r["status"]] * len(cols), "—", "—"
         lines.append(
             f"| {r['method']} | {r['source']} | " + " | ".join(cells) + f" | {time_cell} "
-            f"| {r['note']} |"
+            f"| {mem_cell} | {r['note']} |"
         )
     if out["agreement"]:
         lines += ["", "Same maths, two implementations:", ""]

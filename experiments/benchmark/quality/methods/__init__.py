@@ -73,18 +73,35 @@ class MethodResult:
     scores: torch.Tensor | None = None
     seconds: float = 0.0
     note: str = ""
+    #: Peak resident memory of the call above the level before it (MB; see
+    #: ``experiments/benchmark/utils/memory.py``); ``None`` where it was not measured.
+    peak_mb: float | None = None
 
 
 def run_method(method: Method, ctx: Context) -> MethodResult:
-    """Run one adapter, timing it and turning missing code / errors into a status."""
+    """Run one adapter, timing it, measuring its peak resident memory (the kernel's VmHWM
+    over the call, above the resident set before it) and turning missing code / errors into a
+    status. An adapter may add to its note through ``ctx.extra["last_note"]``."""
+    from experiments.benchmark.utils.memory import peak_rss_bytes
+
     n_train, n_test = len(ctx.setting.train), len(ctx.setting.test)
-    t0 = time.perf_counter()
-    try:
+    ctx.extra.pop("last_note", None)
+
+    def call() -> torch.Tensor:
         if method.quiet:  # peers print a tqdm bar per batch: keep the table readable
             with contextlib.redirect_stderr(io.StringIO()):
-                scores = method.fn(ctx)
-        else:
-            scores = method.fn(ctx)
+                return method.fn(ctx)
+        return method.fn(ctx)
+
+    def measured() -> tuple[float | None, torch.Tensor]:
+        if not _can_reset_peak():
+            return None, call()
+        peak, out = peak_rss_bytes(call)
+        return peak / 1e6, out
+
+    t0 = time.perf_counter()
+    try:
+        peak_mb, scores = measured()
     except Pending as e:
         return MethodResult(method.name, method.source, "pending", note=str(e) or method.note)
     except Skipped as e:
@@ -93,6 +110,8 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
         traceback.print_exc()
         return MethodResult(method.name, method.source, "error", note=f"{type(e).__name__}: {e}")
     seconds = time.perf_counter() - t0
+    extra = ctx.extra.pop("last_note", "")
+    note = "; ".join(n for n in (method.note, extra) if n)
     scores = scores.detach().to(torch.float64).cpu()
     if tuple(scores.shape) != (n_train, n_test):
         return MethodResult(
@@ -102,4 +121,14 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
             seconds=seconds,
             note=f"score shape {tuple(scores.shape)} != {(n_train, n_test)}",
         )
-    return MethodResult(method.name, method.source, "ok", scores, seconds, method.note)
+    return MethodResult(method.name, method.source, "ok", scores, seconds, note, peak_mb)
+
+
+def _can_reset_peak() -> bool:
+    """Whether the resident-set high-water mark can be reset here (Linux, writable procfs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,332 @@
+"""Why AdamW-influence reaches the TSLOO it reaches on gpt2: smaller removals, the exact derivative.
+
+    OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.trajectory_check [--quick]
+        [--fractions 0.5,0.1] [--derivative K]
+
+The trajectory-specific LOO removes a block from its batch of 8 (the mean then over the 7
+others) at each of its 3 occurrences. Down-weighting it instead to ``w = 1 − ε`` in a weighted
+batch mean (``train_func(mask_index=z, mask_weight=1 − ε)``, otherwise the reference run, in
+float32 like the ground truth) gives the removal's effect at fraction ``ε``; ``Δ(ε)/ε`` tends to
+the first-order effect as ``ε → 0``. With ``--derivative K`` the **exact derivative**
+``dΔ/dε`` at 0 is computed for the first ``K`` samples by forward-mode autodiff through a
+functional copy of the run (float64; the same start, batch order, schedule and torch AdamW
+maths, ``torch.func.jvp`` over the loop, forward-over-reverse through each step's gradient):
+the first-order influence with the *true* Hessian of every step.
+
+Each is compared as the benchmark does (``loo_corr``: Pearson across the removed samples per
+test block, averaged) with the ground truth (``ε = 1``) and with the AdamW-influence rows
+(first order, each step's curvature approximated by the empirical Fisher of its 8 captured
+per-sample gradients; in float64; and without the curvature term). Reading:
+
+* ``Δ(ε)/ε`` vs ``Δ(1)``: how nonlinear removing 1 of 8 samples is under Adam — a first-order
+  method estimates ``lim Δ(ε)/ε``, not ``Δ(1)``;
+* AdamW-influence vs ``Δ(0.1)/0.1`` (and the derivative): the first-order method against the
+  first-order truth: what its curvature approximation costs.
+
+Writes ``results/quality_gpt2_trajectory_check[-quick].json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch.func import functional_call, grad, jvp
+
+from experiments.benchmark.quality import ground_truth as gtm
+from experiments.benchmark.quality.common import RESULTS_DIR
+from experiments.benchmark.quality.gpt2 import HP, MODEL, TinyGPT2, neg_log_odds, per_sample_ce
+
+
+def functional_run(
+    setting: Any, pretrained: dict, dtype: torch.dtype, seed: int = 0, limit: int | None = None
+) -> Any:
+    """``run(weight_of) -> (targets (n_test,), final params)``: the reference fine-tuning with
+    per-occurrence weights ``weight_of(step, idx) -> (B,)`` in each batch's mean loss
+    (``limit``: only the first steps, for a smoke test)."""
+    model = TinyGPT2(**MODEL).to(dtype)
+    model.load_state_dict(pretrained, strict=False)
+    model.train()
+    params0 = {k: v.detach().to(dtype).clone() for k, v in model.named_parameters()}
+    train, test = setting.train, setting.test
+    n, bs = len(train), HP["batch_size"]
+    steps = HP["epochs"] * math.ceil(n / bs)
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(HP["epochs"]):
+        perm = torch.randperm(n, generator=gen)
+        batches += [perm[s : s + bs] for s in range(0, n, bs)]
+    batches = batches[:limit]
+    beta1, beta2 = HP["betas"]
+    eps = 1e-8  # torch.optim.AdamW's default, as in train_func
+
+    def call(p: dict) -> Any:
+        return lambda x: functional_call(model, p, (x,))
+
+    def batch_loss(p: dict, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ce = per_sample_ce(call(p), x, y)
+        return (w * ce).sum() / w.sum()
+
+    def run(weight_of: Any) -> tuple[torch.Tensor, dict]:
+        p = dict(params0)
+        m = {k: torch.zeros_like(v) for k, v in p.items()}
+        v = {k: torch.zeros_like(t) for k, t in p.items()}
+        for t, idx in enumerate(batches, start=1):
+            lr = HP["lr"] * (1 - (t - 1) / steps)
+            g = grad(batch_loss)(p, train.x[idx], train.y[idx], weight_of(t, idx))
+            bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+            for k in p:
+                m[k] = beta1 * m[k] + (1 - beta1) * g[k]
+                v[k] = beta2 * v[k] + (1 - beta2) * g[k] * g[k]
+                denom = v[k].sqrt() / math.sqrt(bc2) + eps
+                p[k] = p[k] - (lr / bc1) * m[k] / denom
+        return neg_log_odds(per_sample_ce(call(p), test.x, test.y)), p
+
+    return run
+
+
+def weights_removing(z: int, eps: Any, dtype: torch.dtype) -> Any:
+    """``w_z = 1 − eps`` wherever sample ``z`` is in the batch, 1 elsewhere."""
+
+    def weight_of(t: int, idx: torch.Tensor) -> torch.Tensor:
+        hit = (idx == z).to(dtype)
+        return 1 - hit * eps
+
+    return weight_of
+
+
+def loo_corr(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over test columns of the Pearson correlation across removed samples (rows)."""
+    a = a - a.mean(0, keepdims=True)
+    b = b - b.mean(0, keepdims=True)
+    den = np.sqrt((a * a).sum(0) * (b * b).sum(0))
+    ok = den > 0
+    return float(((a * b).sum(0)[ok] / den[ok]).mean())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the --quick ground truth (10 samples)")
+    p.add_argument("--fractions", default="0.5,0.1", help="partial-removal fractions")
+    p.add_argument("--derivative", type=int, default=0, help="exact derivative, first K samples")
+    p.add_argument(
+        "--exact-curvature",
+        type=int,
+        default=0,
+        help="AdamW-influence with exact Hessian-vector products, first Q test blocks",
+    )
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from torch.utils.data import DataLoader
+
+    from experiments.benchmark.quality.methods import Context
+    from experiments.benchmark.quality.methods.trajectory import cached_scores, methods
+    from experiments.benchmark.quality.run import build_setting, protocol
+
+    t_start = time.perf_counter()
+    setting = build_setting("gpt2")
+    spec = protocol("gpt2", a.quick)
+    folder = gtm.cache_dir(setting, spec)
+    seed = spec["loo_seed"]
+    ckpts, _ = gtm.reference_run(setting, folder, seed=seed)
+    gt, _ = gtm.trajectory_loo_ground_truth(
+        setting, folder, spec["trajectory_loo_indices"], seed, ckpts[-1]
+    )
+    indices = gt["indices"].tolist()
+    rows: dict[str, np.ndarray] = {"ground truth: removal (fraction 1)": gt["delta"].numpy()}
+    loader = DataLoader(setting.train, batch_size=setting.batch_size)
+    test_loader = DataLoader(setting.test, batch_size=len(setting.test))
+    base = gt["base"]
+    timing: dict[str, float] = {}
+    for f in [float(x) for x in a.fractions.split(",") if x]:
+        # cached beside the ground truth (the runs are deterministic)
+        path = folder / "trajectory" / f"partial-removal-{f:g}.safetensors"
+        if path.exists() and load_file(str(path))["indices"].tolist() == indices:
+            cached = load_file(str(path))
+            rows[f"partial removal, fraction {f:g} (/fraction)"] = cached["delta"].numpy()
+            timing[f"fraction {f:g}"] = float(cached["seconds"])
+            continue
+        t0 = time.perf_counter()
+        out = []
+        for z in indices:
+            model = setting.train_func(loader, seed=seed, mask_index=z, mask_weight=1 - f)
+            out.append((setting.target(model, test_loader) - base) / f)
+        timing[f"fraction {f:g}"] = time.perf_counter() - t0
+        delta = torch.stack(out)
+        rows[f"partial removal, fraction {f:g} (/fraction)"] = delta.numpy()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {
+                "delta": delta.contiguous(),
+                "indices": torch.as_tensor(indices),
+                "seconds": torch.tensor(timing[f"fraction {f:g}"]),
+            },
+            str(path),
+        )
+        print(f"# fraction {f:g}: {timing[f'fraction {f:g}']:.0f} s", flush=True)
+
+    ctx = Context(setting, ckpts, extra={"cache_dir": folder, "loo_seed": seed})
+    for m in methods(False, "adamw"):  # the rows over every coordinate (not the masks / LESS)
+        if m.name.startswith("AdamW-influence") and "mask" not in m.name:
+            rows[m.name] = cached_scores(ctx, m)[indices].numpy()
+
+    derivative_rows, drift = {}, None
+    if a.derivative:
+        dtype = torch.float64
+        run = functional_run(setting, _pretrained(setting), dtype, seed=seed)
+        t0 = time.perf_counter()
+        ref, final = run(lambda t, idx: torch.ones(len(idx), dtype=dtype))
+        drift = max(
+            float((final[k].float() - ckpts[-1][k]).abs().max() / ckpts[-1][k].abs().max())
+            for k in final
+        )
+        print(f"# functional loop: {time.perf_counter() - t0:.0f} s, final weights vs the "
+              f"reference: max relative difference {drift:.2e}", flush=True)  # fmt: skip
+        tangents = []
+        for z in indices[: a.derivative]:
+            path = folder / "trajectory" / f"derivative-{z}.safetensors"  # cached
+            if path.exists():
+                tangents.append(load_file(str(path))["derivative"].numpy())
+                continue
+            zero = torch.zeros((), dtype=dtype)
+            _, tan = jvp(
+                lambda e, z=z: run(weights_removing(z, e, dtype))[0],
+                (zero,),
+                (torch.ones_like(zero),),
+            )
+            save_file({"derivative": tan.detach().contiguous()}, str(path))
+            tangents.append(tan.detach().numpy())
+            print(f"# derivative of sample {z}: {time.perf_counter() - t0:.0f} s", flush=True)
+        timing["derivative"] = time.perf_counter() - t0
+        derivative_rows = {"exact derivative (forward mode, float64)": np.stack(tangents)}
+
+    exact_rows, exact_table = {}, {}
+    if a.exact_curvature:  # on the first Q test blocks only
+        q = a.exact_curvature
+        path = folder / "trajectory" / f"exact-hessian-{q}.safetensors"  # library ExactHessian
+        t0 = time.perf_counter()
+        if path.exists():
+            exact = load_file(str(path))["scores"]
+        else:
+            exact = exact_curvature_scores(ctx, q)
+            save_file({"scores": exact.to(torch.float64).contiguous()}, str(path))
+        timing["exact curvature"] = time.perf_counter() - t0
+        exact_rows = {k: v[:, :q] for k, v in rows.items()}
+        exact_rows["AdamW-influence, exact Hessian-vector products"] = exact[indices].numpy()
+        exact_table = {x: {y: loo_corr(exact_rows[x], exact_rows[y]) for y in exact_rows}
+                       for x in exact_rows}  # fmt: skip
+        print(f"# exact curvature ({q} queries): {timing['exact curvature']:.0f} s", flush=True)
+
+    names = list(rows)
+    table = {x: {y: loo_corr(rows[x], rows[y]) for y in names} for x in names}
+    first = a.derivative or 0
+    sub, versus = {}, {}
+    if derivative_rows:  # the same comparisons restricted to the derivative's samples
+        small = {k: v[:first] for k, v in rows.items()} | derivative_rows
+        if exact_rows:  # (on the exact-curvature rows' test blocks)
+            q = a.exact_curvature
+            key = "AdamW-influence, exact Hessian-vector products"
+            small[key] = np.zeros_like(small[next(iter(small))])
+            small[key][:, :q] = exact_rows[key][:first]
+        sub = {x: {y: loo_corr(small[x], small[y]) for y in small} for x in small}
+        exact = next(iter(derivative_rows.values()))
+        for x, v in small.items():  # over every (sample, test) pair: Pearson, relative error
+            ref = exact
+            if x == "AdamW-influence, exact Hessian-vector products":  # its own test blocks
+                v, ref = v[:, : a.exact_curvature], exact[:, : a.exact_curvature]
+            versus[x] = {
+                "pearson": float(np.corrcoef(v.ravel(), ref.ravel())[0, 1]),
+                "relative_error": float(np.linalg.norm(v - ref) / np.linalg.norm(ref)),
+            }
+    out = {
+        "command": "OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.trajectory_check "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "indices": indices,
+        "loo_corr": table,
+        "loo_corr_derivative_samples": sub,
+        "versus_derivative_all_pairs": versus,
+        "exact_curvature_queries": a.exact_curvature,
+        "loo_corr_exact_curvature_queries": exact_table,
+        "derivative_samples": indices[:first],
+        "functional_loop_max_rel_weight_diff_vs_reference": drift,
+        "mean_abs": {k: float(np.abs(v).mean()) for k, v in (rows | derivative_rows).items()},
+        "seconds": timing,
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    stem = f"quality_gpt2_trajectory_check{'-quick' if a.quick else ''}"
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(out, indent=1))
+    for title, tab in (
+        ("all samples", table),
+        ("derivative samples", sub),
+        (f"first {a.exact_curvature} test blocks", exact_table),
+    ):
+        if not tab:
+            continue
+        keys = list(tab)
+        print(f"\n{title}: loo_corr (row vs column)\n")
+        print("| | " + " | ".join(f"({i})" for i in range(len(keys))) + " |")
+        print("|---|" + "---|" * len(keys))
+        for i, x in enumerate(keys):
+            cells = " | ".join(f"{tab[x][y]:.3f}" for y in keys)
+            scale = out["mean_abs"].get(x)
+            tag = "" if scale is None else f" (mean abs {scale:.1e})"
+            print(f"| ({i}) {x}{tag} | {cells} |")
+    for x, v in versus.items():
+        print(f"# vs the exact derivative, all pairs: {x}: Pearson {v['pearson']:.3f}, "
+              f"relative error {v['relative_error']:.2f}")  # fmt: skip
+    print(f"# wrote {RESULTS_DIR / stem}.json in {out['total_seconds']:.0f} s")
+    return 0
+
+
+def exact_curvature_scores(ctx: Any, n_queries: int) -> torch.Tensor:
+    """AdamW-influence with each step's true batch Hessian (the library's ``ExactHessian``).
+
+    ``AdamWInfluenceAttributor(curvature=ExactHessian(model, snapshots, loss_fn))``: the
+    library's propagation (adjoint sweep, the recorded moments) with each step's curvature
+    applied by Hessian-vector products of the batch's mean loss at θ_t, θ_t and the batch
+    replayed from the recording's parameter snapshots. For the first ``n_queries`` test
+    blocks only (each query costs one HVP per step). Returns ``(n_train, n_queries)``.
+    """
+    import tempfile
+
+    from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
+    from experiments.benchmark.quality.methods.ours import _args, _samples
+    from experiments.benchmark.quality.methods.trajectory import _full_config, queries, recording
+
+    config = _full_config()
+    rec = recording(ctx, "full", config)
+    snaps = recording(ctx, "snapshots", config, False, True)["trajectory"]
+    curvature = ExactHessian(
+        ctx.model(),
+        snaps,
+        lambda model, batch: per_sample_ce(model, batch["x"], batch["y"]).mean(),
+        hook_config=config,
+    )
+    train = _samples(ctx)[0]
+    blocks = queries(ctx, config, batch_size=n_queries, limit=n_queries)
+    with tempfile.TemporaryDirectory() as tmp:
+        attributor = AdamWInfluenceAttributor(
+            _args(tmp), loss_reduction="mean", curvature=curvature
+        )
+        score = attributor.attribute_from_cache(
+            str(rec["store"]), blocks, dynamics=OptimizerDynamics(rec["trajectory"])
+        )
+    return score.query(train, list(blocks[0].hashes))
+
+
+def _pretrained(setting: Any) -> dict:
+    from experiments.benchmark.quality.gpt2 import make_data, pretrain
+
+    pre_ids, _, _, _ = make_data()
+    return pretrain(setting.make_model, pre_ids)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
