@@ -51,6 +51,16 @@ _LAYER_BUFFER = 16 * 2**20
 #: cost more than fresh pages for a larger chunk (measured: reading ~0.1 ms/MB, first-touch
 #: pages ~0.25 ms/MB on the reference CPU).
 _REREAD = 2.5
+#: A test side partly left factorized re-materializes those layers for every chunk: chunks of
+#: about as many rows as test columns once the test side has this many times the rows of a
+#: captured block (and of the allocator-friendly chunk), while one layer of such a chunk stays
+#: within ``_REMATERIALIZE_LAYER`` bytes. A heuristic between measured points on 4x256 / 4x512
+#: GPT-2 (the floor rows of docs/benchmarks/scale.md): 1024 x 64 (a 67 MB layer) 5.6x a plain
+#: step -> 2.4-2.7x; 4x512 at 64 x 16 and 256 x 32, where larger chunks cost more in fresh
+#: pages than they save (1.4x -> 2.4x and 2.0x -> 2.7x when tried; 134 MB at 256 x 32), keep
+#: their chunks.
+_REMATERIALIZE = 4
+_REMATERIALIZE_LAYER = 96 * 2**20
 
 
 def dense_row_bytes(grad: Gradient, itemsize: int) -> int:
@@ -140,13 +150,21 @@ class ScoreLoop:
         budget = int(max(1, min(cap, free // max(1.0, per_row))))
         # Joined blocks stay small enough for one layer of the chunk, materialized, to be
         # recycled by the allocator (fresh pages for every chunk cost more than re-reading a
-        # small test side), unless a dense test side is large enough that re-reading it per
-        # chunk is the larger cost: then about as many rows as test columns (measured: 4x256,
-        # 1024 x 64 at 4 GiB, 2.1x a plain step instead of 4.0x). A captured block is never
-        # cut below what the budget allows.
-        friendly = _LAYER_BUFFER // max(1, dense_row_bytes(grad, itemsize))
+        # small test side), unless the test side is large enough that its per-chunk cost
+        # dominates: re-reading it when dense, re-materializing the layers the budget left
+        # factorized otherwise (see _REMATERIALIZE). Then about as many rows as test columns
+        # (measured: 4x256, 1024 x 64 at 4 GiB, 2.1x a plain step instead of 4.0x). A captured
+        # block is never cut below what the budget allows.
+        row_bytes = max(1, dense_row_bytes(grad, itemsize))
+        friendly = _LAYER_BUFFER // row_bytes
         want = friendly
-        if test.dense and test.num_rows > _REREAD * friendly:
+        if test.num_rows > _REREAD * friendly and (
+            test.dense
+            or (
+                test.num_rows >= _REMATERIALIZE * max(n, friendly)
+                and test.num_rows * row_bytes <= _REMATERIALIZE_LAYER
+            )
+        ):
             want = max(friendly, test.num_rows)
         self._rows = max(min(budget, want), min(n, budget), 1)
         return self._rows
