@@ -336,3 +336,38 @@ def test_trajectory_attributors_reduce_to_top_k(tmp_path):
         )
         assert top.top_k_kept == k and top.num_train == 10
         same_top_k(top, full, k)
+
+
+def test_a_partly_factorized_test_side_gets_chunks_as_wide_as_the_queries(
+    stores, tmp_path, monkeypatch
+):
+    """Test layers the budget leaves factorized are re-materialized for every chunk, so chunks
+    take about as many rows as test columns, unless one layer of such a chunk would exceed
+    ``_REMATERIALIZE_LAYER`` (fresh pages then cost more). Scores are exact either way."""
+    from dattri_llm.attribution import base, scoring
+
+    root, model, train, test = stores
+    ref = brute_force(model, train, test)
+    row_bytes = 88 * 8  # head: 7 x 11 weights + 11 biases, float64: the largest layer's row
+    monkeypatch.setattr(base, "_DENSE_TEST_SHARE", 0.0)  # no test layer densified
+    monkeypatch.setattr(scoring, "_LAYER_BUFFER", row_bytes)  # one allocator-friendly row
+    monkeypatch.setattr(scoring, "_REMATERIALIZE", 1)
+    seen = []
+    orig = ScoreLoop.chunk_rows
+
+    def spy(self, block):
+        rows = orig(self, block)
+        seen.append((rows, self.test_for(block).dense, self.test_for(block).num_rows))
+        return rows
+
+    monkeypatch.setattr(ScoreLoop, "chunk_rows", spy)
+    for cap, want in ((10 * row_bytes, len(test)), (row_bytes, 3)):  # 3: one record's rows
+        monkeypatch.setattr(scoring, "_REMATERIALIZE_LAYER", cap)
+        seen.clear()
+        s = TracInAttributor(args(tmp_path, score_memory_gb=1.0)).attribute_from_cache(
+            root / "train", root / "test"
+        )
+        assert not seen[0][1] and seen[0][2] == len(test)  # the test side is factorized
+        assert {r for r, _, _ in seen} == {want}, (cap, seen[:3])
+        err = float((s.query(train, test) - ref).abs().max() / ref.abs().max())
+        assert err < 1e-12, (cap, err)
