@@ -441,9 +441,7 @@ def check_case(case: Case, tol: float | None = None, device: str | None = None) 
     trainable parameter missing from (or a frozen one present in) the capture, a warning from
     the library, or an exception.
     """
-    from dattri_llm import CaptureCallback, HookManager, HookManagerConfig
-    from dattri_llm.gradient import ops
-    from tests.reference import captured_by_parameter, per_sample_loop_grads
+    from tests.reference import per_sample_loop_grads
 
     tol = tol if tol is not None else (1e-9 if case.dtype == torch.float64 else 2e-3)
     out = Outcome(case.seed, case.dtype, case.features)
@@ -471,42 +469,17 @@ def check_case(case: Case, tol: float | None = None, device: str | None = None) 
     flat = [torch.cat([r[n].reshape(r[n].shape[0], -1) for n in names], 1) for r in refs]
     for style in STYLES:
         try:
-            _check_style(
-                case,
-                style,
-                batches,
-                refs,
-                flat,
-                names,
-                tol,
-                out,
-                CaptureCallback,
-                HookManager,
-                HookManagerConfig,
-                ops,
-                captured_by_parameter,
-            )
+            _check_style(case, style, batches, refs, flat, names, tol, out)
         except Exception as err:  # noqa: BLE001 - every failure is reported by seed
             out.failures.append(f"{style}: {type(err).__name__}: {err}")
     return out
 
 
-def _check_style(
-    case,
-    style,
-    batches,
-    refs,
-    flat,
-    names,
-    tol,
-    out,
-    CaptureCallback,
-    HookManager,
-    HookManagerConfig,
-    ops,
-    captured_by_parameter,
-) -> None:
+def _check_style(case, style, batches, refs, flat, names, tol, out) -> None:
+    from dattri_llm import CaptureCallback, HookManager, HookManagerConfig
+    from dattri_llm.gradient import ops
     from dattri_llm.gradient.hooks import coverage, manager
+    from tests.reference import captured_by_parameter
 
     manager._WARNED.clear()
     coverage._WARNED_UNCAPTURED.clear()
