@@ -344,12 +344,12 @@ def test_a_partly_factorized_test_side_gets_chunks_as_wide_as_the_queries(
     """Test layers the budget leaves factorized are re-materialized for every chunk, so chunks
     take about as many rows as test columns, unless one layer of such a chunk would exceed
     ``_REMATERIALIZE_LAYER`` (fresh pages then cost more). Scores are exact either way."""
-    from dattri_llm.attribution import base, scoring
+    from dattri_llm.attribution import prepared, scoring
 
     root, model, train, test = stores
     ref = brute_force(model, train, test)
     row_bytes = 88 * 8  # head: 7 x 11 weights + 11 biases, float64: the largest layer's row
-    monkeypatch.setattr(base, "_DENSE_TEST_SHARE", 0.0)  # no test layer densified
+    monkeypatch.setattr(prepared, "_DENSE_TEST_SHARE", 0.0)  # no test layer densified
     monkeypatch.setattr(scoring, "_LAYER_BUFFER", row_bytes)  # one allocator-friendly row
     monkeypatch.setattr(scoring, "_REMATERIALIZE", 1)
     seen = []

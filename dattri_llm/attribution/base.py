@@ -24,6 +24,7 @@ from dattri_llm.attribution.blocks import (
     source_name,
 )
 from dattri_llm.attribution.distributed import row_keys
+from dattri_llm.attribution.prepared import PreparedTest, densify_test
 from dattri_llm.attribution.resume import ScoreCheckpoint, checkpoint_for
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.scoring import ScoreLoop, final_result, progress_bar
@@ -37,7 +38,7 @@ from dattri_llm.gradient.compat import (
     check_same_capture,
     facts_of,
 )
-from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
+from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManagerConfig
 from dattri_llm.gradient.sources import GradientBlock, GradientSource
 from dattri_llm.utils.distributed import get_rank, get_world_size
@@ -45,51 +46,10 @@ from dattri_llm.utils.distributed import get_rank, get_world_size
 __all__ = ["BaseAttributor"]
 
 _MODES = ("auto", "factorized", "materialized")
-#: Test layers are materialized once when their dense form is at most this many times the
-#: size of their factors (and the router prefers materialized inner products for them).
-_DENSE_TEST_FACTOR = 4
-#: Share of ``score_memory_gb`` the densified test side may take.
-_DENSE_TEST_SHARE = 0.5
 _NO_TOKEN_SPLIT = (
     "attribution_granularity='token' is not split across ranks (per-token scores are not "
     "gathered); run token attribution in one process."
 )
-
-
-class _TestSide:
-    """The prepared test gradients of one checkpoint, cut into column chunks."""
-
-    def __init__(
-        self,
-        chunks: list[tuple[Gradient, torch.Tensor]],
-        layers: list[str],
-        dtype: torch.dtype,
-        facts: CaptureFacts,
-    ) -> None:
-        self.chunks = chunks  # (gradient, global column indices)
-        self.layers = layers
-        self.dtype = dtype
-        self.facts = facts  # what the test gradients were captured as
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the prepared test gradients."""
-        return sum(g.nbytes for g, _ in self.chunks)
-
-    @property
-    def num_rows(self) -> int:
-        """Test rows (columns of the scores)."""
-        return sum(int(c.numel()) for _, c in self.chunks)
-
-    @property
-    def dense(self) -> bool:
-        """Whether every test layer is held materialized (none re-materialized per chunk)."""
-        return all(
-            isinstance(site, Materialized)
-            for g, _ in self.chunks
-            for lg in g.layers.values()
-            for site in (lg.sites if isinstance(lg, Shared) else [lg])
-        )
 
 
 class BaseAttributor:
@@ -507,7 +467,7 @@ class BaseAttributor:
         columns: dict[str, int],
         grow: bool,
         source: str = "test source",
-    ) -> _TestSide:
+    ) -> PreparedTest:
         if not blocks:
             raise ValueError(
                 f"no test gradients at checkpoint {checkpoint}: is the test set empty?"
@@ -560,42 +520,11 @@ class BaseAttributor:
         chunks = [
             (grad.slice(slice(i, i + bs)), cols[i : i + bs]) for i in range(0, len(hashes), bs)
         ]
-        return _TestSide(chunks, names, grad.dtype, facts)
+        return PreparedTest(chunks, names, grad.dtype, facts)
 
     def _densify_test(self, grad: Gradient) -> Gradient:
-        """Materialize, once, the test layers the router would materialize for every block.
+        """The test side, its layers worth materializing once materialized.
 
-        The routed inner products materialize both sides of a layer when that is cheaper;
-        the test side is the same for every train block, so it is materialized here once
-        instead of once per block. A layer is kept factorized when its dense form would take
-        more than ``_DENSE_TEST_FACTOR`` times the bytes of its factors, or once the dense
-        layers would take more than half of ``args.score_memory_gb`` (a layer left factorized
-        may be re-materialized for every train chunk). Exact either way.
+        See :func:`~dattri_llm.attribution.prepared.densify_test`.
         """
-        if self.mode == "factorized":
-            return grad
-        room = self.args.score_memory_gb * 2**30 * _DENSE_TEST_SHARE - grad.nbytes
-        b1 = min(self.args.per_device_train_batch_size, self.args.score_block_size)
-        b2 = min(grad.batch_size, self.args.score_block_size)
-        layers = {}
-        for name, lg in grad.layers.items():
-            sites = lg.sites if isinstance(lg, Shared) else [lg]
-            if isinstance(lg, Materialized) or any(isinstance(x, Materialized) for x in sites):
-                layers[name] = lg
-                continue
-            # a tied parameter is materialized as one dense sum when its largest site prefers
-            # the materialized route: train sites then meet it as a dense matrix (one GEMM, or
-            # an index gather for embedding sites) instead of re-materializing it per block
-            big = max(sites, key=lambda x: x.nbytes)
-            dense = self.mode == "materialized" or all(
-                x.rule.prefer_materialized_gram(b1, b2, x.num_tokens, x.num_tokens, x.module_kwargs)
-                for x in ([big] if isinstance(lg, Shared) else sites)
-            )
-            p = sites[0].rule.num_params(sites[0].module_kwargs)
-            size = grad.batch_size * p * torch.finfo(grad.dtype).bits // 8
-            if dense and size <= _DENSE_TEST_FACTOR * lg.nbytes and size - lg.nbytes <= room:
-                layers[name] = lg.materialize()
-                room -= size - lg.nbytes
-            else:
-                layers[name] = lg
-        return Gradient(layers)
+        return densify_test(grad, self.mode, self.args)

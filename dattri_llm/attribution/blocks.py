@@ -19,7 +19,8 @@ from dattri_llm.gradient.compat import CaptureFacts, check_same_capture, facts_o
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.base import BaseAttributor, _TestSide
+    from dattri_llm.attribution.base import BaseAttributor
+    from dattri_llm.attribution.prepared import PreparedTest
 
 __all__ = [
     "LiveSource",
@@ -90,7 +91,7 @@ class Accumulator:
         self._checked: set[int] = set()  # test sides the train facts were checked against
 
     def check_facts(
-        self, attributor: BaseAttributor, block: GradientBlock, test: _TestSide
+        self, attributor: BaseAttributor, block: GradientBlock, test: PreparedTest
     ) -> None:
         """Check a train block against the first one and, once, the first against the test."""
         if self.facts is None:

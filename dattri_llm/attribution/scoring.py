@@ -38,8 +38,9 @@ from dattri_llm.attribution.sinks import TopKSink, top_k_of
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.base import BaseAttributor, _TestSide
+    from dattri_llm.attribution.base import BaseAttributor
     from dattri_llm.attribution.blocks import Accumulator
+    from dattri_llm.attribution.prepared import PreparedTest
     from dattri_llm.attribution.resume import ScoreCheckpoint
     from dattri_llm.attribution.units import RecordSource
 
@@ -96,7 +97,7 @@ class ScoreLoop:
 
     Args:
         attributor: The attributor (its extension points are called).
-        tests: ``{pairing key: _TestSide}``.
+        tests: ``{pairing key: PreparedTest}``.
         num_cols: Test columns ``M``.
         acc: The accumulator (checks and sink).
     """
@@ -104,7 +105,7 @@ class ScoreLoop:
     def __init__(
         self,
         attributor: BaseAttributor,
-        tests: dict[int, _TestSide],
+        tests: dict[int, PreparedTest],
         num_cols: int,
         acc: Accumulator,
     ) -> None:
@@ -116,7 +117,7 @@ class ScoreLoop:
         self.chunks = 0
 
     # ---- pairing and sizes ----
-    def test_for(self, block: GradientBlock) -> _TestSide:
+    def test_for(self, block: GradientBlock) -> PreparedTest:
         """The test side a train block is scored against."""
         c = self.att.pairing_key(block)
         if c in self.tests:
