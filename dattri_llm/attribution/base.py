@@ -200,7 +200,7 @@ class BaseAttributor:
         Under ``torch.distributed`` each rank scores a contiguous slice of ``train_set``
         (see :mod:`dattri_llm.attribution.distributed`).
         """
-        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+        from dattri_llm.gradient.streaming import GradientStreamer
 
         check_granularity(attribution_granularity)
         if self.task is None:
@@ -216,8 +216,7 @@ class BaseAttributor:
                     f"{type(ds).__name__}."
                 )
         args, task = self.args, self.task
-        if collate_fn is None and args.dataloader_collate == "pad":
-            collate_fn = pad_collate(args.dataloader_pad_value)
+        collate_fn = self._collate(collate_fn)
 
         def stream(ds: Any, loss: Callable, bs: int, c: int, desc: str) -> GradientStreamer:
             side = "test" if desc.startswith("test") else "train"
@@ -434,6 +433,14 @@ class BaseAttributor:
         if checkpoint is not None:
             checkpoint.finish()
         return out
+
+    def _collate(self, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+        """``collate_fn``, or the padding collate ``args.dataloader_collate="pad"`` asks for."""
+        if collate_fn is None and self.args.dataloader_collate == "pad":
+            from dattri_llm.gradient.streaming import pad_collate
+
+            return pad_collate(self.args.dataloader_pad_value)
+        return collate_fn
 
     # ---- sinks, checkpoints, merge ------------------------------------------------------------
     def _sink(self, k: int | None, granularity: str, counts: Any, num_cols: int) -> Any:

@@ -233,7 +233,7 @@ class KFACAttributor(BaseAttributor):
         return self._live_source(train_source, hook_config, collate_fn)
 
     def _live_source(self, dataset: Any, hook_config: Any, collate_fn: Any) -> Iterable:
-        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+        from dattri_llm.gradient.streaming import GradientStreamer
 
         if self.task is None:
             raise ValueError(
@@ -241,8 +241,7 @@ class KFACAttributor(BaseAttributor):
                 "task=AttributionTask(...) to the constructor, or a gradient store."
             )
         args, task = self.args, self.task
-        if collate_fn is None and args.dataloader_collate == "pad":
-            collate_fn = pad_collate(args.dataloader_pad_value)
+        collate_fn = self._collate(collate_fn)
 
         class _Live:
             rereadable = False

@@ -276,7 +276,7 @@ class TrajectoryAttributor(BaseAttributor):
             **kwargs: Method options of :meth:`attribute_from_cache`.
         """
         from dattri_llm.attribution.training import record_training
-        from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
+        from dattri_llm.gradient.streaming import GradientStreamer
         from dattri_llm.gradient.trajectory import (
             OptimizerDynamics,
             ReplayGradientSource,
@@ -289,8 +289,7 @@ class TrajectoryAttributor(BaseAttributor):
                 "loss_func=..., model=...), or use attribute_from_cache."
             )
         args, task = self.args, self.task
-        if collate_fn is None and args.dataloader_collate == "pad":
-            collate_fn = pad_collate(args.dataloader_pad_value)
+        collate_fn = self._collate(collate_fn)
         if trajectory is None:
             run = record_training(
                 task.model,
