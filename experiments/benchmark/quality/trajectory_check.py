@@ -286,39 +286,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exact_curvature_scores(ctx: Any, n_queries: int) -> torch.Tensor:
-    """AdamW-influence with each step's true batch Hessian (the library's ``ExactHessian``).
+    """AdamW-influence with each step's true batch Hessian (the library's ``ExactHessian``)
+    for the first ``n_queries`` test blocks: the benchmark's own row
+    (``methods.trajectory.adamw_influence_exact_hessian``) restricted to them. Returns
+    ``(n_train, n_queries)``."""
+    from experiments.benchmark.quality.methods.trajectory import adamw_influence_exact_hessian
 
-    ``AdamWInfluenceAttributor(curvature=ExactHessian(model, snapshots, loss_fn))``: the
-    library's propagation (adjoint sweep, the recorded moments) with each step's curvature
-    applied by Hessian-vector products of the batch's mean loss at θ_t, θ_t and the batch
-    replayed from the recording's parameter snapshots. For the first ``n_queries`` test
-    blocks only (each query costs one HVP per step). Returns ``(n_train, n_queries)``.
-    """
-    import tempfile
-
-    from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
-    from experiments.benchmark.quality.methods.ours import _args, _samples
-    from experiments.benchmark.quality.methods.trajectory import _full_config, queries, recording
-
-    config = _full_config()
-    rec = recording(ctx, "full", config)
-    snaps = recording(ctx, "snapshots", config, False, True)["trajectory"]
-    curvature = ExactHessian(
-        ctx.model(),
-        snaps,
-        lambda model, batch: per_sample_ce(model, batch["x"], batch["y"]).mean(),
-        hook_config=config,
-    )
-    train = _samples(ctx)[0]
-    blocks = queries(ctx, config, batch_size=n_queries, limit=n_queries)
-    with tempfile.TemporaryDirectory() as tmp:
-        attributor = AdamWInfluenceAttributor(
-            _args(tmp), loss_reduction="mean", curvature=curvature
-        )
-        score = attributor.attribute_from_cache(
-            str(rec["store"]), blocks, dynamics=OptimizerDynamics(rec["trajectory"])
-        )
-    return score.query(train, list(blocks[0].hashes))
+    return adamw_influence_exact_hessian(ctx, limit=n_queries)
 
 
 def _pretrained(setting: Any) -> dict:

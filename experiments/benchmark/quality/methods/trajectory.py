@@ -259,17 +259,23 @@ def queries(
 
 
 def chunked(
-    ctx: Context, hook_config: Any, score_fn: Any, itemsize: int, train: Any = None
+    ctx: Context,
+    hook_config: Any,
+    score_fn: Any,
+    itemsize: int,
+    train: Any = None,
+    limit: int | None = None,
 ) -> torch.Tensor:
     """``(n_train, n_test)`` scores of ``score_fn(query_blocks) -> AttributionScore`` over
     query chunks of ``QUERY_CHUNK_BYTES`` (``itemsize`` bytes per coordinate); train rows in
-    the order of ``train`` (samples or hashes; default the train set)."""
+    the order of ``train`` (samples or hashes; default the train set); ``limit``: the first
+    test samples only."""
     probe = queries(ctx, hook_config, batch_size=1, limit=1)[0]
     width = int(probe.gradient.flatten().shape[1])
     rows = max(1, QUERY_CHUNK_BYTES // (itemsize * width))
     train = _samples(ctx)[0] if train is None else train
     cols = []
-    for block in queries(ctx, hook_config, batch_size=rows):
+    for block in queries(ctx, hook_config, batch_size=rows, limit=limit):
         cols.append(score_fn([block]).query(train, list(block.hashes)))
     return torch.cat(cols, dim=1)
 
@@ -388,11 +394,12 @@ def adamw_influence(
     return fn
 
 
-def adamw_influence_exact_hessian(ctx: Context) -> torch.Tensor:
+def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
     a parameter-snapshot recording of the same run); every step, every coordinate, float32.
-    Language-model settings only (the loss is the gpt2 setting's mean next-token CE)."""
+    Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
+    ``limit``: the first test samples only (each query costs one HVP per step)."""
     from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
     from experiments.benchmark.quality.gpt2 import per_sample_ce
 
@@ -415,6 +422,7 @@ def adamw_influence_exact_hessian(ctx: Context) -> torch.Tensor:
             config,
             lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
             4,
+            limit=limit,
         )
     ctx.extra["last_note"] = _note(
         rec, f"curvature replayed from a parameter-snapshot recording ({_note(snaps)})"
