@@ -146,7 +146,8 @@ class ScoreLoop:
         grad = block.gradient
         n = max(1, grad.batch_size)
         per_row = 2 * grad.nbytes / n * max(1.0, itemsize / (torch.finfo(grad.dtype).bits // 8))
-        per_row += dense_row_bytes(grad, itemsize) + 2 * self.num_cols * itemsize
+        row_bytes = max(1, dense_row_bytes(grad, itemsize))
+        per_row += row_bytes + 2 * self.num_cols * itemsize
         free = int(args.score_memory_gb * 2**30) - test.nbytes
         budget = int(max(1, min(cap, free // max(1.0, per_row))))
         # Joined blocks stay small enough for one layer of the chunk, materialized, to be
@@ -156,7 +157,6 @@ class ScoreLoop:
         # factorized otherwise (see _REMATERIALIZE). Then about as many rows as test columns
         # (measured: 4x256, 1024 x 64 at 4 GiB, 2.1x a plain step instead of 4.0x). A captured
         # block is never cut below what the budget allows.
-        row_bytes = max(1, dense_row_bytes(grad, itemsize))
         friendly = _LAYER_BUFFER // row_bytes
         want = friendly
         if test.num_rows > _REREAD * friendly and (
