@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 
 from dattri_llm.attribution.units import RecordSource, Unit, unit_digest
-from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
+from dattri_llm.utils.distributed import (
+    get_rank,
+    get_world_size,
+    is_distributed,
+    settle_collectives_at_exit,
+)
 
 __all__ = [
     "active",
@@ -108,6 +113,7 @@ def all_gather_bytes(payload: bytes) -> list[bytes]:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     out = [torch.zeros_like(buf) for _ in sizes]
     dist.all_gather(out, buf)
+    settle_collectives_at_exit()
     return [bytes(o[: int(s)].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
