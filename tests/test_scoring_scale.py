@@ -139,6 +139,47 @@ def test_chunks_follow_the_budget_and_stay_exact(stores, tmp_path, monkeypatch):
         AttributionArguments(score_memory_gb=0)
 
 
+def test_the_test_side_join_releases_each_layer_of_the_blocks_as_it_goes(monkeypatch):
+    """The join of the test blocks frees a layer's block copies before the next layer is joined
+    (peak: the joined side plus one layer, not twice the side) and equals concatenate."""
+    import weakref
+
+    from dattri_llm.attribution import base
+    from dattri_llm.gradient.gradient import Factorized, Gradient, GradientBlock
+
+    def block(seed: int) -> GradientBlock:
+        gen = torch.Generator().manual_seed(seed)
+        layers = {
+            name: Factorized(
+                torch.randn(2, 3 + seed, 4, generator=gen),  # other token counts: padded
+                torch.randn(2, 3 + seed, 5, generator=gen),
+                "nn.Linear",
+                {"in_features": 4, "out_features": 5, "bias": False},
+            )
+            for name in ("l1", "l2", "l3")
+        }
+        return GradientBlock(seed, Gradient(layers), [f"h{seed}a", f"h{seed}b"])
+
+    ref = Gradient.concatenate([block(s).gradient for s in range(3)])
+    blocks = [block(s) for s in range(3)]
+    alive = {n: [weakref.ref(b.gradient.layers[n].a) for b in blocks] for n in ("l1", "l2", "l3")}
+    seen = []
+    orig = base.concat_layer
+
+    def watching(parts):
+        seen.append({n: sum(r() is not None for r in refs) for n, refs in alive.items()})
+        return orig(parts)
+
+    monkeypatch.setattr(base, "concat_layer", watching)
+    joined = base._join_releasing(blocks, ["l1", "l2", "l3"])
+    assert blocks == []
+    # when l2 is joined, l1's block copies are gone (the parts of l2 are still held)
+    assert seen[1]["l1"] == 0 and seen[2]["l2"] == 0 and seen[2]["l3"] == 3
+    for n in ("l1", "l2", "l3"):
+        assert torch.equal(joined.layers[n].a, ref.layers[n].a)
+        assert torch.equal(joined.layers[n].g, ref.layers[n].g)
+
+
 # ---- top-k streaming ----------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 3, 30])
 def test_top_k_equals_sorting_the_full_matrix(stores, tmp_path, k):

@@ -40,6 +40,7 @@ from dattri_llm.gradient.compat import (
 )
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.layer_gradient import concat_layer
 from dattri_llm.gradient.sources import GradientBlock, GradientSource
 from dattri_llm.utils.distributed import get_rank, get_world_size
 
@@ -507,7 +508,8 @@ class BaseAttributor:
                     f"{sorted(names)} vs {sorted(b.gradient.layer_names)} (step {b.step})."
                 )
             check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
-        grad = Gradient.concatenate([b.gradient.select_layers(names) for b in blocks])
+        del b  # the loops' last block: the join frees the blocks' layers as it goes
+        grad = _join_releasing(blocks, names)
         keep = first_occurrences(hashes, checkpoint, source)
         if len(keep) < len(hashes):
             grad, hashes = grad.slice(keep), [hashes[i] for i in keep]
@@ -535,3 +537,18 @@ class BaseAttributor:
         See :func:`~dattri_llm.attribution.prepared.densify_test`.
         """
         return densify_test(grad, self.mode, self.args)
+
+
+def _join_releasing(blocks: list[GradientBlock], names: list[str]) -> Gradient:
+    """The blocks' gradients joined along the batch, layer by layer; empties ``blocks``.
+
+    Each block's copy of a layer is dropped as soon as that layer is joined, so the join peaks
+    at the joined test side plus one layer of the blocks, not twice the test side (measured:
+    4x512 GPT-2, 32 queries). The blocks' own ``Gradient`` objects are not modified; their
+    tensors are freed when nothing else holds them.
+    """
+    parts = [dict(b.gradient.select_layers(names).layers) for b in blocks]
+    blocks.clear()
+    if len(parts) == 1:
+        return Gradient(parts[0])
+    return Gradient({n: concat_layer([p.pop(n) for p in parts]) for n in names})

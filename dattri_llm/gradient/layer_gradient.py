@@ -192,10 +192,15 @@ class Shared:
 
     def materialize(self) -> Materialized:
         """Sum of the sites' dense gradients."""
-        total = None
+        total, owned = None, False
         for site in self.sites:
             d = site.materialize().data
-            total = d if total is None else total + d
+            if total is None:
+                total, owned = d, not isinstance(site, Materialized)  # else: the site's data
+            elif owned and d.dtype == total.dtype and d.shape == total.shape:
+                total.add_(d)  # in place: a tied embedding's sum holds two dense buffers, not 3
+            else:
+                total, owned = total + d, True
         assert total is not None
         return Materialized(total, self.layer_type, self.module_kwargs)
 
