@@ -462,3 +462,33 @@ def test_data_selection_is_exact_on_a_tied_head_with_a_bias() -> None:
     ce_loss(plain, ids[keep]).backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-12
+
+
+def test_shared_dense_sum_never_writes_into_a_sites_data():
+    """A tied parameter's dense sum is formed in place only in a buffer it owns: a site that is
+    already dense (its data is the store's / the caller's tensor) is left untouched."""
+    from dattri_llm.gradient import Factorized, Materialized
+
+    kw = {"in_features": 3, "out_features": 2, "bias": False}
+    gen = torch.Generator().manual_seed(0)
+    fac = Factorized(
+        torch.randn(4, 5, 3, generator=gen, dtype=torch.float64),
+        torch.randn(4, 5, 2, generator=gen, dtype=torch.float64),
+        "nn.Linear",
+        kw,
+    )
+    dense = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    kept = dense.clone()
+    want = fac.materialize().data + dense
+    for sites in (
+        [Materialized(dense, "nn.Linear", kw), fac],
+        [fac, Materialized(dense, "nn.Linear", kw)],
+        [fac, fac],
+    ):
+        got = Shared(sites, ["a", "b"]).materialize().data
+        ref = sum(s.materialize().data for s in sites)
+        assert torch.equal(dense, kept)
+        assert torch.allclose(got, ref, rtol=0, atol=1e-14)
+    assert torch.allclose(
+        Shared([fac, Materialized(dense, "nn.Linear", kw)], ["a", "b"]).materialize().data, want
+    )
