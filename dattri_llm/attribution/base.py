@@ -543,8 +543,9 @@ def _join_releasing(blocks: list[GradientBlock], names: list[str]) -> Gradient:
     """The blocks' gradients joined along the batch, layer by layer; empties ``blocks``.
 
     Each block's copy of a layer is dropped as soon as that layer is joined, so the join peaks
-    at the joined test side plus one layer of the blocks, not twice the test side (measured:
-    4x512 GPT-2, 32 queries). The blocks' own ``Gradient`` objects are not modified; their
+    at the joined test side plus one layer of the blocks, not twice the test side (4x512 GPT-2,
+    256 train x 32 queries: peak RSS of ``attribute()`` 1090 -> 899 MB with the in-place sum of
+    ``Shared.materialize``). The blocks' own ``Gradient`` objects are not modified; their
     tensors are freed when nothing else holds them.
     """
     parts = [dict(b.gradient.select_layers(names).layers) for b in blocks]
