@@ -363,3 +363,12 @@ def test_coverage_check_catches_a_functional_tie_once() -> None:
         warnings.simplefilter("error")
         run(model, batches, linear_io=["emb", "fc", "norm"], check_coverage=False)
         run(TinyLM(tie=False).double(), batches, linear_io=["emb", "fc", "norm", "head"])
+
+
+def test_linked_groups_join_items_through_shared_keys_in_first_index_order():
+    from dattri_llm.utils.grouping import linked_groups
+
+    # 0-3 linked through "b" then "c" (transitively), 1 alone, 4 joins 2 via "d", 5 empty
+    keys = [["a", "b"], ["x"], ["c", "d"], ["b", "c"], ["d"], []]
+    assert linked_groups(keys) == [[0, 2, 3, 4], [1], [5]]
+    assert linked_groups([]) == []

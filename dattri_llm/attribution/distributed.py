@@ -44,6 +44,7 @@ from dattri_llm.utils.distributed import (
     is_distributed,
     settle_collectives_at_exit,
 )
+from dattri_llm.utils.grouping import linked_groups
 
 __all__ = [
     "active",
@@ -139,27 +140,8 @@ def all_gather_json(obj: Any) -> list[Any]:
 
 # ---- the split ----
 def _groups(units: Sequence[Unit]) -> list[list[int]]:
-    """Units joined when they share a sample identity (union-find), in store order."""
-    parent = list(range(len(units)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: dict[str, int] = {}
-    for i, u in enumerate(units):
-        for h in u.hashes:
-            j = owner.setdefault(h, i)
-            if j != i:
-                a, b = find(i), find(j)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-    groups: dict[int, list[int]] = {}
-    for i in range(len(units)):
-        groups.setdefault(find(i), []).append(i)
-    return list(groups.values())
+    """Units joined when they share a sample identity, in store order."""
+    return linked_groups([u.hashes for u in units])
 
 
 def split_units(source: RecordSource, rank: int, world: int) -> tuple[RecordSource, str]:

@@ -30,6 +30,7 @@ from dattri_llm.gradient.hooks.config import (
     is_data_parallel,
 )
 from dattri_llm.gradient.layer_gradient import LayerGradient, Materialized, Shared
+from dattri_llm.utils.grouping import linked_groups
 
 __all__ = ["ParamSites", "SharingPlan", "plan_sharing", "layer_parameters", "group_shared"]
 
@@ -79,24 +80,9 @@ def _restricted(spec: LayerSpec, keep: Sequence[str], name: str) -> LayerSpec:
 
 
 def _components(specs: Sequence[LayerSpec]) -> list[list[LayerSpec]]:
-    """Specs linked by a shared parameter (union-find over parameter identities)."""
-    parent = list(range(len(specs)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: dict[int, int] = {}
-    for i, spec in enumerate(specs):
-        for _, p in _captured(spec):
-            j = owner.setdefault(id(p), i)
-            parent[find(i)] = find(j)
-    comps: dict[int, list[LayerSpec]] = {}
-    for i, spec in enumerate(specs):
-        comps.setdefault(find(i), []).append(spec)
-    return list(comps.values())
+    """Specs linked by a shared parameter (by parameter identity)."""
+    groups = linked_groups([[id(p) for _, p in _captured(spec)] for spec in specs])
+    return [[specs[i] for i in g] for g in groups]
 
 
 def _split_group(group: list[LayerSpec]) -> tuple[list[LayerSpec], dict[str, list[LayerSpec]]]:
