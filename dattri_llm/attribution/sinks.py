@@ -17,6 +17,7 @@ per kept sample and ``NaN`` where a (sample, query) score was not among that que
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,20 @@ def check_top_k(top_k: Any) -> int | None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int (or None for every score), got {top_k!r}.")
     return int(top_k)
+
+
+def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+def _keep_extremes(
+    vals: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], k: int, largest: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the ``k`` largest (or smallest) of the columns of ``vals`` joined, and their ids."""
+    dtype = _common_dtype(vals)
+    joined = torch.cat([v.to(dtype) for v in vals], dim=1)
+    v, pos = joined.topk(min(k, joined.shape[1]), dim=1, largest=largest)
+    return v, torch.cat(list(ids), dim=1).gather(1, pos)
 
 
 class FullSink:
@@ -73,9 +88,7 @@ class FullSink:
     def _matrix(self, num_cols: int) -> torch.Tensor:
         if not self.rows:
             return torch.zeros(0, num_cols)
-        dtype = self.rows[0].dtype
-        for r in self.rows[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
+        dtype = _common_dtype(self.rows)
         scores = torch.cat([r.to(dtype) for r in self.rows])
         if scores.shape[1] < num_cols:  # columns added by a later checkpoint
             scores = torch.nn.functional.pad(scores, (0, num_cols - scores.shape[1]))
@@ -269,19 +282,14 @@ class TopKSink:
         if self.top_vals is None:
             self.top_vals = torch.full((m, self.k), float("-inf"), dtype=rows.dtype)
             self.bot_vals = torch.full((m, self.k), float("inf"), dtype=rows.dtype)
-        dtype = torch.promote_types(self.top_vals.dtype, rows.dtype)
-        cols = rows.to(dtype).T  # (M, f)
+        cols = rows.T  # (M, f)
         all_ids = ids.unsqueeze(0).expand(m, -1)
-        for largest in (True, False):
-            vals = self.top_vals if largest else self.bot_vals
-            keep = self.top_ids if largest else self.bot_ids
-            v = torch.cat([vals.to(dtype), cols], dim=1)
-            i = torch.cat([keep, all_ids], dim=1)
-            v, pos = v.topk(self.k, dim=1, largest=largest)
-            if largest:
-                self.top_vals, self.top_ids = v, i.gather(1, pos)
-            else:
-                self.bot_vals, self.bot_ids = v, i.gather(1, pos)
+        self.top_vals, self.top_ids = _keep_extremes(
+            [self.top_vals, cols], [self.top_ids, all_ids], self.k, largest=True
+        )
+        self.bot_vals, self.bot_ids = _keep_extremes(
+            [self.bot_vals, cols], [self.bot_ids, all_ids], self.k, largest=False
+        )
         if len(self.ids) > 8 * (2 * self.k * m + 256):
             self._compact()
 
@@ -411,19 +419,9 @@ def merge_top_k(
         cand[True].append((tensors["top_vals"], remap[tensors["top_ids"]]))
         cand[False].append((tensors["bot_vals"], remap[tensors["bot_ids"]]))
     out.num_train = total
-    for largest, parts in cand.items():
-        if not parts:
-            continue
-        dtype = parts[0][0].dtype
-        for v, _ in parts[1:]:
-            dtype = torch.promote_types(dtype, v.dtype)
-        vals = torch.cat([v.to(dtype) for v, _ in parts], dim=1)
-        ids = torch.cat([i for _, i in parts], dim=1)
-        v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
-        if largest:
-            out.top_vals, out.top_ids = v, ids.gather(1, pos)
-        else:
-            out.bot_vals, out.bot_ids = v, ids.gather(1, pos)
+    if cand[True]:
+        out.top_vals, out.top_ids = _keep_extremes(*zip(*cand[True]), k, largest=True)
+        out.bot_vals, out.bot_ids = _keep_extremes(*zip(*cand[False]), k, largest=False)
     return out
 
 
