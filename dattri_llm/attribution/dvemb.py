@@ -63,6 +63,7 @@ from dattri_llm.attribution.unroll import (
     StepPushes,
     forward_sweep,
 )
+from dattri_llm.utils.files import atomic_write
 
 __all__ = ["DVEmbAttributor", "DataValueEmbeddings", "sampled_cross_entropy"]
 
@@ -174,10 +175,7 @@ class DataValueEmbeddings:
             "steps": self.steps,
             "layers": list(self.layers.items()),
         }
-        tmp = os.path.join(path, ".embeddings.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(path, "embeddings.json"))
+        atomic_write(os.path.join(path, "embeddings.json"), json.dumps(meta))
         return path
 
     @classmethod

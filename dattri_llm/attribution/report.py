@@ -28,6 +28,7 @@ import torch
 
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.token_view import POSITIVE_RGB, html_tokens
+from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["SampleText", "load_texts", "html_report", "write_report", "svg_histogram"]
@@ -390,8 +391,5 @@ def write_report(
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, path)
+    atomic_write(path, page)
     return path

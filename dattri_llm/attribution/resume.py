@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dattri_llm.gradient.store.writer import fsync_dir
+from dattri_llm.utils.files import atomic_write
 
 __all__ = ["ScoreCheckpoint", "tensor_digest", "settings_of", "checkpoint_for"]
 
@@ -78,12 +79,7 @@ def settings_of(obj: Any) -> dict[str, Any]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data, fsync=True)
 
 
 class ScoreCheckpoint:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["AttributionScore", "TopK", "SCORE_FORMAT_VERSION"]
@@ -383,10 +384,7 @@ class AttributionScore:
         tmp = os.path.join(target, _TENSORS + ".tmp")
         save_file(tensors, tmp)
         os.replace(tmp, os.path.join(target, _TENSORS))
-        tmp = os.path.join(target, _META + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(target, _META))
+        atomic_write(os.path.join(target, _META), json.dumps(meta))
         return target
 
     @classmethod

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from dattri_llm.utils.files import atomic_write
+
 __all__ = ["write_bundle", "read_bundle", "checked_tensor"]
 
 
@@ -28,10 +30,7 @@ def write_bundle(
         {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
         os.path.join(path, f"{stem}.safetensors"),
     )
-    tmp = os.path.join(path, f"{stem}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(path, f"{stem}.json"))
+    atomic_write(os.path.join(path, f"{stem}.json"), json.dumps(meta, indent=1, sort_keys=True))
 
 
 def read_bundle(path: str | os.PathLike, stem: str, version: int) -> tuple[dict, dict]:

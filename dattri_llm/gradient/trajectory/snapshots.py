@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from dattri_llm.gradient.store.format import StoreFormatError
 from dattri_llm.gradient.store.index import IndexAppender, parse_index
 from dattri_llm.gradient.store.writer import file_crc32, fsync_dir
+from dattri_llm.utils.files import atomic_write
 
 __all__ = ["TrajectorySnapshots", "TRAJECTORY_FORMAT", "TRAJECTORY_VERSION"]
 
@@ -122,11 +123,10 @@ class TrajectorySnapshots:
         self.root.mkdir(parents=True, exist_ok=True)
         meta = self.root / "meta.json"
         if not meta.exists():
-            tmp = self.root / ".meta.json.tmp"
-            tmp.write_text(
-                json.dumps({"format": TRAJECTORY_FORMAT, "version": TRAJECTORY_VERSION}) + "\n"
+            atomic_write(
+                meta,
+                json.dumps({"format": TRAJECTORY_FORMAT, "version": TRAJECTORY_VERSION}) + "\n",
             )
-            os.replace(tmp, meta)
         self._entries.clear()
         valid = self._load_index(warn=False)  # a torn line was reported on opening
         referenced = {e["file"] for e in self._entries.values()}
