@@ -25,6 +25,7 @@ from torch import nn
 
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
+from dattri_llm.gradient.trajectory.replay import has_active_dropout
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 __all__ = ["ExactHessian"]
@@ -66,7 +67,7 @@ class ExactHessian:
     ) -> None:
         if isinstance(snapshots, (str, os.PathLike)):
             snapshots = TrajectorySnapshots(snapshots)
-        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        if has_active_dropout(model):
             raise ValueError(
                 "ExactHessian: the model has active dropout; the Hessian of a random loss is not "
                 "defined. Train (and attribute) without dropout, or use the empirical Fisher."

@@ -28,12 +28,13 @@ from dattri_llm.gradient.gradient import GradientBlock
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
-__all__ = ["ReplayGradientSource"]
+__all__ = ["ReplayGradientSource", "has_active_dropout"]
 
 _WHERE = "ReplayGradientSource"
 
 
-def _has_active_dropout(model: nn.Module) -> bool:
+def has_active_dropout(model: nn.Module) -> bool:
+    """Whether a module of ``model`` is a dropout with ``p > 0`` (torch's, or named like one)."""
     return any(
         isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
     ) or any(
@@ -177,7 +178,7 @@ class ReplayGradientSource:
             )
         meta = self.snapshots.meta("parameters", step)
         training = bool(meta.get("training", False))
-        if training and _has_active_dropout(model) and "cpu" not in rng:
+        if training and has_active_dropout(model) and "cpu" not in rng:
             raise ValueError(
                 f"{_WHERE}: the model has active dropout but step {step} was recorded without its "
                 "random state, so replayed gradients would differ from the trained ones. Record "
