@@ -180,8 +180,6 @@ class TrajectoryAttributor(BaseAttributor):
     """
 
     name = "trajectory"
-    #: Under ``torch.distributed``, selects this rank's removals in the forward sweep.
-    row_filter: Callable[[Any], Any] | None = None
 
     def __init__(
         self,
@@ -225,18 +223,18 @@ class TrajectoryAttributor(BaseAttributor):
         queries: torch.Tensor,
         query_hashes: list[str],
         dtype: torch.dtype = torch.float64,
+        row_filter: Callable[[Any], Any] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
         """Scores ``(N_occ, R)`` with each row's sample identity and step.
 
         ``method="adjoint"`` carries the queries' adjoints backward (memory ∝ queries);
         ``"forward"`` carries every removal forward and takes inner products at the end.
+        ``row_filter`` (forward only) keeps a subset of each step's removals (a rank's share).
         """
         load = self.step_loader(index, layers, dtype, **kwargs)
         if self.method == "forward":
-            emb, hashes, rows = forward_sweep(
-                index.steps, load, self._bar("unroll"), self.row_filter
-            )
+            emb, hashes, rows = forward_sweep(index.steps, load, self._bar("unroll"), row_filter)
             return emb @ queries.T, hashes, rows
         return adjoint_sweep(index.steps, load, queries, self._bar("unroll"))
 
@@ -431,7 +429,7 @@ class TrajectoryAttributor(BaseAttributor):
         from dattri_llm.utils.distributed import get_rank, get_world_size
 
         rank, world = get_rank(), get_world_size()
-        if getattr(self, "method", "adjoint") == "adjoint":
+        if self.method == "adjoint":
             mine = distributed.live_slice(len(query_hashes), rank, world)
             scores, hashes, steps = self.run(
                 index,
@@ -453,13 +451,9 @@ class TrajectoryAttributor(BaseAttributor):
                 pushes.step, pushes.shares.index_select(0, idx), [pushes.hashes[i] for i in rows]
             )
 
-        self.row_filter = keep
-        try:
-            scores, hashes, steps = self.run(
-                index, layers, queries, query_hashes, dtype=dtype, **kwargs
-            )
-        finally:
-            self.row_filter = None
+        scores, hashes, steps = self.run(
+            index, layers, queries, query_hashes, dtype=dtype, row_filter=keep, **kwargs
+        )
         parts = distributed.all_gather_tensors(scores.detach().cpu())
         metas = distributed.all_gather_json({"keys": keys, "hashes": hashes, "steps": steps})
         flat = [tuple(k) for m in metas for k in m["keys"]]
