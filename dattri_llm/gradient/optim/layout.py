@@ -84,10 +84,10 @@ class LayerLayout:
 
         Coordinates outside a mask are zero.
         """
-        flat = rows.new_zeros(rows.shape[0], self.rule.num_params(self.kw))
         if self.indices is None:
             flat = rows
         else:
+            flat = rows.new_zeros(rows.shape[0], self.rule.num_params(self.kw))
             flat[:, self.indices.to(rows.device)] = rows
         return {
             n: flat[:, self.positions[n].reshape(-1).to(rows.device)].reshape(

@@ -24,7 +24,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -104,6 +104,34 @@ def _size(path: Path) -> int | None:
         return path.stat().st_size
     except FileNotFoundError:
         return None
+
+
+def write_shard(
+    directory: Path,
+    seq: int,
+    tensors: Mapping[str, torch.Tensor],
+    fsync: bool,
+    metadata: dict[str, str] | None = None,
+) -> tuple[str, int, int]:
+    """Write ``directory/<seq>.safetensors`` crash-safely; return ``(name, crc32, bytes)``.
+
+    A hidden temporary file is written (and fsynced with ``fsync``), then renamed, then the
+    directory is fsynced: a kill leaves the complete file or only the temporary one.
+    """
+    name = f"{seq:09d}.safetensors"
+    tmp, final = directory / f".{name}.tmp", directory / name
+    save_file(dict(tensors), str(tmp), metadata=metadata)
+    crc, size = file_crc32(tmp), tmp.stat().st_size
+    if fsync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
+    if fsync:
+        fsync_dir(directory)
+    return name, crc, size
 
 
 def fsync_dir(path: Path) -> None:
@@ -274,27 +302,8 @@ class PartitionWriter:
             self._cv.notify_all()
 
     def _write_now(self, seq: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
-        name = f"{seq:09d}.safetensors"
-        tmp = self.shard_dir / f".{name}.tmp"
-        final = self.shard_dir / name
-        save_file(
-            tensors,
-            str(tmp),
-            metadata={
-                SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)
-            },
-        )
-        crc = file_crc32(tmp)
-        if self.fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        size = tmp.stat().st_size
-        os.replace(tmp, final)
-        if self.fsync:
-            fsync_dir(self.shard_dir)
+        meta = {SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)}
+        _, crc, size = write_shard(self.shard_dir, seq, tensors, self.fsync, meta)
         entry = entry_for(seq, header, size, crc)
         self._index.append(entry)
         self._on_durable(entry)

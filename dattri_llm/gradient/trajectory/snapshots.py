@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from dattri_llm.gradient.store.format import StoreFormatError
 from dattri_llm.gradient.store.index import IndexAppender, parse_index
-from dattri_llm.gradient.store.writer import file_crc32, fsync_dir
+from dattri_llm.gradient.store.writer import file_crc32, write_shard
 from dattri_llm.utils.files import atomic_write
 
 __all__ = ["TrajectorySnapshots", "TRAJECTORY_FORMAT", "TRAJECTORY_VERSION"]
@@ -153,19 +152,7 @@ class TrajectorySnapshots:
         d.mkdir(exist_ok=True)
         seq = self._seq
         self._seq += 1
-        name = f"{seq:09d}.safetensors"
-        tmp, final = d / f".{name}.tmp", d / name
-        save_file({k: _cpu(v) for k, v in tensors.items()}, str(tmp))
-        if self.fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        crc, size = file_crc32(tmp), tmp.stat().st_size
-        os.replace(tmp, final)
-        if self.fsync:
-            fsync_dir(d)
+        name, crc, size = write_shard(d, seq, {k: _cpu(v) for k, v in tensors.items()}, self.fsync)
         entry = {
             "seq": seq,
             "kind": kind,
