@@ -99,6 +99,45 @@ def test_live_grad_dot_mlp_matches_brute_force(tmp_path, mode):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_test_layer_reformed_per_chunk_is_held_dense_within_the_budget(tmp_path):
+    """A test layer the router would re-materialize for every train chunk is materialized once,
+    however large its dense form is relative to its factors (here 4.7x), unless the budget's
+    room is too small; the scores are the same either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(150, 150), nn.Tanh()).double()
+
+    def loss(m: nn.Module, batch: dict) -> torch.Tensor:
+        return m(batch["x"]).pow(2).sum()
+
+    data = [{"x": torch.randn(16, 150, dtype=torch.float64)} for _ in range(32)]
+    train, test = data[:16], data[16:]
+    from dattri_llm.gradient.streaming import GradientStreamer
+
+    tg = Gradient.concatenate([b.gradient for b in GradientStreamer(model, test, loss)])
+    (layer,) = tg.layers.values()
+    p = 150 * 151
+    assert p * 16 > 4 * layer.nbytes / 8  # dense form more than 4x the factors
+    scores = {}
+    for gb, kind in ((1.0, "Materialized"), (1e-4, "Factorized")):
+        kw = {"per_device_train_batch_size": 16, "score_memory_gb": gb}
+        att = TracInAttributor(args(tmp_path, **kw), task=AttributionTask(loss, model))
+        (got,) = att._densify_test(tg).layers.values()
+        assert type(got).__name__ == kind, gb
+        scores[gb] = att.attribute(train, test).query(train, test)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(pr: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, pr, (x,)).pow(2).sum()
+
+    def flat(ds: list[dict]) -> torch.Tensor:
+        g = vmap(grad(one), in_dims=(None, 0))(params, torch.stack([d["x"] for d in ds]))
+        return torch.cat([g[k].reshape(len(ds), -1) for k in params], dim=1)
+
+    ref = flat(train) @ flat(test).T
+    for s in scores.values():
+        assert rel(s, ref) < 1e-10
+
+
 def gpt2(seed: int = 0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)

@@ -163,6 +163,16 @@ class LayerRule:
         per_tok = self.materialize_per_token(a1, g1, kw)
         return torch.einsum("btp,jp->btj", per_tok, dense2)
 
+    def dense_cross(
+        self, a1: torch.Tensor, g1: torch.Tensor, dense2: torch.Tensor, kw: dict
+    ) -> torch.Tensor:
+        """Inner products ``(B1, B2)`` of a factorised left side against dense rows.
+
+        The per-token contributions summed over tokens; a rule overrides it when the sum has
+        a cheaper exact form.
+        """
+        return self.dense_per_token(a1, g1, dense2, kw).sum(1)
+
     def norm_sq(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         """Squared norms ``(B,)`` of the per-sample gradients, factorised."""
         rows = [

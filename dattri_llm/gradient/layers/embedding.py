@@ -107,6 +107,24 @@ class EmbeddingRule(LayerRule):
         rows = w2[:, a1.long()]  # (B2, B1, T, D)
         return torch.einsum("jbtd,btd->btj", rows, g1)
 
+    def dense_cross(
+        self, a1: torch.Tensor, g1: torch.Tensor, dense2: torch.Tensor, kw: dict
+    ) -> torch.Tensor:
+        """``(B1, B2)``: each left sample's gradient on the rows its indices hit, times those rows.
+
+        Equal to summing :meth:`dense_per_token` over tokens, but the dense side is read once
+        per distinct index of the left block (``index_select`` of whole rows) instead of once
+        per token and per right sample through an advanced-index gather: GPT-2 4x512 (vocab
+        1000), 8 train x 32 test rows of 64 tokens, 33 -> 9 ms.
+        """
+        v, d = self.matrix_shape(kw)
+        b1 = a1.shape[0]
+        ids, where = torch.unique(a1.long(), return_inverse=True)
+        hit = g1.new_zeros(b1, ids.numel(), d)
+        hit.scatter_add_(1, where.reshape(b1, -1, 1).expand(-1, -1, d), g1.reshape(b1, -1, d))
+        rows = dense2.reshape(-1, v, d).index_select(1, ids)
+        return hit.reshape(b1, -1) @ rows.reshape(rows.shape[0], -1).T
+
     def norm_sq(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         gg = torch.bmm(g, g.transpose(1, 2))
         match = a.unsqueeze(-1) == a.unsqueeze(-2)

@@ -70,7 +70,7 @@ def _site_cross(
             )
         ):
             return dense(x) @ y.data.T
-        return rule.dense_per_token(x.a, x.g, y.data, x.module_kwargs).sum(1)
+        return rule.dense_cross(x.a, x.g, y.data, x.module_kwargs)
     if x.layer_type != y.layer_type:
         if mode == "materialized":
             return dense(x) @ dense(y).T
