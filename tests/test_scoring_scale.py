@@ -144,7 +144,7 @@ def test_the_test_side_join_releases_each_layer_of_the_blocks_as_it_goes(monkeyp
     (peak: the joined side plus one layer, not twice the side) and equals concatenate."""
     import weakref
 
-    from dattri_llm.attribution import base
+    from dattri_llm.attribution import blocks as blocks_mod
     from dattri_llm.gradient.gradient import Factorized, Gradient, GradientBlock
 
     def block(seed: int) -> GradientBlock:
@@ -164,20 +164,55 @@ def test_the_test_side_join_releases_each_layer_of_the_blocks_as_it_goes(monkeyp
     blocks = [block(s) for s in range(3)]
     alive = {n: [weakref.ref(b.gradient.layers[n].a) for b in blocks] for n in ("l1", "l2", "l3")}
     seen = []
-    orig = base.concat_layer
+    orig = blocks_mod.concat_layer
 
     def watching(parts):
         seen.append({n: sum(r() is not None for r in refs) for n, refs in alive.items()})
         return orig(parts)
 
-    monkeypatch.setattr(base, "concat_layer", watching)
-    joined = base._join_releasing(blocks, ["l1", "l2", "l3"])
+    monkeypatch.setattr(blocks_mod, "concat_layer", watching)
+    joined = blocks_mod.join_releasing(blocks, ["l1", "l2", "l3"])
     assert blocks == []
     # when l2 is joined, l1's block copies are gone (the parts of l2 are still held)
     assert seen[1]["l1"] == 0 and seen[2]["l2"] == 0 and seen[2]["l3"] == 3
     for n in ("l1", "l2", "l3"):
         assert torch.equal(joined.layers[n].a, ref.layers[n].a)
         assert torch.equal(joined.layers[n].g, ref.layers[n].g)
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_train_chunk_frees_its_blocks_layer_by_layer(stores, tmp_path, monkeypatch, live):
+    """The score loop holds a chunk's blocks only in the list its join empties: when a layer is
+    joined, the block copies of the layer joined before are gone (the budget counts a chunk's
+    gradients once), from a store and live; the scores stay exact."""
+    import weakref
+
+    from dattri_llm.attribution import blocks as blocks_mod
+
+    root, model, train, test = stores
+    previous: list[weakref.ref] = []
+    alive_after: list[int] = []
+    orig = blocks_mod.concat_layer
+
+    def watching(parts):
+        alive_after.append(sum(r() is not None for r in previous))
+        previous[:] = [weakref.ref(p) for p in parts]
+        return orig(parts)
+
+    monkeypatch.setattr(blocks_mod, "concat_layer", watching)
+    att = TracInAttributor(args(tmp_path, score_memory_gb=1.0, per_device_train_batch_size=3))
+    if live:
+        from dattri_llm import AttributionTask
+
+        att.task = AttributionTask(lm_loss, model)
+        score = att.attribute(train, test)
+    else:
+        score = att.attribute_from_cache(root / "train", root / "test")
+    joins = len(alive_after)
+    assert joins >= 3  # one chunk of several blocks, joined layer by layer (and the test side)
+    assert alive_after[1:] == [0] * (joins - 1)
+    ref = brute_force(model, train, test)
+    assert float((score.query(train, test) - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
 # ---- top-k streaming ----------------------------------------------------------------------------

@@ -51,11 +51,10 @@ class AttributionArguments:
             joined into chunks of as many rows as fit beside the prepared test gradients (the
             chunk's gradients, one layer of them materialized at a time, the score rows), so
             the dense test side is read once per chunk; test layers are materialized once only
-            while they fit in half of it. Default 1 GiB: with many queries a budget that holds
-            the dense test side twice (``2 x M x P`` numbers) can be much faster (GPT-2 4x256,
-            1024 x 64 queries: 2.1x a plain step at 4 GiB, 4.0x at 1 GiB), with fewer it can
-            be slower (4x512, 64 x 16: 2.0x at 4 GiB, 1.6x at 1 GiB); see
-            docs/benchmarks/scale.md.
+            while they fit in half of it. Default 1 GiB: with many queries a larger budget
+            trades memory for time (GPT-2 4x256, 1024 train x 64 queries: 2.0x a plain step
+            and 2.3 GB peak at 2 GiB, 2.4x and 1.5 GB at 1 GiB); with few it changes nothing
+            (4x512, 64 x 16: 1.46x at 1 and at 4 GiB); see docs/benchmarks/scale.md.
         resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
             scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
             atomic), and resume an identical call that was interrupted; the checkpoint is

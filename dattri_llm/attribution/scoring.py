@@ -7,8 +7,8 @@ test side is prepared:
   (same pairing key and checkpoint) are joined into one chunk of at most ``rows`` rows and
   scored with one ``score_block`` call per test chunk: the (possibly dense) test side is read
   once per chunk instead of once per captured batch. The budget's rows are the largest count
-  whose working set — the chunk's gradients (twice: the blocks and their join), one layer of
-  them materialized at a time, and the score rows — fits in
+  whose working set — the chunk's gradients (once: the blocks are freed layer by layer as
+  they are joined), one layer of them materialized at a time, and the score rows — fits in
   ``AttributionArguments.score_memory_gb`` beside the prepared test side, capped by
   ``score_block_size``; blocks are joined while one layer of the chunk stays under 16 MiB
   dense, and a block larger than the budget's rows is scored in slices of that many rows.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dattri_llm.attribution import distributed
-from dattri_llm.attribution.blocks import check_hashes, check_token_axis
+from dattri_llm.attribution.blocks import check_hashes, check_token_axis, join_releasing
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.sinks import TopKSink, top_k_of
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
@@ -145,7 +145,10 @@ class ScoreLoop:
         itemsize = torch.finfo(dtype).bits // 8
         grad = block.gradient
         n = max(1, grad.batch_size)
-        per_row = 2 * grad.nbytes / n * max(1.0, itemsize / (torch.finfo(grad.dtype).bits // 8))
+        # the chunk's gradients once (its blocks are freed layer by layer as they are joined),
+        # plus a copy when they are promoted to the test side's wider dtype
+        scale = itemsize / (torch.finfo(grad.dtype).bits // 8)
+        per_row = grad.nbytes / n * (1.0 + (scale if scale > 1 else 0.0))
         row_bytes = max(1, dense_row_bytes(grad, itemsize))
         per_row += row_bytes + 2 * self.num_cols * itemsize
         free = int(args.score_memory_gb * 2**30) - test.nbytes
@@ -173,7 +176,7 @@ class ScoreLoop:
     # ---- running ----
     def run_blocks(self, blocks: Iterable[GradientBlock], bar: Any = None) -> None:
         """Score blocks from any source, joined into chunks."""
-        for chunk, _ in self._chunks(enumerate(blocks)):
+        for chunk, _ in self._chunks(blocks):
             self._flush(chunk, None, bar, 0)
 
     def run_units(
@@ -185,8 +188,8 @@ class ScoreLoop:
     ) -> None:
         """Score a store's records from ``start`` on, checkpointing after every chunk."""
         units = source.units
-        items = ((i, source.load(units[i])) for i in range(start, len(units)))
-        for chunk, last in self._chunks(items):
+        blocks = (source.load(units[i]) for i in range(start, len(units)))
+        for chunk, last in self._chunks(blocks, start):
             self._flush(chunk, checkpoint, bar, last + 1)
         if checkpoint is not None and checkpoint.units_done < len(units):
             checkpoint.save(self.acc.sink, len(units))
@@ -194,31 +197,37 @@ class ScoreLoop:
     def _flush(
         self, chunk: list[GradientBlock], checkpoint: Any, bar: Any, done_after: int
     ) -> None:
-        self.score_chunk(chunk)
+        rows = sum(b.gradient.batch_size for b in chunk)
+        self.score_chunk(chunk)  # empties ``chunk`` as it joins it
         if checkpoint is not None:
             checkpoint.save(self.acc.sink, done_after)
         if bar is not None:
-            bar.update(sum(b.gradient.batch_size for b in chunk))
+            bar.update(rows)
 
     def _chunks(
-        self, items: Iterable[tuple[int, GradientBlock]]
+        self, blocks: Iterable[GradientBlock], start: int = 0
     ) -> Iterator[tuple[list[GradientBlock], int]]:
         """Join consecutive blocks with the same pairing into chunks of at most ``rows``.
 
-        A chunk is scored as soon as another block like its last one would not fit, rather
-        than held while the next block is read (or, live, computed).
+        Yields each chunk with the index of its last block (counted from ``start``). A chunk
+        is scored as soon as another block like its last one would not fit, rather than held
+        while the next block is read (or, live, computed). Blocks are taken from a plain
+        iterator, not an ``enumerate``/``zip`` tuple (those keep their last result alive).
         """
         pending: list[GradientBlock] = []
         key: Any = None
         last, size = -1, 0
         token = self.acc.granularity == "token"
-        for i, block in items:
+        i = start - 1
+        for block in blocks:
+            i += 1
             k = (self.att.pairing_key(block), int(block.checkpoint))
             n, rows = block.gradient.batch_size, self.chunk_rows(block)
             if pending and (k != key or size + n > rows):
                 yield pending, last
                 pending, size = [], 0
             pending.append(block)
+            del block  # held by ``pending`` alone, which the chunk's join empties
             key, last, size = k, i, size + n
             if token or size + n > rows:
                 yield pending, last
@@ -232,6 +241,10 @@ class ScoreLoop:
         att, acc = self.att, self.acc
         test = self.test_for(blocks[0])
         weights: list[float] = []
+        hashes: list[str] = []
+        steps: list[int] = []
+        ckpts: list[int] = []
+        sizes: list[int] = []
         for block in blocks:
             check_hashes(block, "train")
             att.check_block(block, "train")
@@ -248,14 +261,20 @@ class ScoreLoop:
             if acc.granularity == "token":
                 check_token_axis(block.gradient)
             weights.append(float(att.block_weight(block)))
+            k = block.gradient.batch_size
+            hashes += [str(h) for h in block.hashes]
+            steps += [int(block.step)] * k
+            ckpts += [int(block.checkpoint)] * k
+            sizes.append(k)
+        del block  # the loop's last block: the join frees the blocks' layers as it goes
+        checkpoint = int(blocks[0].checkpoint)
+        bs = max(self.chunk_rows(blocks[0]), 1)
         if len(blocks) == 1:
             grad = blocks[0].gradient
-        else:
-            grad = Gradient.concatenate([b.gradient.select_layers(test.layers) for b in blocks])
-        checkpoint = int(blocks[0].checkpoint)
+        else:  # the chunk's blocks are freed layer by layer as they are joined
+            grad = join_releasing(blocks, test.layers)
         dtype = torch.promote_types(grad.dtype, test.dtype)
         n = grad.batch_size
-        bs = max(self.chunk_rows(blocks[0]), 1)
         out = torch.zeros(n, self.num_cols, dtype=dtype)
         tokens: list[torch.Tensor] = []
         for r0 in range(0, n, bs):
@@ -276,19 +295,10 @@ class ScoreLoop:
             del tr
         if any(w != 1.0 for w in weights):
             row_w = torch.cat(
-                [
-                    torch.full((b.gradient.batch_size,), w, dtype=torch.float64)
-                    for b, w in zip(blocks, weights)
-                ]
+                [torch.full((k,), w, dtype=torch.float64) for k, w in zip(sizes, weights)]
             ).to(dtype)
             out *= row_w[:, None]
             tokens = [t * w for t, w in zip(tokens, row_w.tolist())]
-        hashes, steps, ckpts = [], [], []
-        for b in blocks:
-            k = b.gradient.batch_size
-            hashes += [str(h) for h in b.hashes]
-            steps += [int(b.step)] * k
-            ckpts += [int(b.checkpoint)] * k
         acc.add_rows(out, hashes, steps, ckpts, tokens if acc.granularity == "token" else None)
         self.chunks += 1
 

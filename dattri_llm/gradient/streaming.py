@@ -339,16 +339,20 @@ class GradientStreamer:
                         "calls the model it is given and that hook_config selects layers on the "
                         "path of the loss."
                     )
-                rec = cb.pop()
-                if bar is not None:
-                    bar.update(len(rec.hashes))  # samples: the rate and ETA in samples
-                yield GradientBlock(
-                    self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
-                )
+                # built in a call so that no local of this frame keeps the block's gradient
+                # alive while the consumer holds it (a score loop frees joined blocks)
+                yield self._block(cb.pop(), bar)
         finally:
             hm.remove()
             if bar is not None:
                 bar.close()
+
+    def _block(self, rec: Any, bar: Any) -> GradientBlock:
+        if bar is not None:
+            bar.update(len(rec.hashes))  # samples: the rate and ETA in samples
+        return GradientBlock(
+            self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
+        )
 
 
 def _check_loss(loss: Any) -> None:
