@@ -289,20 +289,20 @@ _CHILD = textwrap.dedent(
     kill_after, where, top_k = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     top_k = None if top_k == "none" else int(top_k)
     saved = {{"n": 0}}
-    orig = resume._atomic_write
+    orig = resume.atomic_write
 
-    def write(path, data):
+    def write(path, data, fsync=False):
         if where == "mid-write" and path.name == "progress.json":
             saved["n"] += 1
             if saved["n"] > kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)  # the part is written, progress is not
-        orig(path, data)
+        orig(path, data, fsync=fsync)
         if where == "after" and path.name == "progress.json":
             saved["n"] += 1
             if saved["n"] >= kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    resume._atomic_write = write
+    resume.atomic_write = write
     chunks = {{"n": 0}}
     score_chunk = scoring.ScoreLoop.score_chunk
 

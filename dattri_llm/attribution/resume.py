@@ -78,10 +78,6 @@ def settings_of(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    atomic_write(path, data, fsync=True)
-
-
 class ScoreCheckpoint:
     """The checkpoint directory of one scoring call on one rank.
 
@@ -166,8 +162,8 @@ class ScoreCheckpoint:
             name = f"{'part' if isinstance(sink, FullSink) else 'state'}_{self._next:06d}"
             self._next += 1
             tensors, meta = part
-            _atomic_write(self.dir / f"{name}.safetensors", save(dict(tensors)))
-            _atomic_write(self.dir / f"{name}.json", json.dumps(meta).encode())
+            atomic_write(self.dir / f"{name}.safetensors", save(dict(tensors)), fsync=True)
+            atomic_write(self.dir / f"{name}.json", json.dumps(meta), fsync=True)
             files.append(name)
         progress = {
             "fingerprint": self.fingerprint,
@@ -175,7 +171,7 @@ class ScoreCheckpoint:
             "files": files,
             "next": self._next,
         }
-        _atomic_write(self.dir / _PROGRESS, json.dumps(progress).encode())
+        atomic_write(self.dir / _PROGRESS, json.dumps(progress), fsync=True)
         fsync_dir(self.dir)
         for name in old:  # a top-k state replaces the previous one
             if name not in files:
