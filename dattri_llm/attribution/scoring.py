@@ -269,10 +269,7 @@ class ScoreLoop:
         del block  # the loop's last block: the join frees the blocks' layers as it goes
         checkpoint = int(blocks[0].checkpoint)
         bs = max(self.chunk_rows(blocks[0]), 1)
-        if len(blocks) == 1:
-            grad = blocks[0].gradient
-        else:  # the chunk's blocks are freed layer by layer as they are joined
-            grad = join_releasing(blocks, test.layers)
+        grad = join_releasing(blocks, test.layers)  # frees the blocks layer by layer
         dtype = torch.promote_types(grad.dtype, test.dtype)
         n = grad.batch_size
         out = torch.zeros(n, self.num_cols, dtype=dtype)
