@@ -1,6 +1,17 @@
-"""Attribution: arguments, tasks, scores, the shared score loop and the attributors."""
+"""Attribution: the user's contract, the attributor interface and one module per method.
+
+Here: ``arguments`` (:class:`AttributionArguments`), ``task`` (:class:`AttributionTask`),
+``score`` (:class:`AttributionScore`), ``base`` (:class:`BaseAttributor`, the interface every
+method implements) and the methods ``tracin``, ``kronecker``, ``less``, ``adamw_influence``,
+``dvemb``. Below: ``engine/`` (the score loop the methods run on), ``trajectory/`` (the
+machinery of the methods that replay a training run) and ``views/`` (HTML report, token
+heatmaps). ``docs/ARCHITECTURE.md`` is the map.
+"""
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
@@ -27,11 +38,34 @@ __all__ += ["LESSAttributor"]
 
 from dattri_llm.attribution.adamw_influence import AdamWInfluenceAttributor  # noqa: E402
 from dattri_llm.attribution.dvemb import DataValueEmbeddings, DVEmbAttributor  # noqa: E402
-from dattri_llm.attribution.trajectory import TrajectoryAttributor  # noqa: E402
+from dattri_llm.attribution.trajectory.base import TrajectoryAttributor  # noqa: E402
 
 __all__ += ["TrajectoryAttributor", "AdamWInfluenceAttributor", "DVEmbAttributor"]
 __all__ += ["DataValueEmbeddings"]
 
-from dattri_llm.attribution.curvature import ExactHessian  # noqa: E402
+from dattri_llm.attribution.trajectory.curvature import ExactHessian  # noqa: E402
 
 __all__ += ["ExactHessian"]
+
+# Modules that moved into the subpackages keep their old import paths as the *same* module
+# objects (not copies), so ``import dattri_llm.attribution.scoring``, ``from
+# dattri_llm.attribution import resume`` and monkeypatching either keep working.
+_MOVED_MODULES = {
+    "blocks": "engine.blocks",
+    "distributed": "engine.distributed",
+    "prepared": "engine.prepared",
+    "resume": "engine.resume",
+    "scoring": "engine.scoring",
+    "sinks": "engine.sinks",
+    "units": "engine.units",
+    "curvature": "trajectory.curvature",
+    "training": "trajectory.training",
+    "unroll": "trajectory.unroll",
+    "report": "views.report",
+    "token_view": "views.token_view",
+}
+for _old, _new in _MOVED_MODULES.items():
+    _module = importlib.import_module(f"{__name__}.{_new}")
+    sys.modules[f"{__name__}.{_old}"] = _module
+    globals()[_old] = _module
+del _old, _new, _module

@@ -3,9 +3,9 @@
 Removing a training sample ``z`` from its step ``t`` changes that step's consumed gradient by
 ``−s_z``, hence the moments and parameters the step leaves; every later update carries the
 perturbation forward through the recorded moments and the batch curvature (Deng et al., 2026;
-the maths is in :mod:`dattri_llm.attribution.unroll`). The score is the first-order change of the
-query loss at the end of the run, ``q_Tᵀ δθ_T`` — positive when removing ``z`` would raise the
-query's loss (the sample helped), summed over the steps ``z`` occurs at by
+the maths is in :mod:`dattri_llm.attribution.trajectory.unroll`). The score is the first-order
+change of the query loss at the end of the run, ``q_Tᵀ δθ_T`` — positive when removing ``z``
+would raise the query's loss (the sample helped), summed over the steps ``z`` occurs at by
 ``AttributionScore.agnostic_matrix``.
 
 Exactly what the optimizer did, from :class:`~dattri_llm.OptimizerStateCallback`'s record:
@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from dattri_llm.attribution.curvature import ExactHessian
-from dattri_llm.attribution.trajectory import (
+from dattri_llm.attribution.trajectory.base import (
     StepIndex,
     TrajectoryAttributor,
     dense_rows,
     layer_widths,
 )
-from dattri_llm.attribution.unroll import AdamStep, Curvature, StepPushes
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.unroll import AdamStep, Curvature, StepPushes
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
@@ -104,8 +104,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
         curvature: Each step's batch-loss curvature: ``"empirical_fisher"`` (``κ Σ s sᵀ`` from
-            the captured gradients), an :class:`~dattri_llm.attribution.curvature.ExactHessian`
-            (the true Hessian, replayed from parameter snapshots) or ``"none"``.
+            the captured gradients), an
+            :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true
+            Hessian, replayed from parameter snapshots) or ``"none"``.
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)

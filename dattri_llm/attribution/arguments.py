@@ -35,7 +35,8 @@ class AttributionArguments:
             ``dataloader_pad_value``; ``labels`` with ``-100``, ``attention_mask`` with ``0``).
         dataloader_pad_value: Fill value of the ``"pad"`` collate.
         learning_rate: Learning rate of the run a trajectory method's live ``attribute`` trains
-            and records (AdamW-influence, DVEmb; see ``dattri_llm.attribution.training``).
+            and records (AdamW-influence, DVEmb; see
+            ``dattri_llm.attribution.trajectory.training``).
         optimizer: Optimizer of that run: ``"auto"`` (each method's own: AdamW for
             AdamW-influence, SGD for DVEmb), ``"adamw_torch"``, ``"adam"`` or ``"sgd"``.
         lr_scheduler_type: Learning-rate schedule of that run: ``"linear"`` (decay to 0) or
@@ -58,12 +59,12 @@ class AttributionArguments:
         resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
             scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
             atomic), and resume an identical call that was interrupted; the checkpoint is
-            removed when the call returns (see ``dattri_llm.attribution.resume``).
+            removed when the call returns (see ``dattri_llm.attribution.engine.resume``).
         distributed_scoring: Under an initialised ``torch.distributed`` group of several ranks,
             split the train side of every ``attribute*`` call across the ranks and merge the
             results (every rank must make the call; see
-            ``dattri_llm.attribution.distributed``). ``False``: each process scores everything
-            it is given by itself (e.g. rank 0 alone, the others waiting).
+            ``dattri_llm.attribution.engine.distributed``). ``False``: each process scores
+            everything it is given by itself (e.g. rank 0 alone, the others waiting).
         distributed_timeout_s: How long a split call waits for every rank to join it before
             failing with an error naming the missing ranks.
         show_progress: Show tqdm progress bars.

@@ -1,8 +1,9 @@
-"""``BaseAttributor``: the shared, blocked score loop every attributor runs.
+"""``BaseAttributor``: the attributor interface, and the entry points every method shares.
 
 Train blocks (from a store or streamed live) are scored against the test gradients of the
 same checkpoint, ``score_block_size`` train rows by ``score_block_size`` test columns at a
-time, and collected into an :class:`AttributionScore`.
+time, and collected into an :class:`AttributionScore`. The loop itself is the score engine
+(:mod:`dattri_llm.attribution.engine`); a method overrides the extension points below.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 
 import torch
 
-from dattri_llm.attribution import distributed
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.attribution.blocks import (
+from dattri_llm.attribution.engine import distributed
+from dattri_llm.attribution.engine.blocks import (
     Accumulator,
     LiveSource,
     check_granularity,
@@ -24,14 +25,14 @@ from dattri_llm.attribution.blocks import (
     join_releasing,
     source_name,
 )
-from dattri_llm.attribution.distributed import row_keys
-from dattri_llm.attribution.prepared import PreparedTest, densify_test
-from dattri_llm.attribution.resume import ScoreCheckpoint, checkpoint_for
+from dattri_llm.attribution.engine.distributed import row_keys
+from dattri_llm.attribution.engine.prepared import PreparedTest, densify_test
+from dattri_llm.attribution.engine.resume import ScoreCheckpoint, checkpoint_for
+from dattri_llm.attribution.engine.scoring import ScoreLoop, final_result, progress_bar
+from dattri_llm.attribution.engine.sinks import FullSink, TopKSink, check_top_k
+from dattri_llm.attribution.engine.units import row_counts, units_of
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.scoring import ScoreLoop, final_result, progress_bar
-from dattri_llm.attribution.sinks import FullSink, TopKSink, check_top_k
 from dattri_llm.attribution.task import AttributionTask
-from dattri_llm.attribution.units import row_counts, units_of
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.compat import (
     CaptureFacts,
@@ -199,7 +200,7 @@ class BaseAttributor:
             **kwargs: Passed to :meth:`fit`.
 
         Under ``torch.distributed`` each rank scores a contiguous slice of ``train_set``
-        (see :mod:`dattri_llm.attribution.distributed`).
+        (see :mod:`dattri_llm.attribution.engine.distributed`).
         """
         from dattri_llm.gradient.streaming import GradientStreamer
 
@@ -363,7 +364,7 @@ class BaseAttributor:
         source to such attributors.
 
         Train blocks are joined into chunks sized from ``args.score_memory_gb`` (see
-        :mod:`dattri_llm.attribution.scoring`). Over a store:
+        :mod:`dattri_llm.attribution.engine.scoring`). Over a store:
 
         * ``top_k=k`` streams: per test sample only the ``k`` largest and ``k`` smallest
           agnostic scores are kept (memory ``O(M·k)`` plus one chunk; a sample's rows at
@@ -373,9 +374,9 @@ class BaseAttributor:
           full matrix is computed and then reduced.
         * ``args.resumable`` checkpoints the partial result after every chunk under
           ``args.output_dir`` and resumes an interrupted identical call
-          (:mod:`dattri_llm.attribution.resume`).
+          (:mod:`dattri_llm.attribution.engine.resume`).
         * under ``torch.distributed`` the records are split across ranks and the results
-          merged (:mod:`dattri_llm.attribution.distributed`).
+          merged (:mod:`dattri_llm.attribution.engine.distributed`).
         """
         check_granularity(attribution_granularity)
         k = check_top_k(top_k)
@@ -534,6 +535,6 @@ class BaseAttributor:
     def _densify_test(self, grad: Gradient) -> Gradient:
         """The test side, its layers worth materializing once materialized.
 
-        See :func:`~dattri_llm.attribution.prepared.densify_test`.
+        See :func:`~dattri_llm.attribution.engine.prepared.densify_test`.
         """
         return densify_test(grad, self.mode, self.args)

@@ -6,9 +6,10 @@ embedding, the first-order change of the final parameters had ``z`` been removed
     e_t(z) = η_t (I − η_{T−1} H_{T−1}) ⋯ (I − η_{t+1} H_{t+1}) s_z
 
 for plain SGD (momentum and coupled weight decay are modelled too, see
-:mod:`dattri_llm.attribution.unroll`), and scores a query by ``⟨Σ_t e_t(z), ∇ℓ(q; θ_T)⟩`` —
-positive when the sample helped. Embeddings are computed once (:meth:`DVEmbAttributor.embed`)
-and re-scored against any queries without the trajectory (:class:`DataValueEmbeddings`).
+:mod:`dattri_llm.attribution.trajectory.unroll`), and scores a query by
+``⟨Σ_t e_t(z), ∇ℓ(q; θ_T)⟩`` — positive when the sample helped. Embeddings are computed once
+(:meth:`DVEmbAttributor.embed`) and re-scored against any queries without the trajectory
+(:class:`DataValueEmbeddings`).
 
 Inputs: raw per-step per-sample gradients (a store, or a :class:`~dattri_llm.ReplayGradientSource`
 recomputing them from parameter snapshots) and the learning-rate schedule ``learning_rate=``
@@ -27,9 +28,9 @@ Curvature ``H_k`` of each step's batch loss:
   on small checks. The ``n`` draws of a sample at one step may be laid out as repeated rows of
   one curvature batch or as several micro-batches: each row's share is rescaled to the
   sample's own gradient before averaging.
-* an :class:`~dattri_llm.attribution.curvature.ExactHessian`: the true Hessian of each step's
-  batch loss (Hessian-vector products replayed from the recorded parameters and batches); with
-  it the embeddings are the exact first-order effect of removing the sample.
+* an :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian`: the true Hessian of
+  each step's batch loss (Hessian-vector products replayed from the recorded parameters and
+  batches); with it the embeddings are the exact first-order effect of removing the sample.
 * ``"none"``: no propagation (``e_t(z) = η_t s_z``).
 
 A run trained with Adam / AdamW gets a warning pointing to ``AdamWInfluenceAttributor``: DVEmb's
@@ -47,9 +48,8 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.adamw_influence import check_dynamics_layout, coerce_dynamics
-from dattri_llm.attribution.curvature import ExactHessian
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.trajectory import (
+from dattri_llm.attribution.trajectory.base import (
     StepIndex,
     TrajectoryAttributor,
     as_schedule,
@@ -57,7 +57,8 @@ from dattri_llm.attribution.trajectory import (
     layer_widths,
     step_index,
 )
-from dattri_llm.attribution.unroll import (
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.unroll import (
     Curvature,
     SGDStep,
     StepPushes,
@@ -221,8 +222,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             before the first captured step (a window captured mid-training). Needed with
             momentum and dampening, where it sets the first step's gain (1 or 1 - dampening).
         curvature: ``"empirical_fisher"``, ``"mc_fisher"``, ``"none"``, or an
-            :class:`~dattri_llm.attribution.curvature.ExactHessian` (the true Hessian of each
-            step's batch loss, replayed from parameter snapshots).
+            :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true Hessian
+            of each step's batch loss, replayed from parameter snapshots).
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
             queries; no embeddings kept).

@@ -24,7 +24,7 @@ import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
-from dattri_llm.attribution.blocks import LiveSource
+from dattri_llm.attribution.engine.blocks import LiveSource
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig

@@ -42,7 +42,7 @@ import torch
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.tracin import TracInAttributor
-from dattri_llm.attribution.trajectory import as_schedule
+from dattri_llm.attribution.trajectory.base import as_schedule
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
 __all__ = ["LESSAttributor"]

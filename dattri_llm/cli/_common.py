@@ -126,10 +126,10 @@ def load_scores(path: str, argument: str) -> Any:
 
 
 def load_texts_arg(path: str | None, argument: str) -> dict:
-    """Read a texts JSONL (:func:`~dattri_llm.attribution.report.load_texts`); ``{}`` if None."""
+    """Read a texts JSONL (``dattri_llm.attribution.views.report.load_texts``); ``{}`` if None."""
     if path is None:
         return {}
-    from dattri_llm.attribution.report import load_texts
+    from dattri_llm.attribution.views.report import load_texts
 
     if not os.path.isfile(path):
         raise UsageError(argument, f"{path!r} is not a file (expected JSON Lines of texts).")
@@ -145,7 +145,7 @@ def snippet(text: str, width: int) -> str:
     Whitespace is collapsed and control characters are shown escaped, so that a text cannot
     write terminal codes.
     """
-    from dattri_llm.attribution.token_view import display_token
+    from dattri_llm.attribution.views.token_view import display_token
 
     line = display_token(" ".join(text.split()))
     return line if len(line) <= width else line[: max(width - 1, 0)] + "…"

@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the command."""
-    from dattri_llm.attribution.report import write_report
+    from dattri_llm.attribution.views.report import write_report
 
     for flag, value, low in (
         ("--k", args.k, 1),

@@ -29,6 +29,7 @@ from dattri_llm.gradient.layer_gradient import (
     Shared,
     concat_layer,
 )
+from dattri_llm.gradient.layer_inner import cross_gram, norm_sq
 
 if TYPE_CHECKING:
     from dattri_llm.options import RoutingMode, SimilarityMetric
@@ -203,15 +204,14 @@ class Gradient:
         Returns:
             ``(B_self, B_other)``.
         """
-        from dattri_llm.gradient.ops.inner import cross_dot, grad_norm_sq
         from dattri_llm.options import similarity_metric
 
         metric = similarity_metric(metric)
-        gram = cross_dot(self, other, mode=mode)
+        gram = cross_gram(self.layers, other.layers, mode=mode)
         if metric == "dot":
             return gram
-        n1 = grad_norm_sq(self, mode=mode).clamp_min(0).sqrt()
-        n2 = grad_norm_sq(other, mode=mode).clamp_min(0).sqrt()
+        n1 = norm_sq(self.layers, mode=mode).clamp_min(0).sqrt()
+        n2 = norm_sq(other.layers, mode=mode).clamp_min(0).sqrt()
         return gram / (n1[:, None] * n2[None, :]).clamp_min(torch.finfo(gram.dtype).tiny)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor
-from dattri_llm.attribution.token_view import TokenHeatmap, terminal_heatmap, write_html
+from dattri_llm.attribution.views.token_view import TokenHeatmap, terminal_heatmap, write_html
 from dattri_llm.demo import load_corpus
 from dattri_llm.utils.hashing import hash_sample
 

@@ -92,7 +92,7 @@ from utils.memory import peak_rss_bytes
 import torch
 torch.set_num_threads(1)
 from dattri_llm import AttributionArguments, TracInAttributor
-from dattri_llm.attribution.units import units_of
+from dattri_llm.attribution.engine.units import units_of
 from dattri_llm.gradient.sources import DiskGradientSource
 n, top_k = int(sys.argv[1]), sys.argv[2]
 top_k = None if top_k == "none" else int(top_k)

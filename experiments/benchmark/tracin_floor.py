@@ -94,7 +94,7 @@ class Timers:
 
 def instrument(t: Timers) -> None:
     import dattri_llm.attribution.base as base
-    import dattri_llm.attribution.scoring as scoring
+    import dattri_llm.attribution.engine.scoring as scoring
     import dattri_llm.gradient.gradient as gm
     import dattri_llm.gradient.layer_gradient as lgm
     import dattri_llm.gradient.streaming as st

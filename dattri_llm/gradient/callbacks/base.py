@@ -9,7 +9,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["HookCallback"]
 
@@ -23,9 +23,9 @@ class HookCallback:
     the optimizer step); ``on_remove`` when the manager is removed.
     """
 
-    manager: HookManager | None = None
+    manager: CaptureHost | None = None
 
-    def on_register(self, manager: HookManager) -> None:
+    def on_register(self, manager: CaptureHost) -> None:
         """Called when the manager is built."""
         self.manager = manager
 

@@ -27,7 +27,7 @@ from dattri_llm.options import similarity_metric
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["DataSelectionCallback", "SelectionStep"]
 
@@ -148,7 +148,7 @@ class DataSelectionCallback(HookCallback):
         self._seen = 0
 
     # ---- checks ------------------------------------------------------------------------------
-    def on_register(self, manager: HookManager) -> None:
+    def on_register(self, manager: CaptureHost) -> None:
         """Refuse configurations under which dropping cannot be exact."""
         super().on_register(manager)
         if manager.config.projection is not None:

@@ -28,7 +28,7 @@ from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["OptimizerStateCallback"]
 
@@ -99,7 +99,7 @@ class OptimizerStateCallback(HookCallback):
         self._kind: str | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
-    def on_register(self, manager: HookManager) -> None:
+    def on_register(self, manager: CaptureHost) -> None:
         """Lay out the hooked layers' parameters (refusing what cannot be laid out)."""
         super().on_register(manager)
         for spec in manager.layers:

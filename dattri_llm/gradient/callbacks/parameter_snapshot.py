@@ -22,7 +22,7 @@ from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["ParameterSnapshotCallback", "trainable_parameters", "rng_states"]
 
@@ -107,7 +107,7 @@ class ParameterSnapshotCallback(HookCallback):
         except (TypeError, ValueError):  # pragma: no cover
             self._signature = None
 
-    def on_register(self, manager: HookManager) -> None:
+    def on_register(self, manager: CaptureHost) -> None:
         """Watch the model's forward for the random state (and inputs) of each step."""
         super().on_register(manager)
         self._handle = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["LayerLayout", "layer_layouts"]
 
@@ -107,7 +107,7 @@ class LayerLayout:
         return self.gather(tensors)
 
 
-def layer_layouts(manager: HookManager) -> dict[str, LayerLayout]:
+def layer_layouts(manager: CaptureHost) -> dict[str, LayerLayout]:
     """``{layer name: LayerLayout}`` for the ``linear_io`` layers of a hook manager.
 
     A tied group is one entry under its lead name (the parameter is one parameter).

@@ -44,7 +44,7 @@ from dattri_llm.gradient.optim.kinds import (
 from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
 
 if TYPE_CHECKING:
-    from dattri_llm.gradient.hooks.manager import HookManager
+    from dattri_llm.gradient.hooks.host import CaptureHost
 
 __all__ = ["Preconditioner"]
 
@@ -81,7 +81,7 @@ class Preconditioner:
         self.enabled = True
         self.layouts: dict[str, LayerLayout] = {}
 
-    def bind(self, manager: HookManager) -> None:
+    def bind(self, manager: CaptureHost) -> None:
         """Check the manager's configuration and lay out its layers' parameters."""
         for spec in manager.layers:
             if spec.hook_type != "linear_io":

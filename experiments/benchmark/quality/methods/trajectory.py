@@ -302,7 +302,7 @@ def _mc_fisher_class(curvature_source: Any) -> Any:
     the model, scaled so that ``κ Σ ŝ ŝᵀ`` estimates the Gauss-Newton matrix of the batch's
     mean token loss (see :func:`mc_fisher_loss`)."""
     from dattri_llm import AdamWInfluenceAttributor
-    from dattri_llm.attribution.trajectory import dense_rows, step_index
+    from dattri_llm.attribution.trajectory.base import dense_rows, step_index
 
     index = step_index(curvature_source)
 

@@ -4,7 +4,7 @@ One HTML file, no scripts, no network, no external assets (a Content-Security-Po
 them): a summary (method, stores, settings, an inline SVG histogram of every score), then one
 section per query with its text and its top-k proponents and opponents, their scores and their
 texts; long texts are folded (``<details>``), and when the scores hold token-level scores the
-train samples' tokens are coloured by :mod:`~dattri_llm.attribution.token_view`. Every text is
+train samples' tokens are coloured by :mod:`~dattri_llm.attribution.views.token_view`. Every text is
 HTML-escaped: training data is untrusted, and a ``<script>`` in a sample shows as text.
 
 Texts are matched to the scores' sample identities with :func:`load_texts` (JSON Lines).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.token_view import POSITIVE_RGB, html_tokens
+from dattri_llm.attribution.views.token_view import POSITIVE_RGB, html_tokens
 from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
 

@@ -14,8 +14,9 @@ What a new trajectory method gets from it:
   a sample's occurrences.
 
 Subclasses implement :meth:`TrajectoryAttributor.step_loader`: for each step, the linearised
-update (a :class:`~dattri_llm.attribution.unroll.LinearStep`) and the removals' pushes; the base
-runs the sweep. The linearised optimizer steps are in :mod:`dattri_llm.attribution.unroll`.
+update (a :class:`~dattri_llm.attribution.trajectory.unroll.LinearStep`) and the removals'
+pushes; the base runs the sweep. The linearised optimizer steps are in
+:mod:`dattri_llm.attribution.trajectory.unroll`.
 
 Conventions: a positive score means removing the sample would raise the query's loss (it
 helped); the training loss's reduction must be given (``loss_reduction="sum"`` — the
@@ -33,11 +34,16 @@ from typing import Any
 
 import torch
 
-from dattri_llm.attribution import distributed
 from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.engine import distributed
+from dattri_llm.attribution.engine.sinks import check_top_k, top_k_of
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.sinks import check_top_k, top_k_of
-from dattri_llm.attribution.unroll import LinearStep, StepPushes, adjoint_sweep, forward_sweep
+from dattri_llm.attribution.trajectory.unroll import (
+    LinearStep,
+    StepPushes,
+    adjoint_sweep,
+    forward_sweep,
+)
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
@@ -258,11 +264,11 @@ class TrajectoryAttributor(BaseAttributor):
         """Live: train a copy of the task's model while recording, then score the queries.
 
         The run is set by ``AttributionArguments`` (``learning_rate``, ``optimizer``,
-        ``num_train_epochs``, ...; see :mod:`dattri_llm.attribution.training`); the task's model
-        is not modified, and the queries' gradients are taken at the trained weights. With
-        ``trajectory=`` (a :class:`~dattri_llm.TrajectorySnapshots` directory holding parameters,
-        batches and dynamics of a run already done) the run is replayed instead, and the queries
-        are taken at the task's model as it is (its final weights).
+        ``num_train_epochs``, ...; see :mod:`dattri_llm.attribution.trajectory.training`); the
+        task's model is not modified, and the queries' gradients are taken at the trained weights.
+        With ``trajectory=`` (a :class:`~dattri_llm.TrajectorySnapshots` directory holding
+        parameters, batches and dynamics of a run already done) the run is replayed instead, and
+        the queries are taken at the task's model as it is (its final weights).
 
         Args:
             train_set: Sequence or ``Dataset`` of train samples.
@@ -273,7 +279,7 @@ class TrajectoryAttributor(BaseAttributor):
             trajectory: Replay this recorded run instead of training.
             **kwargs: Method options of :meth:`attribute_from_cache`.
         """
-        from dattri_llm.attribution.training import record_training
+        from dattri_llm.attribution.trajectory.training import record_training
         from dattri_llm.gradient.streaming import GradientStreamer
         from dattri_llm.gradient.trajectory import (
             OptimizerDynamics,

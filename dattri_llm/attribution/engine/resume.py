@@ -102,7 +102,7 @@ class ScoreCheckpoint:
         """Load a previous run's checkpoint into ``sink``; return the records it covers."""
         from safetensors.torch import load_file
 
-        from dattri_llm.attribution.sinks import FullSink
+        from dattri_llm.attribution.engine.sinks import FullSink
 
         path = self.dir / _PROGRESS
         if not path.is_file():
@@ -146,7 +146,7 @@ class ScoreCheckpoint:
         """Checkpoint ``sink`` after ``units_done`` records (atomic)."""
         from safetensors.torch import save
 
-        from dattri_llm.attribution.sinks import FullSink
+        from dattri_llm.attribution.engine.sinks import FullSink
 
         if isinstance(sink, FullSink):
             part = sink.take_new()
@@ -199,7 +199,7 @@ def checkpoint_for(
     columns: list[str],
 ) -> ScoreCheckpoint:
     """The checkpoint of one scoring call: its key covers what the result depends on."""
-    from dattri_llm.attribution.units import unit_digest
+    from dattri_llm.attribution.engine.units import unit_digest
     from dattri_llm.gradient.gradient import Materialized, Shared
     from dattri_llm.utils.distributed import get_rank, get_world_size
 

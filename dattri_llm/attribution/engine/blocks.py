@@ -20,8 +20,8 @@ from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, 
 from dattri_llm.gradient.layer_gradient import concat_layer
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.base import BaseAttributor
-    from dattri_llm.attribution.prepared import PreparedTest
+    from dattri_llm.attribution.engine.prepared import PreparedTest
+    from dattri_llm.attribution.engine.protocol import ScoringMethod
 
 __all__ = [
     "LiveSource",
@@ -79,12 +79,12 @@ class LiveSource:
 class Accumulator:
     """Checks every train block's capture and hands its score rows to a sink.
 
-    The sink (:mod:`dattri_llm.attribution.sinks`) keeps the full matrix (default) or a
+    The sink (:mod:`dattri_llm.attribution.engine.sinks`) keeps the full matrix (default) or a
     streamed top-k.
     """
 
     def __init__(self, granularity: str, source: str = "train source", sink: Any = None) -> None:
-        from dattri_llm.attribution.sinks import FullSink
+        from dattri_llm.attribution.engine.sinks import FullSink
 
         self.granularity = granularity
         self.source = source
@@ -93,7 +93,7 @@ class Accumulator:
         self._checked: set[int] = set()  # test sides the train facts were checked against
 
     def check_facts(
-        self, attributor: BaseAttributor, block: GradientBlock, test: PreparedTest
+        self, attributor: ScoringMethod, block: GradientBlock, test: PreparedTest
     ) -> None:
         """Check a train block against the first one and, once, the first against the test."""
         if self.facts is None:

@@ -12,12 +12,12 @@ test side is prepared:
   ``AttributionArguments.score_memory_gb`` beside the prepared test side, capped by
   ``score_block_size``; blocks are joined while one layer of the chunk stays under 16 MiB
   dense, and a block larger than the budget's rows is scored in slices of that many rows.
-* **Sinks.** Rows go to a :class:`~dattri_llm.attribution.sinks.FullSink` (the full matrix) or a
-  :class:`~dattri_llm.attribution.sinks.TopKSink` (``top_k=``).
+* **Sinks.** Rows go to a :class:`~dattri_llm.attribution.engine.sinks.FullSink` (the full
+  matrix) or a :class:`~dattri_llm.attribution.engine.sinks.TopKSink` (``top_k=``).
 * **Checkpoints and progress.** Over a store (a
-  :class:`~dattri_llm.attribution.units.RecordSource`) the loop skips the records a checkpoint
-  covers, checkpoints after every chunk (:mod:`dattri_llm.attribution.resume`), and shows a bar
-  over samples (rate and ETA).
+  :class:`~dattri_llm.attribution.engine.units.RecordSource`) the loop skips the records a
+  checkpoint covers, checkpoints after every chunk (:mod:`dattri_llm.attribution.engine.resume`),
+  and shows a bar over samples (rate and ETA).
 
 Exactness: a chunk is the concatenation of its blocks (factorised layers with other token
 counts are zero-padded, which adds nothing), every row's score is computed as it would be
@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dattri_llm.attribution import distributed
-from dattri_llm.attribution.blocks import check_hashes, check_token_axis, join_releasing
+from dattri_llm.attribution.engine import distributed
+from dattri_llm.attribution.engine.blocks import check_hashes, check_token_axis, join_releasing
+from dattri_llm.attribution.engine.sinks import TopKSink, top_k_of
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.sinks import TopKSink, top_k_of
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
 
 if TYPE_CHECKING:
-    from dattri_llm.attribution.base import BaseAttributor
-    from dattri_llm.attribution.blocks import Accumulator
-    from dattri_llm.attribution.prepared import PreparedTest
-    from dattri_llm.attribution.resume import ScoreCheckpoint
-    from dattri_llm.attribution.units import RecordSource
+    from dattri_llm.attribution.engine.blocks import Accumulator
+    from dattri_llm.attribution.engine.prepared import PreparedTest
+    from dattri_llm.attribution.engine.protocol import ScoringMethod
+    from dattri_llm.attribution.engine.resume import ScoreCheckpoint
+    from dattri_llm.attribution.engine.units import RecordSource
 
 __all__ = ["ScoreLoop", "dense_row_bytes", "progress_bar", "final_result"]
 
@@ -104,7 +104,7 @@ class ScoreLoop:
 
     def __init__(
         self,
-        attributor: BaseAttributor,
+        attributor: ScoringMethod,
         tests: dict[int, PreparedTest],
         num_cols: int,
         acc: Accumulator,

@@ -61,7 +61,8 @@ class Curvature:
         unit: ``u`` ``(P,)`` when clipping is active.
         coupled_decay: ``λ_c`` per coordinate ``(P,)`` or ``None``.
         operator: ``H x`` for rows ``x`` — the batch loss's Hessian applied directly (e.g.
-            :class:`~dattri_llm.attribution.curvature.ExactHessian`); replaces ``vectors``.
+            :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian`); replaces
+            ``vectors``.
     """
 
     vectors: torch.Tensor | None

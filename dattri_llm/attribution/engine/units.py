@@ -4,7 +4,7 @@ A gradient store's index tells every record's rows, sample identities, step and 
 without loading a tensor. The score loop uses that to count each sample's rows in advance
 (exact top-k streaming), to show a progress bar over samples with an ETA, to skip the records a
 checkpoint already covers (resuming), and to split the records across ranks
-(:mod:`dattri_llm.attribution.distributed`).
+(:mod:`dattri_llm.attribution.engine.distributed`).
 
 :class:`RecordSource` is a :class:`~dattri_llm.gradient.sources.GradientSource` over a chosen
 list of a store's records (and optionally chosen rows of each), in that order.

@@ -1,7 +1,7 @@
 """The prepared test side of a score loop, and which of its layers to materialize once.
 
 :class:`PreparedTest` is what :class:`~dattri_llm.attribution.base.BaseAttributor` prepares per
-pairing key before the score loop (:mod:`dattri_llm.attribution.scoring`) runs;
+pairing key before the score loop (:mod:`dattri_llm.attribution.engine.scoring`) runs;
 :func:`densify_test` decides, within ``AttributionArguments.score_memory_gb``, which test
 layers are held dense instead of re-materialized for every train chunk.
 """

@@ -4,8 +4,8 @@ Under an initialised process group (torchrun; ``gloo`` on CPUs, ``nccl`` on GPUs
 loop of every attributor built on :class:`~dattri_llm.attribution.base.BaseAttributor` works on
 this rank's share of the train side and merges:
 
-* **Split.** A store's records (:mod:`dattri_llm.attribution.units`) are grouped so that every
-  row of one sample lands on one rank (records sharing a sample identity are in one group: a
+* **Split.** A store's records (:mod:`dattri_llm.attribution.engine.units`) are grouped so that
+  every row of one sample lands on one rank (records sharing a sample identity are in one group: a
   sample's agnostic score is then complete on that rank, which keeps ``top_k`` exact), and the
   groups are spread over the ranks by rows (largest first onto the least loaded rank). When one
   group would hold more than a fair share (e.g. epochs reshuffling the same samples), the split
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dattri_llm.attribution.units import RecordSource, Unit, unit_digest
+from dattri_llm.attribution.engine.units import RecordSource, Unit, unit_digest
 from dattri_llm.utils.distributed import (
     get_rank,
     get_world_size,
@@ -291,7 +291,7 @@ def merge_top_k_states(state: tuple[dict, dict], counts: dict[str, int], duplica
     """All-gather the ranks' top-k states and merge them (every rank gets the same sink)."""
     from safetensors.torch import load, save
 
-    from dattri_llm.attribution.sinks import merge_top_k
+    from dattri_llm.attribution.engine.sinks import merge_top_k
 
     tensors, meta = state
     blobs = all_gather_bytes(save({k: v.contiguous() for k, v in tensors.items()}))

@@ -1,0 +1,1 @@
+"""Scores as people read them: the self-contained HTML report and token-level heatmaps."""
