@@ -54,6 +54,7 @@ def test_the_seed_set_covers_every_feature() -> None:
         "residual (in-place add)",
         "branch",
         "module reuse",
+        "sub-batch calls",
         "checkpoint",
         "checkpoint (reentrant)",
         "dead layer",

@@ -101,6 +101,17 @@ class Reuse(nn.Module):
         return self.layer(torch.tanh(self.layer(h)))
 
 
+class Chunked(nn.Module):
+    """A layer run once per chunk of 2 rows of the batch (memory chunking), joined by ``cat``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layer(c) for c in h.split(2)])
+
+
 class Checkpointed(nn.Module):
     """The body under activation checkpointing."""
 
@@ -327,9 +338,12 @@ class _Builder:
             self.features.add("branch")
             left, right = self.square_body(d, 1), self.square_body(d, 1)
             return Branch(left, right, self.flip(0.5)), d
-        if roll < 0.72:
+        if roll < 0.67:
             self.features.add("module reuse")
             return Reuse(self.linear(d, d) if self.flip(0.7) else self.norm(d)), d
+        if roll < 0.72:
+            self.features.add("sub-batch calls")
+            return Chunked(self.linear(d, d) if self.flip(0.7) else self.norm(d)), d
         if roll < 0.85:
             reentrant = self.flip(0.5)
             self.features.add("checkpoint" + (" (reentrant)" if reentrant else ""))

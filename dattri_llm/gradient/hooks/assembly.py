@@ -3,7 +3,8 @@
 * :func:`grad_target` — which tensor a layer's output-gradient hook goes on (views rebased by
   in-place ops would never fire it);
 * :func:`merge_calls` — a module called several times in one step has the sum of its calls'
-  gradients (factors joined along the token axis);
+  gradients (factors joined along the token axis), unless the calls are sub-batches of the
+  model's batch (memory chunking), which are joined along the batch axis;
 * :func:`param_item` — a ``param_grad`` layer's (batch) gradient as a one-row item.
 """
 
@@ -14,7 +15,13 @@ from typing import Any
 import torch
 
 from dattri_llm.gradient.hooks.config import LayerSpec
-from dattri_llm.gradient.layer_gradient import Factorized, LayerGradient, Materialized, Shared
+from dattri_llm.gradient.layer_gradient import (
+    Factorized,
+    LayerGradient,
+    Materialized,
+    Shared,
+    concat_layer,
+)
 
 __all__ = ["first_tensor", "grad_target", "merge_calls", "param_item", "ref_tensor"]
 
@@ -52,12 +59,45 @@ def grad_target(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return copy, copy
 
 
-def merge_calls(items: list[tuple[int, LayerGradient]]) -> LayerGradient:
-    """Join the calls of a module in one step (factors along tokens, dense by summing)."""
+def merge_calls(
+    items: list[tuple[int, LayerGradient]], batch_size: int | None = None, name: str = ""
+) -> LayerGradient:
+    """Join the calls of a module in one step.
+
+    Calls that each see the whole batch add up: factors are joined along the token axis, dense
+    gradients summed. Calls on *sub-batches* (a forward that runs a layer once per chunk of
+    the batch, ``torch.cat([fc(c) for c in x.split(2)])``) are joined along the batch axis in
+    call order, when their rows add up to the model's batch ``batch_size``: the chunk of the
+    ``i``-th call is taken to be the ``i``-th slice of the batch, as ``split`` / ``chunk`` and
+    ``cat`` give. Any other mix of batch sizes cannot be told apart and is refused.
+
+    Args:
+        items: ``(forward order, one call's gradient)`` pairs.
+        batch_size: The model's batch size, if the manager saw the model's inputs.
+        name: The layer's name (for the error).
+    """
     items = sorted(items, key=lambda x: x[0])
     parts = [it for _, it in items]
     if len(parts) == 1:
         return parts[0]
+    sizes = [p.batch_size for p in parts]
+    if batch_size is not None and any(s != batch_size for s in sizes):
+        if sum(sizes) == batch_size:
+            return concat_layer(parts)
+        raise RuntimeError(
+            f"layer {name!r} was called {len(parts)} times in one step on batches of {sizes} "
+            f"rows, while the model's batch has {batch_size}: neither whole-batch calls (whose "
+            "gradients add) nor sub-batches that add up to the batch (joined in call order), so "
+            "its rows cannot be assigned to samples. Call the layer once per sample chunk that "
+            "partitions the batch, or exclude it (HookManagerConfig(exclude=[...]))."
+        )
+    if len(set(sizes)) > 1:
+        raise RuntimeError(
+            f"layer {name!r} was called {len(parts)} times in one step on batches of {sizes} "
+            "rows, and the model's batch size is unknown (its inputs were not seen), so the "
+            "calls cannot be joined: call the model itself so the manager sees its batch, or "
+            "exclude the layer (HookManagerConfig(exclude=[...]))."
+        )
     if all(isinstance(p, Factorized) for p in parts):
         rule = parts[0].rule
         return Factorized(

@@ -506,7 +506,7 @@ class HookManager:
         ]
         if not buffers and not param_grads and not bypassed:
             return
-        merged = {n: merge_calls(items) for n, items in buffers.items()}
+        merged = {n: merge_calls(items, batch_size, n) for n, items in buffers.items()}
         sizes = {n: lg.batch_size for n, lg in merged.items()}
         if len(set(sizes.values())) > 1:
             raise RuntimeError(
