@@ -19,6 +19,7 @@ from dattri_llm.attribution.engine import distributed
 from dattri_llm.attribution.engine.blocks import (
     Accumulator,
     LiveSource,
+    WeightsWatch,
     check_granularity,
     check_hashes,
     first_occurrences,
@@ -483,9 +484,11 @@ class BaseAttributor:
             )
         hashes: list[str] = []
         seen: dict[str, tuple[int, int]] = {}  # hash -> (block, step) of its first capture
+        weights = WeightsWatch("test")
         for i, b in enumerate(blocks):
             check_hashes(b, "test")
             self.check_block(b, "test")
+            weights.see(b, checkpoint)
             for h in b.hashes:
                 # twice at one step: identical content at the same weights, identical gradient
                 # (one column keeps it, see first_occurrences); at two steps: possibly other

@@ -3,6 +3,7 @@
 * :class:`LiveSource` — the live train side: streamed, and remembered within a memory budget;
 * :class:`Accumulator` — collects score rows (and token scores) into an ``AttributionScore``,
   checking that every train block was captured like the first and like the test side;
+* :class:`WeightsWatch` — one checkpoint label, one set of weights (fingerprints compared);
 * block checks — hashes per row, token axes, duplicate test rows.
 """
 
@@ -17,6 +18,7 @@ import torch
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.compat import CaptureFacts, check_same_capture, facts_of
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
+from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.layer_gradient import concat_layer
 
 if TYPE_CHECKING:
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LiveSource",
     "Accumulator",
+    "WeightsWatch",
     "GRANULARITIES",
     "source_name",
     "first_occurrences",
@@ -76,6 +79,46 @@ class LiveSource:
         return [b for b in self._blocks if int(b.checkpoint) == checkpoint]
 
 
+class WeightsWatch:
+    """Warns when the blocks of one pairing key were captured at different weights.
+
+    The methods that run on the score loop read the blocks of one pairing key (the checkpoint
+    label, or LESS's step with ``pair_by="step"``) as gradients at one set of weights (Grad-Dot
+    / Grad-Cos, each TracIn checkpoint, K-FAC / EK-FAC, LESS). Each record carries a
+    fingerprint of the weights it was captured at (:mod:`dattri_llm.gradient.hooks.fingerprint`);
+    two different fingerprints under one key (of one rank) mean that a loop trained while it
+    captured without relabelling, and the scores would mix gradients at different weights.
+
+    Args:
+        side: ``"train"`` or ``"test"`` (for the message).
+    """
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self._first: dict[tuple[int, str], tuple[str, int]] = {}  # (key, rank) -> first
+        self._warned = False
+
+    def see(self, block: GradientBlock, key: int) -> None:
+        """Compare a block's fingerprint with the first one of its pairing key; warn once."""
+        fingerprint = block.metadata.get(FINGERPRINT_KEY)
+        if self._warned or not isinstance(fingerprint, str):
+            return
+        rank, _, value = fingerprint.partition(":")
+        first, step = self._first.setdefault((int(key), rank), (value, int(block.step)))
+        if first != value:
+            self._warned = True
+            warnings.warn(
+                f"the {self.side} gradients of checkpoint {block.checkpoint} (pairing key "
+                f"{key}) were captured at different weights (steps {step} and {block.step} "
+                "differ): this method reads them as gradients at one set of weights, so its "
+                "scores mix gradients taken at different weights. Label each set of weights "
+                "before capturing it (HookManager.checkpoint = k, e.g. once per saved "
+                "checkpoint), or capture at fixed weights (no optimizer step inside collect()).",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
 class Accumulator:
     """Checks every train block's capture and hands its score rows to a sink.
 
@@ -90,12 +133,14 @@ class Accumulator:
         self.source = source
         self.sink = sink if sink is not None else FullSink(granularity)
         self.facts: CaptureFacts | None = None  # of the first train block
+        self.weights = WeightsWatch("train")
         self._checked: set[int] = set()  # test sides the train facts were checked against
 
     def check_facts(
         self, attributor: ScoringMethod, block: GradientBlock, test: PreparedTest
     ) -> None:
         """Check a train block against the first one and, once, the first against the test."""
+        self.weights.see(block, attributor.pairing_key(block))
         if self.facts is None:
             self.facts = facts_of(block.gradient, block.metadata, self.source)
         else:

@@ -50,6 +50,8 @@ from dattri_llm.gradient.hooks.config import (
     resolve_layers,
 )
 from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
+from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
+from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
 from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
 from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
@@ -540,6 +542,9 @@ class HookManager:
         if self._preconditioning and layers:
             layers, metadata = self.preconditioner.apply(layers, b, self.projection)
         gradient = Gradient(layers)
+        fingerprint = weights_fingerprint(self.layer_parameters())
+        if fingerprint is not None:
+            metadata = {**metadata, FINGERPRINT_KEY: fingerprint}
         hashes = self._hashes(inputs, manual, gradient.batch_size)
         record = GradientRecord(self.step, hashes, gradient, self.checkpoint, metadata)
         self.step += 1
