@@ -24,6 +24,7 @@ from dattri_llm.gradient.gradient import Factorized, Gradient, Materialized, Sha
 from dattri_llm.gradient.hooks.config import is_data_parallel
 from dattri_llm.gradient.ops import inner as ops
 from dattri_llm.options import similarity_metric
+from dattri_llm.utils.distributed import get_world_size
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
@@ -61,6 +62,23 @@ def _site_weighted_sum(site: Factorized | Materialized, w: torch.Tensor) -> torc
     idx = w.nonzero().flatten()
     part = Gradient({"site": site.slice(idx)}).scale(w[idx])
     return part.aggregate().layers["site"].data
+
+
+def _refuse_several_ranks() -> None:
+    """Refuse selection inside a process group of several ranks.
+
+    DDP and FSDP all-reduce ``param.grad`` during backward, also when they wrap the model
+    *after* the hook manager was built (so the manager's model looks unwrapped): one rank's
+    dropped samples could then not be removed from the reduced gradient exactly.
+    """
+    world = get_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"DataSelectionCallback runs under torch.distributed with {world} ranks: DDP / FSDP "
+            "all-reduce param.grad during backward (also when they wrap the model after the "
+            "HookManager was built), so this rank's dropped samples cannot be removed from it "
+            "exactly. Run online data selection in a single process (world size 1)."
+        )
 
 
 class DataSelectionCallback(HookCallback):
@@ -171,6 +189,7 @@ class DataSelectionCallback(HookCallback):
                 "param.grad is reduced across ranks during backward, so local samples cannot be "
                 "removed exactly. Select on a single device (or unwrapped model)."
             )
+        _refuse_several_ranks()
         covered: set[int] = set()
         for spec in manager.layers:
             for pname in spec.rule.param_names(spec.module_kwargs):
@@ -251,6 +270,8 @@ class DataSelectionCallback(HookCallback):
         """Score the step's samples and remove the dropped ones from ``param.grad``."""
         step = self._seen
         self._seen += 1
+        if step == 0:  # DDP / FSDP may wrap the model after the manager was built
+            _refuse_several_ranks()
         if not self.enabled or step < self.warmup_steps:
             return
         if (self.manager is not None and self.manager.transforms) or (

@@ -1,0 +1,77 @@
+"""Online data selection under several ranks is refused, whatever order DDP wraps the model in.
+
+Issue 26, item 1: with DDP wrapping the model *after* the HookManager was built (the order many
+scripts use), the callback reported dropped samples while ``param.grad`` still held the whole
+batch's all-reduced gradient. Both orders now raise, naming the world size and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dattri_llm import (
+    REGISTER_ALL,
+    CaptureCallback,
+    DataSelectionCallback,
+    HookManager,
+    HookManagerConfig,
+)
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+
+
+def _make() -> tuple[nn.Module, DataSelectionCallback]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref_model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref_model.load_state_dict(model.state_dict())
+    cap = CaptureCallback()
+    hm = HookManager(ref_model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cap])
+    with hm.collect(deregister_on_exit=True):
+        ref_model(torch.randn(2, 3)).sum().backward()
+    return model, DataSelectionCallback(reference=cap.record.gradient, drop_fraction=0.5)
+
+
+def _worker(rank: int, out: str, init_file: str, wrap_after: bool) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    model, selection = _make()
+    config = HookManagerConfig(linear_io=REGISTER_ALL)
+    message = "no error"
+    try:
+        if wrap_after:  # the manager is built on the plain model before the process group
+            hm = HookManager(model, config, callbacks=[selection])
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
+        )
+        if not wrap_after:
+            hm = HookManager(model, config, callbacks=[selection])
+        ddp = DistributedDataParallel(model)
+        with hm.collect(deregister_on_exit=True):
+            ddp(torch.randn(4, 3)).sum().backward()
+    except RuntimeError as e:
+        message = str(e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out, f"rank{rank}.txt").write_text(message)
+
+
+@pytest.mark.parametrize("wrap_after", [True, False])
+def test_selection_under_two_ranks_is_refused(tmp_path, wrap_after) -> None:
+    init = tmp_path / "pg_init"
+    mp.spawn(_worker, args=(str(tmp_path), str(init), wrap_after), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "DataSelectionCallback runs under torch.distributed with 2 ranks" in message
+        assert "single process" in message
