@@ -395,6 +395,10 @@ def test_non_kronecker_skip_warns_and_diagonal_is_exact():
         diag = (dense**2).mean(0)
         pre = fit_d.precondition(g, damping=1e-2).layers["ln"].data
         assert rel_err(pre, dense / (diag + 1e-2)) < 1e-12
+        # relative damping: the factor of the diagonal Fisher's mean entry
+        pre_rel = fit_d.precondition(g, damping=0.3, relative=True).layers["ln"].data
+        assert rel_err(pre_rel, dense / (diag + 0.3 * diag.mean())) < 1e-12
+        assert rel_err(pre_rel, dense / (diag + 0.3)) > 1e-3  # the two dampings differ here
     finally:
         torch.set_default_dtype(torch.float32)
 

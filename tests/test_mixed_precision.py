@@ -59,3 +59,32 @@ def test_bfloat16_capture_sums_to_autograd_and_tracks_float32(mode: str) -> None
             assert rel_err(per_sample.float().sum(0), want) < 2e-2, (name, pname)
     # and the per-sample Gram stays close to the float32 one
     assert rel_err(ops.cross_dot(g, g).float(), ref @ ref.T) < 2e-2
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_bfloat16_norm_statistics_are_computed_in_float32(norm: str) -> None:
+    """A bf16 norm input far from zero mean: its statistics in bf16 would be wrong by O(1).
+
+    The reference normalises the very same bf16 input in float64 and contracts it with the
+    output gradient (the loss is linear in the output, so that gradient is known exactly).
+    """
+    torch.manual_seed(0)
+    b, t, d = 3, 4, 32
+    layer = nn.LayerNorm(d) if norm == "layer" else nn.RMSNorm(d, eps=1e-6)
+    layer = nn.Sequential(layer.to(torch.bfloat16))
+    x = (50 + 0.05 * torch.randn(b, t, d)).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(b, t, d).to(torch.bfloat16)
+    cb = CaptureCallback()
+    hm = HookManager(layer, callbacks=[cb])
+    with hm.collect(deregister_on_exit=True):
+        (layer(x).float() * w.float()).sum().backward()
+    got = cb.pop().gradient.materialize().layers[next(iter(hm.layer_names))].parameters()
+    x64 = x.detach().double()
+    if norm == "layer":
+        mean = x64.mean(-1, keepdim=True)
+        var = x64.var(-1, unbiased=False, keepdim=True)
+        xhat = (x64 - mean) / torch.sqrt(var + layer[0].eps)
+    else:
+        xhat = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + layer[0].eps)
+    want = (w.double() * xhat).sum(1)  # (B, d): per-sample gradient of the weight
+    assert rel_err(got["weight"].double(), want) < 2e-2

@@ -173,3 +173,31 @@ def test_ddp_wrapper_falls_back_and_restores_grad(tmp_path):
         assert model.training
     finally:
         dist.destroy_process_group()
+
+
+def test_pad_collate_fills_each_field_with_its_own_value() -> None:
+    """``labels`` padded with -100 (ignored by cross-entropy), ``attention_mask`` with 0, the
+    rest with ``pad_value``; explicit expected tensors (issue 26, item 14c)."""
+    from dattri_llm.gradient.streaming import pad_collate
+
+    items = [
+        {
+            "input_ids": torch.tensor([1, 2, 3]),
+            "labels": torch.tensor([4, 5, 6]),
+            "attention_mask": torch.tensor([1, 1, 1]),
+            "weight": torch.tensor(0.5),
+        },
+        {
+            "input_ids": torch.tensor([8]),
+            "labels": torch.tensor([9]),
+            "attention_mask": torch.tensor([1]),
+            "weight": torch.tensor(2.0),
+        },
+    ]
+    out = pad_collate(pad_value=7)(items)
+    assert torch.equal(out["input_ids"], torch.tensor([[1, 2, 3], [8, 7, 7]]))
+    assert torch.equal(out["labels"], torch.tensor([[4, 5, 6], [9, -100, -100]]))
+    assert torch.equal(out["attention_mask"], torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    assert torch.equal(out["weight"], torch.tensor([0.5, 2.0]))
+    rows = pad_collate(pad_value=7)([(torch.tensor([1, 2]),), (torch.tensor([3]),)])
+    assert torch.equal(rows[0], torch.tensor([[1, 2], [3, 7]]))
