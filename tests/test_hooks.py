@@ -372,3 +372,25 @@ def test_linked_groups_join_items_through_shared_keys_in_first_index_order():
     keys = [["a", "b"], ["x"], ["c", "d"], ["b", "c"], ["d"], []]
     assert linked_groups(keys) == [[0, 2, 3, 4], [1], [5]]
     assert linked_groups([]) == []
+
+
+def test_second_backward_through_a_retained_graph_keeps_identity_and_does_not_warn() -> None:
+    """``backward(retain_graph=True)`` twice: the second pass runs no forward of its own; it is
+    recorded with the samples' content hashes, no "forward never ran" warning (issue 26, 8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)).double()
+    cap = CaptureCallback(keep_all=True)
+    hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cap])
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hm.collect(deregister_on_exit=True):
+            loss = model(x).pow(2).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    first, second = cap.records
+    assert second.hashes == first.hashes and not second.hashes[0].startswith("step")
+    for name in first.gradient.layer_names:
+        a = first.gradient.layers[name].materialize().data
+        b = second.gradient.layers[name].materialize().data
+        assert torch.equal(a, b) and a.abs().max() > 0

@@ -303,3 +303,18 @@ def test_parameter_outside_the_optimizer_refused():
     hm.remove()
     with pytest.raises(ValueError, match="precondition_scale"):
         HookManager(model, optimizer=opt, precondition_scale="mean")
+
+
+def test_fsdp1_flat_parameters_in_the_optimizer_name_use_orig_params():
+    """Hooks registered before an FSDP1 ``use_orig_params=False`` wrap: the optimizer then holds
+    flat parameters (FSDP marks them ``_is_flat_param``), and the error says so (issue 26, 8)."""
+    model = make_lm()
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    flat._is_flat_param = True  # what FSDP1 sets on its FlatParameter
+    opt = torch.optim.Adam([flat], lr=0.01)
+    hm = HookManager(model, callbacks=[CaptureCallback()], optimizer=opt)
+    batch = lm_batch(2, seed=1)
+    with pytest.raises(ValueError, match=r"FSDP1 flat parameters.*use_orig_params=True"):
+        with hm.collect():
+            lm_sample_losses(model(**batch), batch["input_ids"]).sum().backward()
+    hm.remove()

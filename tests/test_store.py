@@ -466,3 +466,16 @@ def test_async_writes_are_bounded_and_flushed(tmp_path):
     store.close()  # idempotent
     with pytest.raises(ValueError, match="max_pending"):
         GradientStorageManager(tmp_path / "x", max_pending=0).write(toy_record(0))
+
+
+def test_a_trajectory_directory_passed_as_a_store_points_to_replay(tmp_path):
+    """A TrajectorySnapshots directory where a gradient store is expected (issue 26, item 8)."""
+    from dattri_llm import AttributionArguments, TracInAttributor, TrajectorySnapshots
+    from dattri_llm.gradient.store import StoreFormatError
+
+    TrajectorySnapshots(tmp_path / "traj").save_batch(0, {"x": torch.randn(2, 3)})
+    att = TracInAttributor(AttributionArguments(use_cpu=True, show_progress=False))
+    with pytest.raises(
+        StoreFormatError, match=r"TrajectorySnapshots directory.*ReplayGradientSource"
+    ):
+        att.attribute_from_cache(tmp_path / "traj", tmp_path / "traj")

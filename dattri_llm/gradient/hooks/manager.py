@@ -141,6 +141,9 @@ class HookManager:
         self._forward_seen: set[str] = set()
         self._grad_seen: set[int] = set()
         self._grad_like: tuple[torch.dtype, torch.device] | None = None
+        #: the last forward's (layers seen, inputs, batch size): a second backward through a
+        #: retained graph (backward(retain_graph=True) twice) runs no forward of its own
+        self._last_forward: tuple[set[str], Any, int | None] = (set(), None, None)
         self._partly_hooked: set[str] = plan.partly_hooked  # share with an unhooked module
         self._shared_groups: dict[str, list[str]] = plan.groups
         self._param_sites = plan.params
@@ -501,6 +504,10 @@ class HookManager:
         grad_like, batch_size = self._grad_like, self._batch_size
         self._reset_step()
         self._manual_ids = None
+        if forward_seen:
+            self._last_forward = (forward_seen, inputs, batch_size)
+        elif buffers:  # a backward through the graph of the last forward, run again
+            forward_seen, inputs, batch_size = self._last_forward
         bypassed = [
             e
             for pid, e in self._param_sites.items()

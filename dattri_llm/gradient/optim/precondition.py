@@ -158,6 +158,19 @@ class Preconditioner:
         per_param: dict[str, ParamHyper] = {}
         for pname, p in layout.params:
             if id(p) not in hypers:
+                if any(
+                    getattr(q, "_is_flat_param", False)
+                    for g in opt.param_groups
+                    for q in g["params"]
+                ):
+                    raise ValueError(
+                        f"{_WHERE}: the optimizer trains FSDP1 flat parameters "
+                        "(FullyShardedDataParallel(..., use_orig_params=False), here applied "
+                        f"after the hooks were registered), not parameter {pname!r} of layer "
+                        f"{layout.name!r}: per-parameter update directions need the original "
+                        "parameters. Wrap with FullyShardedDataParallel(..., use_orig_params=True) "
+                        "or use FSDP2 (torch.distributed.fsdp.fully_shard)."
+                    )
                 raise ValueError(
                     f"{_WHERE}: parameter {pname!r} of layer {layout.name!r} is not updated by "
                     "the optimizer, so it has no update direction. Pass the optimizer that "

@@ -136,6 +136,16 @@ def write_meta(directory: Path, extra: dict | None = None) -> None:
     os.replace(tmp, path)
 
 
+# other dattri_llm directories a user may pass where a gradient store is expected -> the way on
+_OTHER_FORMATS = {
+    "dattri_llm.trajectory": (
+        " It is a TrajectorySnapshots directory (parameters and batches of a run): pass "
+        "ReplayGradientSource(model, TrajectorySnapshots(dir), loss_fn) as the train source "
+        "instead, which recomputes each step's per-sample gradients from it."
+    ),
+}
+
+
 def read_meta(directory: Path) -> dict:
     """Read and check ``meta.json``.
 
@@ -154,9 +164,11 @@ def read_meta(directory: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreFormatError(f"{path} is corrupted (not valid UTF-8 JSON): {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        hint = _OTHER_FORMATS.get(found, "") if isinstance(found, str) else ""
         raise StoreFormatError(
-            f"{path} describes format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
-            f"expected {FORMAT_NAME!r}: this directory is not a dattri_llm gradient store."
+            f"{path} describes format {found!r}, expected {FORMAT_NAME!r}: this directory is not "
+            f"a dattri_llm gradient store.{hint}"
         )
     version = meta.get("version")
     if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
