@@ -394,3 +394,31 @@ def test_second_backward_through_a_retained_graph_keeps_identity_and_does_not_wa
         a = first.gradient.layers[name].materialize().data
         b = second.gradient.layers[name].materialize().data
         assert torch.equal(a, b) and a.abs().max() > 0
+
+
+class _PositionsThroughLinear(nn.Module):
+    """A position table sliced (not called) and fed through a Linear, broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.pos = nn.Embedding(5, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = self.proj(self.pos.weight[: input_ids.shape[1]].unsqueeze(0))  # (1, T, D)
+        return self.head(self.emb(input_ids) + positions)
+
+
+@pytest.mark.parametrize("only_proj", [False, True])
+def test_a_layer_fed_an_unbatched_input_is_refused(only_proj: bool) -> None:
+    """Issue 26, item 7a: the Linear saw 1 row for a batch of 4 and its inner products came out
+    with the wrong shape; it is now refused, naming the layer and both sizes."""
+    model = _PositionsThroughLinear()
+    config = HookManagerConfig(linear_io=["proj"] if only_proj else ["emb", "proj", "head"])
+    hm = HookManager(model, config, callbacks=[CaptureCallback()])
+    ids = torch.randint(0, 7, (4, 5))
+    with pytest.raises(RuntimeError, match=r"'proj': 1.*the model's batch has 4"):
+        with hm.collect(deregister_on_exit=True):
+            model(ids).sum().backward()

@@ -517,11 +517,15 @@ class HookManager:
             return
         merged = {n: merge_calls(items, batch_size, n) for n, items in buffers.items()}
         sizes = {n: lg.batch_size for n, lg in merged.items()}
-        if len(set(sizes.values())) > 1:
+        if len(set(sizes.values())) > 1 or (
+            batch_size is not None and any(v != batch_size for v in sizes.values())
+        ):
             raise RuntimeError(
-                f"hooked layers saw different batch sizes in one step: {sizes}. A layer fed an "
-                "un-batched input cannot give per-sample gradients; exclude it "
-                "(HookManagerConfig(exclude=[...]))."
+                f"hooked layers saw batches of {sizes} rows in one step, the model's batch has "
+                f"{batch_size}. A layer fed an un-batched input (e.g. a position table sliced and "
+                "passed through a Linear, then broadcast over the batch) cannot give per-sample "
+                "gradients: exclude it (HookManagerConfig(exclude=[...])) or expand its input to "
+                "the batch first."
             )
         b = next(iter(sizes.values())) if sizes else (batch_size or 1)
         by_layer: dict[str, list[Any]] = {}
