@@ -492,3 +492,41 @@ def test_shared_dense_sum_never_writes_into_a_sites_data():
     assert torch.allclose(
         Shared([fac, Materialized(dense, "nn.Linear", kw)], ["a", "b"]).materialize().data, want
     )
+
+
+def test_conv_transpose_output_size_replicate_conv_and_image_layer_norm() -> None:
+    """Issue 26, item 7c: ConvTranspose3d(output_size=) -> replicate-padded Conv3d -> LayerNorm
+    over the image dims. The norm removes every per-channel constant, so both biases' true
+    per-sample gradients are 0; they are compared on the scale of the whole gradient (a
+    relative error against a reference of pure round-off reads as a false 10 % "error")."""
+    from dattri_llm import REGISTER_ALL, CaptureCallback, HookManager, HookManagerConfig
+    from tests.reference import captured_by_parameter, per_sample_loop_grads
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ct = nn.ConvTranspose3d(2, 3, 3, stride=2)
+            self.conv = nn.Conv3d(3, 2, 3, padding=1, padding_mode="replicate")
+            self.ln = nn.LayerNorm([8, 8, 8])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ln(self.conv(self.ct(x, output_size=[8, 8, 8])))
+
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(3, 2, 3, 3, 3, dtype=torch.float64)
+
+    def loss(m: nn.Module, xx: torch.Tensor) -> torch.Tensor:
+        return m(xx).sin().sum()
+
+    cap = CaptureCallback()
+    hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cap])
+    with hm.collect(deregister_on_exit=True):
+        loss(model, x).backward()
+    got = captured_by_parameter(hm, cap.record.gradient, model)
+    ref = per_sample_loop_grads(model, loss, x)
+    scale = max(float(v.abs().max()) for v in ref.values())
+    assert set(got) == set(ref)
+    for name, value in ref.items():
+        assert float((got[name] - value).abs().max()) < 1e-12 * scale, name
+    assert float(ref["ct.bias"].abs().max()) < 1e-12 * scale  # truly zero
