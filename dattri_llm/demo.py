@@ -2,11 +2,14 @@
 
 The corpus is Python's own documentation topics (``pydoc_data.topics``, shipped with the
 standard library): paragraphs of eight topics (format strings, the debugger, ``import``, ...).
-A small GPT-2 is built from a config with a byte-level BPE tokenizer trained on the fly, trained
-on the paragraphs while :class:`~dattri_llm.OffloadCallback` writes every per-sample gradient to
-disk — the training loop is untouched. Held-out paragraphs are then attributed from the cache
-with Grad-Cos (``TracInAttributor(normalized_grad=True)``), and for each query the demo prints
-its top proponents and the share of top-k proponents that come from the query's own topic.
+A small GPT-2 is built from a config with a byte-level BPE tokenizer trained on the fly and
+trained on the paragraphs; then a :class:`~dattri_llm.HookManager` with an
+:class:`~dattri_llm.OffloadCallback` writes every paragraph's per-sample gradient at the final
+weights to disk (one ordinary forward/backward pass, no optimizer step). Held-out paragraphs
+are attributed from the cache with Grad-Cos (``TracInAttributor(normalized_grad=True)``): a
+score is the cosine between a training paragraph's loss gradient and the query's, in
+``[-1, 1]``. For each query the demo prints its top proponents and the share of top-k
+proponents that come from the query's own topic.
 
 Run it with ``python -m dattri_llm demo`` (needs the ``transformers`` extra).
 """
@@ -149,7 +152,15 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
         ids = tok.encode(text).ids[: args.seq_len]
         return torch.tensor(ids + [0] * (args.seq_len - len(ids)))
 
-    train_items = [{"input_ids": encode(t)} for _, t in train]
+    # paragraphs identical within the first seq_len tokens would be one sample: keep one each
+    train_items, unique, seen = [], [], set()
+    for topic, text in train:
+        item = {"input_ids": encode(text)}
+        if hash_sample(item) not in seen:
+            seen.add(hash_sample(item))
+            train_items.append(item)
+            unique.append((topic, text))
+    dropped, train = len(train) - len(unique), unique
     query_items = [{"input_ids": encode(t)} for _, t in queries]
 
     cfg = transformers.GPT2Config(
@@ -187,39 +198,44 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
         capture_style="auto",  # keep whichever of factors / dense gradient is smaller
     )
     print(
-        f"corpus: {len(train)} training paragraphs and {len(queries)} held-out queries from "
+        f"corpus: {len(train)} training paragraphs"
+        + (
+            f" ({dropped} identical in their first {args.seq_len} tokens dropped)"
+            if dropped
+            else ""
+        )
+        + f" and {len(queries)} held-out queries from "
         f"{len(by_topic)} Python documentation topics; GPT-2 2x128 from a config"
     )
     kept = " (temporary, removed at exit; --workdir DIR keeps them)" if args.workdir is None else ""
     print(f"per-sample gradients go to {workdir}{kept}")
     for epoch in range(args.epochs):
-        last = epoch == args.epochs - 1
-        hm = (
-            HookManager(
-                model,
-                config=layers,
-                callbacks=[
-                    OffloadCallback(
-                        offload_interval=1, file_manager=store, recording_type="per_sample"
-                    )
-                ],
-            )
-            if last
-            else None
-        )
         perm = torch.randperm(len(ids), generator=gen)
         total = 0.0
-        ctx = hm.collect(deregister_on_exit=True) if hm else _null()
-        with ctx:
-            for i in range(0, len(ids), args.batch_size):
-                batch = ids[perm[i : i + args.batch_size]]
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(batch)
-                loss.backward()  # an ordinary training step: hooks capture on the side
-                opt.step()
-                total += float(loss.detach()) * len(batch)
-        note = "  (per-sample gradients offloaded)" if last else ""
-        print(f"epoch {epoch + 1}: train loss {total / len(ids):.3f}{note}")
+        for i in range(0, len(ids), args.batch_size):
+            batch = ids[perm[i : i + args.batch_size]]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(batch)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(batch)
+        print(f"epoch {epoch + 1}: train loss {total / len(ids):.3f}")
+
+    # Grad-Cos reads one set of weights: capture every training paragraph at the final ones
+    # (a pass with no optimizer step; the same hooks would capture inside a training loop)
+    hm = HookManager(
+        model,
+        config=layers,
+        callbacks=[
+            OffloadCallback(offload_interval=1, file_manager=store, recording_type="per_sample")
+        ],
+    )
+    with hm.collect(deregister_on_exit=True):
+        for i in range(0, len(ids), args.batch_size):
+            model.zero_grad(set_to_none=True)
+            loss_fn(ids[i : i + args.batch_size]).backward()
+    model.zero_grad(set_to_none=True)
+    print(f"per-sample gradients of the {len(ids)} training paragraphs offloaded")
 
     test_store = GradientStorageManager(str(workdir / "query_grads"))
     hm = HookManager(
@@ -248,6 +264,11 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
         str(workdir / "train_grads"), str(workdir / "query_grads")
     )
     train_ids, matrix = score.agnostic_matrix()
+    print(
+        "method: Grad-Cos at the final weights (TracInAttributor(normalized_grad=True)); each "
+        "score is the cosine, in [-1, 1], between a training paragraph's loss gradient and the "
+        "query's (positive: the paragraph helped the query)"
+    )
     text_of = {hash_sample(x): (topic, text) for x, (topic, text) in zip(train_items, train)}
     query_hashes = [hash_sample(x) for x in query_items]
     col = (
@@ -303,11 +324,3 @@ def _write_texts(path: Path, items: list[dict], texts: list[tuple[str, str]], ha
 def _terminal() -> bool:
     """Progress bars only on a terminal (they are noise in a log or a pipe)."""
     return sys.stderr.isatty()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

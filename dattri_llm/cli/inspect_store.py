@@ -18,6 +18,7 @@ from dattri_llm.cli._common import (
     open_store,
     show_progress,
 )
+from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 
 DESCRIPTION = """Describe a gradient store: records, steps, checkpoints, ranks, samples, the
 layers with their per-sample shapes and sizes, the dtype, the format version and the capture
@@ -161,7 +162,8 @@ def _print(d: dict) -> None:
         else ("projection", "none")
     )
     for k, v in {**d["capture settings"], **d["record metadata (first readable record)"]}.items():
-        lines.append((k, json.dumps(v) if not isinstance(v, str) else v))
+        if k != FINGERPRINT_KEY:  # one record's weights fingerprint says nothing to a reader
+            lines.append((k, json.dumps(v) if not isinstance(v, str) else v))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"{k:<{width}}  {v}")
