@@ -199,8 +199,11 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
                 model,
                 config=layers,
                 callbacks=[
-                    OffloadCallback(
-                        offload_interval=1, file_manager=store, recording_type="per_sample"
+                    OffloadCallback(  # factors kept: the workdir serves kfac / token runs
+                        offload_interval=1,
+                        file_manager=store,
+                        recording_type="per_sample",
+                        keep_token_factors=True,
                     )
                 ],
             )
