@@ -269,3 +269,39 @@ def test_a_store_without_storage_fields_still_reads(tmp_path, f64):
     assert isinstance(block.gradient.layers["fc"], Factorized)
     got = block.gradient.layers["fc"].materialize().data
     assert torch.equal(got, records[0].gradient.layers["fc"].materialize().data)
+
+
+class Tied(nn.Module):
+    """An embedding tied to the LM head: one parameter, two sites (a ``Shared`` layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, E)
+        self.fc = nn.Linear(E, E)
+        self.head = nn.Linear(E, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+def test_tied_layer_compact_scores_equal_the_factorized_store(tmp_path, f64):
+    torch.manual_seed(0)
+    model = Tied()
+    records = capture(model, batches(0, (12,)), tmp_path / "compact")
+    capture(model, batches(0, (12,)), tmp_path / "factors", keep_token_factors=True)
+    capture(model, batches(5, (3, 10)), tmp_path / "test")
+    (name,) = [n for n, lg in records[0].gradient.layers.items() if isinstance(lg, Shared)]
+    factors, dense = leaf_bytes(records[0].gradient.layers[name])
+    assert dense < factors  # the summed dense gradient is the smaller form here
+    (block,) = GradientStorageManager(tmp_path / "compact").iter_blocks()
+    assert isinstance(block.gradient.layers[name], Materialized)
+    per = stored_layer_bytes(GradientStorageManager(tmp_path / "compact"))[0]
+    assert per[name] <= 1.1 * dense
+    got, want = (
+        TracInAttributor(args(tmp_path))
+        .attribute_from_cache(tmp_path / d, tmp_path / "test")
+        .scores
+        for d in ("compact", "factors")
+    )
+    assert rel(got, want) <= 1e-12
