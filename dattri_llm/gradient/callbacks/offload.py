@@ -95,7 +95,8 @@ class OffloadCallback(HookCallback):
             ``"float16"``: stored in that dtype (bf16 / fp16 halve a float32 store). Reads cast
             them back to the capture dtype (recorded in each shard), so scoring sees float32;
             the rank agreement of bf16 / fp16 scores with float32 ones is measured in
-            ``docs/benchmarks/store.md``.
+            ``docs/benchmarks/store.md``. ``float16`` overflows above 65504; ``bfloat16``
+            keeps float32's range.
 
     Example:
         >>> fm = GradientStorageManager("./train_grads")
