@@ -227,7 +227,12 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
         model,
         config=layers,
         callbacks=[
-            OffloadCallback(offload_interval=1, file_manager=store, recording_type="per_sample")
+            OffloadCallback(  # factors kept: the workdir serves kfac / token-level runs too
+                offload_interval=1,
+                file_manager=store,
+                recording_type="per_sample",
+                keep_token_factors=True,
+            )
         ],
     )
     with hm.collect(deregister_on_exit=True):

@@ -269,15 +269,14 @@ def test_checkpoint_weights_length_checked(tmp_path):
 
 
 # ---- from a cache -----------------------------------------------------------------------------
-def offload(model, ds, path, batch=3, checkpoint=0, store=None):
+def offload(model, ds, path, batch=3, checkpoint=0, store=None, keep_token_factors=False):
     from dattri_llm import GradientStorageManager, OffloadCallback
 
     fm = store if store is not None else GradientStorageManager(str(path))
-    hm = HookManager(
-        model,
-        HookManagerConfig(),
-        callbacks=[OffloadCallback(file_manager=fm, recording_type="per_sample")],
+    off = OffloadCallback(
+        file_manager=fm, recording_type="per_sample", keep_token_factors=keep_token_factors
     )
+    hm = HookManager(model, HookManagerConfig(), callbacks=[off])
     hm.checkpoint = checkpoint
     model.eval()
     with hm.collect():
@@ -296,6 +295,7 @@ def test_from_cache_equals_live_and_brute_force(tmp_path):
     model = make_mlp()
     train, test = dataset(7), dataset(4, seed=2)
     offload(model, train, tmp_path / "train")
+    offload(model, train, tmp_path / "train-tokens", keep_token_factors=True)
     offload(model, test, tmp_path / "test", batch=2)
     att = TracInAttributor(
         args(tmp_path, score_block_size=3), task=AttributionTask(mlp_loss, model)
@@ -306,8 +306,8 @@ def test_from_cache_equals_live_and_brute_force(tmp_path):
     assert rel(cached.query(train, test), ref) < 1e-10
     assert rel(cached.query(train, test), live.query(train, test)) < 1e-10
     assert cached.train_steps == [0, 0, 0, 1, 1, 1, 2]  # store steps, not checkpoints
-    tok = att.attribute_from_cache(
-        tmp_path / "train", tmp_path / "test", attribution_granularity="token"
+    tok = att.attribute_from_cache(  # token granularity needs the train store's token axis
+        tmp_path / "train-tokens", tmp_path / "test", attribution_granularity="token"
     )
     assert rel(tok.query(train, test), ref) < 1e-10
 

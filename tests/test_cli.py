@@ -85,7 +85,9 @@ def capture(
     """Offload per-sample gradients of ``texts`` at ``checkpoints`` training states."""
     store = GradientStorageManager(path)
     config = HookManagerConfig(linear_io=layers or [r"fc", r"head"], capture_style="factorized")
-    hm = HookManager(model, config=config, callbacks=[OffloadCallback(file_manager=store)])
+    # the token heatmaps need the train store's token axis (compact storage drops it)
+    off = OffloadCallback(file_manager=store, keep_token_factors=True)
+    hm = HookManager(model, config=config, callbacks=[off])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ids = torch.stack([encode(t) for t in texts])
     with hm.collect(deregister_on_exit=True):

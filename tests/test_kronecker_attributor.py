@@ -159,7 +159,9 @@ def offload(model, ds, path, callbacks=(), batch=3):
     from dattri_llm import GradientStorageManager, OffloadCallback
 
     fm = GradientStorageManager(str(path))
-    hm = HookManager(model, CONFIG, callbacks=[OffloadCallback(file_manager=fm), *callbacks])
+    # K-FAC fits its covariances from the store's factors: keep them (compact storage drops them)
+    off = OffloadCallback(file_manager=fm, keep_token_factors=True)
+    hm = HookManager(model, CONFIG, callbacks=[off, *callbacks])
     with hm.collect():
         for i in range(0, len(ds), batch):
             ids = torch.stack([d["input_ids"] for d in ds[i : i + batch]])

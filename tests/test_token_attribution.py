@@ -101,7 +101,10 @@ def offload(model: nn.Module, ds: list[dict], path, capture_style: str, batch: i
     hm = HookManager(
         model,
         HookManagerConfig(capture_style=capture_style),
-        callbacks=[OffloadCallback(file_manager=fm, recording_type="per_sample")],
+        # token granularity needs the train store's token axis (compact storage drops it)
+        callbacks=[
+            OffloadCallback(file_manager=fm, recording_type="per_sample", keep_token_factors=True)
+        ],
     )
     with hm.collect():
         for i in range(0, len(ds), batch):

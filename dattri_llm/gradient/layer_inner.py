@@ -110,8 +110,9 @@ def _site_cross_per_token(
 ) -> torch.Tensor:
     if isinstance(x, Materialized):
         raise ValueError(
-            f"layer of type {x.layer_type} was captured materialized: it has no token axis. "
-            "Capture the train side with capture_style='factorized' for token granularity."
+            f"layer of type {x.layer_type} is materialized: it has no token axis. For token "
+            "granularity write the train store with OffloadCallback(keep_token_factors=True) "
+            "and capture it with capture_style='factorized'."
         )
     rule = x.rule
     if isinstance(y, Materialized):

@@ -95,7 +95,10 @@ def capture(
     hm = HookManager(
         model,
         config=HookManagerConfig(linear_io=BLOCKS),
-        callbacks=[OffloadCallback(offload_interval=1, file_manager=store)],
+        # K-FAC / EK-FAC fit their covariances from the train store's factors: keep them
+        callbacks=[
+            OffloadCallback(offload_interval=1, file_manager=store, keep_token_factors=True)
+        ],
         optimizer=optimizer,
     )
     hm.checkpoint = checkpoint  # pairs train and test gradients of the same model state

@@ -229,8 +229,11 @@ def check_token_axis(grad: Gradient) -> None:
     if bad:
         raise ValueError(
             f"attribution_granularity='token' needs the train gradients' token axis, but layers "
-            f"{bad} were captured materialized (no token axis). Capture factorized: "
-            "HookManagerConfig(capture_style='factorized') and no 'dense' projection."
+            f"{bad} are materialized (no token axis). A store written with the defaults keeps "
+            "each layer in its smaller form; write the train store with "
+            "OffloadCallback(keep_token_factors=True) to keep the token axis. Capture "
+            "factorized: HookManagerConfig(capture_style='factorized') and no 'dense' / 'mask' "
+            "projection."
         )
 
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.store.compact import (
+    cast_gradient,
+    check_keep_token_factors,
+    check_storage_dtype,
+    compact_gradient,
+)
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.store import GradientStorageManager
@@ -55,6 +64,20 @@ class OffloadCallback(HookCallback):
       record's index line (``extra["members"]``). The record is written when the last
       micro-batch of the step arrives, or when the context ends.
 
+    Compact storage (the default). Each layer of a ``"per_sample"`` record is written in the
+    smaller of its two exact forms, decided per record from the actual tensors: its factors
+    with their token axis, or its dense per-sample gradient (for a ``logra`` projected layer the
+    ``k x d`` projected gradient). A 16x16 ``logra`` store of GPT-2 2x128 at 256 tokens is
+    8.6 KB per sample instead of 256.7 KB (``docs/benchmarks/store.md``). The scores are the
+    same (to round-off) for every attributor except those that need the token axis of the
+    train gradients: token-level attribution (``attribution_granularity="token"``) and a K-FAC /
+    EK-FAC covariance fit from the store's factors (or pass ``covariances=`` from a
+    ``KroneckerCovarianceCallback``). Those are refused on a dense layer with an error naming
+    ``keep_token_factors=True``, which keeps every layer's factors as captured (today's
+    larger store); a list of layer names keeps only those. The option lives here, not in
+    ``HookManagerConfig``, because it is a storage choice: the capture, the in-memory records
+    and live scoring are the same either way.
+
     Args:
         offload_interval: Write every ``offload_interval``-th step.
         file_manager: The store to write to: a ``GradientStorageManager``, or a directory
@@ -64,6 +87,16 @@ class OffloadCallback(HookCallback):
         step_offset: Added to every stored step. Default (``None``): ``0``, or, for a
             checkpoint label the store already holds records of (read when the callback is
             registered), whatever makes the first step follow the last stored one.
+        keep_token_factors: ``False`` (default): compact storage (above). ``True``: every
+            factorized layer is written with its factors and token axis. A list of layer names:
+            only those.
+        storage_dtype: ``None`` (default): floating tensors are stored in the dtype they were
+            captured in (float32 for a float32 model). ``"float32"``, ``"bfloat16"`` or
+            ``"float16"``: stored in that dtype (bf16 / fp16 halve a float32 store). Reads cast
+            them back to the capture dtype (recorded in each shard), so scoring sees float32;
+            the rank agreement of bf16 / fp16 scores with float32 ones is measured in
+            ``docs/benchmarks/store.md``. ``float16`` overflows above 65504; ``bfloat16``
+            keeps float32's range.
 
     Example:
         >>> fm = GradientStorageManager("./train_grads")
@@ -79,6 +112,8 @@ class OffloadCallback(HookCallback):
         recording_type: str = "per_sample",
         gradient_accumulation_steps: int = 1,
         step_offset: int | None = None,
+        keep_token_factors: bool | Sequence[str] = False,
+        storage_dtype: str | torch.dtype | None = None,
     ) -> None:
         if file_manager is None:
             raise ValueError(
@@ -107,6 +142,8 @@ class OffloadCallback(HookCallback):
             raise ValueError(
                 f"recording_type must be 'per_sample' or 'per_batch', got {recording_type!r}"
             )
+        self.keep_token_factors = check_keep_token_factors(keep_token_factors)
+        self.storage_dtype = check_storage_dtype(storage_dtype)
         self.offload_interval = offload_interval
         self.file_manager = file_manager
         self.recording_type = recording_type
@@ -127,6 +164,26 @@ class OffloadCallback(HookCallback):
         self.file_manager.refresh()
         self._stored_last = self.file_manager.last_steps()
         self._offsets = {}
+        if isinstance(getattr(self.file_manager, "storage_settings", None), dict):
+            self.file_manager.storage_settings["storage"] = self._settings()
+
+    def _settings(self) -> dict:
+        keep = self.keep_token_factors
+        return {
+            "compact": keep is not True,
+            "keep_token_factors": keep if isinstance(keep, bool) else sorted(keep),
+            "storage_dtype": None
+            if self.storage_dtype is None
+            else str(self.storage_dtype).removeprefix("torch."),
+        }
+
+    def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict]:
+        """The gradient as stored (compact, cast) and its shard-header ``storage`` entry."""
+        gradient, layers = compact_gradient(gradient, self.keep_token_factors)
+        captured = str(gradient.dtype).removeprefix("torch.") if gradient.layers else None
+        gradient = cast_gradient(gradient, self.storage_dtype)
+        stored = str(gradient.dtype).removeprefix("torch.") if gradient.layers else None
+        return gradient, {"dtype": stored, "capture_dtype": captured, "layers": layers}
 
     def _stored_step(self, step: int, checkpoint: int) -> int:
         if checkpoint not in self._offsets:
@@ -155,10 +212,12 @@ class OffloadCallback(HookCallback):
             return
         step = self._stored_step(step, record.checkpoint)
         if self.recording_type == "per_sample":
+            gradient, storage = self._prepare(record.gradient)
             self.file_manager.write(
                 GradientRecord(
-                    step, list(record.hashes), record.gradient, record.checkpoint, record.metadata
-                )
+                    step, list(record.hashes), gradient, record.checkpoint, record.metadata
+                ),
+                storage=storage,
             )
             self.num_written += 1
             return
@@ -187,8 +246,11 @@ class OffloadCallback(HookCallback):
             return
         step, ckpt, grad, ids = self._batch
         self._batch = None
+        grad, storage = self._prepare(grad)  # already dense: only the dtype can change
         self.file_manager.write(
-            GradientRecord(step, [batch_id(ids)], grad, ckpt), extra={"members": ids}
+            GradientRecord(step, [batch_id(ids)], grad, ckpt),
+            extra={"members": ids},
+            storage=storage,
         )
         self.num_written += 1
 

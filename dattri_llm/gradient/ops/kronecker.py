@@ -178,8 +178,9 @@ class KroneckerCovariances:
             if is_kronecker_layer(lg):
                 if any(isinstance(s, Materialized) for s in _sites(lg)):
                     raise ValueError(
-                        f"layer {name!r} ({lg.layer_type}) was captured materialized, so its "
-                        "K-FAC factors are gone. Capture with capture_style='factorized', or "
+                        f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC "
+                        "factors are gone. Capture with capture_style='factorized' and write "
+                        "the store with OffloadCallback(keep_token_factors=True), or "
                         "accumulate the covariances during capture with "
                         "KroneckerCovarianceCallback and pass them as fit(covariances=...)."
                     )

@@ -327,7 +327,7 @@ def check_header(header: dict, path: Path) -> dict:
         hashes = header.get("hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
             raise ValueError("no valid 'hashes'")
-        for key in ("metadata", "extra"):
+        for key in ("metadata", "extra", "storage"):
             if key in header and not isinstance(header[key], dict):
                 raise ValueError(f"{key!r} is not an object")
     except (ValueError, TypeError, KeyError, AttributeError) as e:

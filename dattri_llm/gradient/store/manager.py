@@ -144,6 +144,9 @@ class GradientStorageManager(SampleLookup):
         self._by_hash: dict[str, list[tuple[int, int]]] = {}
         self._headers: dict[tuple[int, str], dict] = {}
         self._verified: set[Path] = set()
+        #: Storage settings a writer puts into a new partition's ``meta.json`` (``OffloadCallback``
+        #: sets ``{"storage": {...}}``); informational, the shard headers are authoritative.
+        self.storage_settings: dict[str, Any] = {}
         self.refresh()
 
     # ---- discovery ------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ class GradientStorageManager(SampleLookup):
         directory = self.save_dir / f"rank_{rank}" if is_distributed() else self.save_dir
         mode = self.mode if not self._opened else "append"
         prepare_store(self.save_dir, directory, mode, rank, world, is_distributed())
-        meta = {"rank": rank, "world_size": world}
+        meta = {"rank": rank, "world_size": world, **self.storage_settings}
         with self._lock:
             self._writer = PartitionWriter(
                 directory,
@@ -226,7 +229,12 @@ class GradientStorageManager(SampleLookup):
                 self.refresh()
         return self._writer
 
-    def write(self, record: GradientRecord, extra: Mapping[str, Any] | None = None) -> None:
+    def write(
+        self,
+        record: GradientRecord,
+        extra: Mapping[str, Any] | None = None,
+        storage: Mapping[str, Any] | None = None,
+    ) -> None:
         """Append one record.
 
         The record's tensors are copied to CPU here; CPU tensors are written as they are, so
@@ -235,8 +243,16 @@ class GradientStorageManager(SampleLookup):
         Args:
             record: The record to persist.
             extra: JSON-serialisable metadata kept in the record's index line.
+            storage: How the record is stored (``OffloadCallback`` passes the per-layer
+                compact choices and the storage / capture dtypes), kept in the shard header;
+                a reader casts a record stored in a narrower dtype back to
+                ``storage["capture_dtype"]``.
         """
-        self._ensure_writer().write(record, dict(extra) if extra is not None else None)
+        self._ensure_writer().write(
+            record,
+            dict(extra) if extra is not None else None,
+            dict(storage) if storage is not None else None,
+        )
 
     def flush(self) -> None:
         """Block until every written record is durable."""
@@ -419,6 +435,7 @@ class GradientStorageManager(SampleLookup):
         part, e = ordered[0]
         with self._open(part, e, check_crc=False) as f:
             dtype = shard_dtype(f)
+        dtype = self._header(part, e).get("storage", {}).get("capture_dtype", dtype)
         return CaptureFacts(layer_facts, dtype, _metadata(e), f"store {self.save_dir}")
 
     # ---- lookup ---------------------------------------------------------------------------------

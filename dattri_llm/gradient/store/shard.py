@@ -144,6 +144,18 @@ def schema_facts(schema: list[dict], layers: Sequence[str] | None) -> CaptureFac
     return CaptureFacts(out)
 
 
+def _capture_dtype(header: dict, path: Path) -> torch.dtype | None:
+    """The dtype a record was captured in when it was stored in another one (else ``None``)."""
+    storage = header.get("storage") or {}
+    name = storage.get("capture_dtype")
+    if name is None or name == storage.get("dtype"):
+        return None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise StoreFormatError(f"shard {path} has a corrupted header: capture_dtype {name!r}.")
+    return dtype
+
+
 def read_gradient(
     f: Any,
     path: Path,
@@ -174,6 +186,8 @@ def read_gradient(
             tensors = {k: f.get_slice(k)[rows] for k in keys}
     except (SafetensorError, KeyError) as e:
         raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
+    if dtype is None:  # a record stored narrower than captured reads back in the capture dtype
+        dtype = _capture_dtype(header, path)
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     try:

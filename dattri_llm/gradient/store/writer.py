@@ -275,8 +275,14 @@ class PartitionWriter:
             )
 
     # ---- writing ------------------------------------------------------------------------------
-    def write(self, record: GradientRecord, extra: dict | None = None) -> None:
-        """Persist one record (blocks while ``max_pending`` records are in flight)."""
+    def write(
+        self, record: GradientRecord, extra: dict | None = None, storage: dict | None = None
+    ) -> None:
+        """Persist one record (blocks while ``max_pending`` records are in flight).
+
+        ``storage`` (JSON) goes into the shard header only: how the record was stored
+        (``docs/STORE_FORMAT.md``, "Compact storage").
+        """
         self._raise_pending()
         if self._taken_over:
             raise RuntimeError(
@@ -289,6 +295,9 @@ class PartitionWriter:
         if extra is not None:
             json.dumps(extra, allow_nan=False)  # fail here, not on the thread
             header["extra"] = extra
+        if storage is not None:
+            json.dumps(storage, allow_nan=False)
+            header["storage"] = storage
         seq = self._seq
         self._seq += 1
         if not self._async:
