@@ -199,6 +199,7 @@ class GradientStreamer:
     """
 
     rereadable = False
+    yields_blocks = True
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ from dattri_llm.attribution.trajectory.unroll import (
     forward_sweep,
 )
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
+from dattri_llm.gradient.sources import as_source
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
@@ -138,6 +139,7 @@ def step_index(
             return out
 
         return StepIndex(list(by_step), load_disk)
+    source = as_source(source, "train")
     if hasattr(source, "load_step") and hasattr(source, "steps"):
         return StepIndex(source.steps(), source.load_step)
     blocks: dict[int, list[GradientBlock]] = {}
@@ -389,7 +391,7 @@ class TrajectoryAttributor(BaseAttributor):
         if not first:
             raise ValueError(f"{type(self).__name__}: step {index.steps[0]} holds no gradients.")
         layers = first[0].gradient.layer_names
-        test_blocks = list(test_source)
+        test_blocks = list(as_source(test_source, "test"))
         if not test_blocks:
             raise ValueError("the test source yielded no gradients.")
         dtype = first[0].gradient.dtype

@@ -72,6 +72,7 @@ class ReplayGradientSource:
     """
 
     rereadable = False
+    yields_blocks = True
 
     def __init__(
         self,
