@@ -47,7 +47,7 @@ def _as_fields(item: Any) -> Mapping[str, Any] | torch.Tensor:
 def sample_id(item: Any, config: HookManagerConfig | None = None) -> str:
     """Identity of one dataset item, as the hook manager would give its row in a batch.
 
-    Uses ``config.sample_id_key`` (the field's first value) when set, else the content hash
+    Uses ``config.sample_id_key`` (the field's scalar value) when set, else the content hash
     over ``config.hash_keys`` (default ``input_ids``, or every tensor field).
     """
     fields = _as_fields(item)
@@ -55,7 +55,14 @@ def sample_id(item: Any, config: HookManagerConfig | None = None) -> str:
     if key is not None:
         if not isinstance(fields, Mapping) or key not in fields:
             raise KeyError(f"sample_id_key {key!r} is not a field of the dataset items.")
-        return str(torch.as_tensor(fields[key]).reshape(-1)[0].item())
+        value = torch.as_tensor(fields[key])
+        if value.numel() != 1:
+            raise ValueError(
+                f"sample_id_key {key!r}: the field {key!r} of a dataset item has shape "
+                f"{tuple(value.shape)}; it must be one scalar id per sample. Store each item's "
+                "id as a scalar, or drop sample_id_key to identify samples by content hash."
+            )
+        return str(value.reshape(()).item())
     keys = config.hash_keys if config is not None else None
     if keys is not None and isinstance(fields, Mapping):
         keys = [k for k in keys if k in fields] or None
