@@ -433,7 +433,7 @@ class EKFACAttributor(KFACAttributor):
 
 # ---- helpers ---------------------------------------------------------------------------------
 def _ekfac_pass(
-    fits: dict[int, KroneckerFactors], source: Iterable, show: bool
+    fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:
     """One pass over the training gradients, each block feeding its checkpoint's correction."""
     corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
@@ -454,18 +454,11 @@ def _gradient(block: Any) -> Gradient:
     return block.gradient
 
 
-def _progress(items: Iterable, desc: str, show: bool) -> Iterable:
-    if not show:
-        return items
+def _progress(items: Iterable, desc: str, show: bool | None) -> Iterable:
     from dattri_llm.utils.distributed import get_rank
+    from dattri_llm.utils.progress import progress
 
-    if get_rank() != 0:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        items, desc=desc, leave=False, total=len(items) if hasattr(items, "__len__") else None
-    )
+    return items if get_rank() != 0 else progress(items, show, desc=desc)
 
 
 def _is_store(obj: Any) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 from typing import Any
 
 __all__ = [
@@ -83,11 +82,9 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def show_progress(args: argparse.Namespace) -> bool:
-    """Whether to show progress bars for ``args`` (see :func:`add_progress_flag`)."""
-    if args.progress is not None:
-        return bool(args.progress)
-    return sys.stderr.isatty()
+def show_progress(args: argparse.Namespace) -> bool | None:
+    """Progress bars for ``args``: forced on / off, or ``None`` (only on a terminal)."""
+    return None if args.progress is None else bool(args.progress)
 
 
 def open_store(path: str, argument: str) -> Any:

@@ -28,6 +28,7 @@ from dattri_llm.gradient.callbacks.capture import CaptureCallback
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.sources import GradientBlock
 from dattri_llm.utils.hashing import hash_sample
+from dattri_llm.utils.progress import progress_bar
 
 __all__ = [
     "GradientStreamer",
@@ -196,7 +197,7 @@ class GradientStreamer:
         drop_last: Drop the last incomplete batch.
         device: Where batches are moved (default: the device of the model's parameters).
         frozen: Use the frozen probe (default). Ignored for DDP / FSDP wrappers.
-        show_progress: Show a tqdm bar.
+        show_progress: Show a tqdm bar (``None``: only when standard error is a terminal).
         desc: Label of the bar.
         optimizer: Preconditioned capture (LESS): each gradient mapped through this
             optimizer's update (see ``HookManager(optimizer=...)``); default raw gradients.
@@ -222,7 +223,7 @@ class GradientStreamer:
         drop_last: bool = False,
         device: torch.device | str | None = None,
         frozen: bool = True,
-        show_progress: bool = False,
+        show_progress: bool | None = False,
         desc: str = "gradients",
         optimizer: Any = None,
         precondition_scale: float | str = 1.0,
@@ -325,14 +326,12 @@ class GradientStreamer:
         )
         hm.checkpoint = self.checkpoint
         loader = self._loader()
-        bar = None
-        if self.show_progress:
-            from tqdm.auto import tqdm
-
-            n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
-            if n is not None and self.drop_last:
-                n -= n % self.batch_size
-            bar = tqdm(total=n, desc=self.desc, leave=False, unit="sample", unit_scale=True)
+        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        if n is not None and self.drop_last:
+            n -= n % self.batch_size
+        bar = progress_bar(
+            self.show_progress, total=n, desc=self.desc, unit="sample", unit_scale=True
+        )
         try:
             for batch, ids in loader:
                 batch = move_to_device(batch, device)

@@ -48,6 +48,7 @@ from dattri_llm.attribution.trajectory.unroll import (
 )
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
 from dattri_llm.gradient.sources import as_source
+from dattri_llm.utils.progress import progress
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
@@ -560,13 +561,8 @@ class TrajectoryAttributor(BaseAttributor):
             )
 
     def progress(self, steps: Iterable[int], desc: str) -> Iterable[int]:
-        """A progress bar over steps when ``args.show_progress``."""
-        if not self.args.show_progress:
-            return steps
-        from tqdm.auto import tqdm
-
-        steps = list(steps)
-        return tqdm(steps, total=len(steps), desc=desc, leave=False)
+        """A progress bar over steps as ``args.show_progress`` says (see ``utils.progress``)."""
+        return progress(list(steps), self.args.show_progress, desc=desc)
 
     def kappa(self, batch_size: int) -> float:
         """``κ`` of the batch curvature: the batch size for a mean loss, 1 for a sum."""
