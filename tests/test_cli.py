@@ -371,3 +371,17 @@ def test_kfac_non_kronecker_flag_layer_patterns_and_one_line_warnings(
     )
     code, err = run(*tr, "--out", tmp_path / "none", "--layers", "transformer.h.*")
     assert code == 2 and "argument --layers: ['transformer.h.*'] not in --train" in err
+
+
+def test_demo_help_is_plain_text_and_inspect_speaks_as_a_reader(tmp_path: Path, capsys) -> None:
+    """Issue 26, 11: no raw Sphinx markup in ``demo --help``; a non-store is read, not written."""
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "OffloadCallback" in out
+    assert ":class:" not in out and "``" not in out
+    (tmp_path / "notes.txt").write_text("not a store")
+    code = main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "argument STORE: " in err and "is not a gradient store" in err
+    assert "Pass an empty or new directory" not in err  # the writer's advice
+    assert "notes.txt" in err and "save_dir" in err
