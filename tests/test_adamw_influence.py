@@ -336,7 +336,7 @@ def test_replay_equals_store(tmp_path):
     run = make_run(tmp_path, "adamw_amsgrad", lrs=[0.02, 0.015, 0.01, 0.01], snapshots=True)
     stored = library(run, tmp_path)
     replay = ReplayGradientSource(run.model, run.extra["snaps"], mlp_loss)
-    att = AdamWInfluenceAttributor(args(tmp_path))
+    att = AdamWInfluenceAttributor(args(tmp_path), loss_reduction="sum")
     replayed = att.attribute_from_cache(replay, tmp_path / "query", dynamics=run.extra["dynamics"])
     assert replayed.train_hashes == stored.train_hashes
     assert rel_err(replayed.scores, stored.scores) <= 1e-10
@@ -347,7 +347,7 @@ def test_replay_equals_store(tmp_path):
 
 def test_refusals(tmp_path):
     run = make_run(tmp_path, "adamw")
-    att = AdamWInfluenceAttributor(args(tmp_path))
+    att = AdamWInfluenceAttributor(args(tmp_path), loss_reduction="sum")
     with pytest.raises(ValueError, match="needs dynamics="):
         att.attribute_from_cache(tmp_path / "train", tmp_path / "query")
     with pytest.raises(ValueError, match="loss_reduction"):
@@ -431,7 +431,7 @@ def test_float32_run_with_float64_propagation(tmp_path):
     # in float64, is accepted for a float32 record and refused for a float64 one
     g = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     noisy = g + 1e-6 * g.norm() / 1000**0.5 * torch.randn(1000, dtype=torch.float64)
-    att, dyn = AdamWInfluenceAttributor(a), rec.dynamics()
+    att, dyn = AdamWInfluenceAttributor(a, loss_reduction="sum"), rec.dynamics()
     assert att._clip(dyn, g, noisy, "test", torch.float32) == (1.0, None)
     with pytest.raises(ValueError, match="not a multiple"):
         att._clip(dyn, g, noisy, "test", torch.float64)
@@ -449,7 +449,7 @@ def test_exact_hessian_equals_the_exact_derivative(tmp_path, name):
     exact = exact_scores(run)
     hessian = ExactHessian(run.model, run.extra["snaps"], mlp_loss)
     got = (
-        AdamWInfluenceAttributor(args(tmp_path), curvature=hessian)
+        AdamWInfluenceAttributor(args(tmp_path), loss_reduction="sum", curvature=hessian)
         .attribute_from_cache(
             tmp_path / "train", tmp_path / "query", dynamics=run.extra["rec"].dynamics()
         )

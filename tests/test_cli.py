@@ -332,3 +332,58 @@ def test_demo_then_the_commands_it_suggests(tmp_path: Path) -> None:
     html = (w / "report.html").read_text(encoding="utf-8")
     assert html.count('<section class="query"') == 8  # one query per topic
     assert "topic: " in html  # the demo's texts carry their topic
+
+
+def test_kfac_non_kronecker_flag_layer_patterns_and_one_line_warnings(
+    work: Path, tmp_path: Path, capsys
+) -> None:
+    """Issue 26, 11: the warning's advice is a flag; --layers takes globs and regexes."""
+
+    def run(*args) -> tuple[int, str]:
+        code = main([str(a) for a in args])
+        return code, capsys.readouterr().err
+
+    with_emb = tmp_path / "with_emb"
+    query = tmp_path / "query_emb"
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    capture(model, TRAIN_TEXTS, with_emb, batch=4, checkpoints=1, layers=[r"emb", r"fc", r"head"])
+    capture(model, QUERY_TEXTS, query, batch=2, checkpoints=1, layers=[r"emb", r"fc", r"head"])
+    base = ["attribute", "--method", "kfac", "--train", with_emb, "--test", query]
+    code, err = run(*base, "--out", tmp_path / "skip")
+    assert code == 0
+    assert "dattri-llm attribute: warning: " in err and "non_kronecker='diagonal'" in err
+    assert "eigendecompose(" not in err  # no internal source line
+    code, err = run(*base, "--out", tmp_path / "diag", "--non-kronecker", "diagonal")
+    assert code == 0 and "non_kronecker" not in err
+    run_file = json.loads((tmp_path / "diag" / "attribution_run.json").read_text())
+    assert run_file["non-kronecker layers"] == "diagonal"
+    code, err = run(*base[:2], "tracin", *base[3:], "--out", tmp_path / "t", "--non-kronecker",
+                    "diagonal")  # fmt: skip
+    assert code == 2 and "argument --non-kronecker: only kfac, ekfac take it" in err
+    # --layers: a glob and a regex select what the names select
+    tr = ["attribute", "--method", "tracin", "--train", with_emb, "--test", query]
+    scores = {}
+    for tag, layers in (("names", ["fc", "head"]), ("glob", ["f*", "h*"]), ("rx", ["fc|head"])):
+        assert main([*map(str, tr), "--out", str(tmp_path / tag), "--layers", *layers]) == 0
+        capsys.readouterr()
+        scores[tag] = AttributionScore.load(tmp_path / tag).scores
+    assert torch.equal(scores["names"], scores["glob"]) and torch.equal(
+        scores["names"], scores["rx"]
+    )
+    code, err = run(*tr, "--out", tmp_path / "none", "--layers", "transformer.h.*")
+    assert code == 2 and "argument --layers: ['transformer.h.*'] not in --train" in err
+
+
+def test_demo_help_is_plain_text_and_inspect_speaks_as_a_reader(tmp_path: Path, capsys) -> None:
+    """Issue 26, 11: no raw Sphinx markup in ``demo --help``; a non-store is read, not written."""
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "OffloadCallback" in out
+    assert ":class:" not in out and "``" not in out
+    (tmp_path / "notes.txt").write_text("not a store")
+    code = main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "argument STORE: " in err and "is not a gradient store" in err
+    assert "Pass an empty or new directory" not in err  # the writer's advice
+    assert "notes.txt" in err and "save_dir" in err

@@ -241,16 +241,18 @@ def test_sgd_momentum_and_weight_decay_equal_explicit_jacobians(tmp_path, case, 
     tr, te, a = tmp_path / "train", tmp_path / "query", args(tmp_path)
     for method in ("forward", "adjoint"):
         # the recorded run carries the schedule, momentum, dampening and weight decay
-        score = DVEmbAttributor(a, method=method).attribute_from_cache(
+        score = DVEmbAttributor(a, loss_reduction="sum", method=method).attribute_from_cache(
             tr, te, dynamics=run.extra["dynamics"]
         )
         assert compare(occurrences(score, run), ref) <= 1e-9, method
     # without a record: the same hyper-parameters given by hand, and whether the momentum
     # buffer existed before the first captured step
-    att = DVEmbAttributor(a, learning_rate=lrs, momentum_buffer_existed=warm > 0, **kw)
+    att = DVEmbAttributor(
+        a, loss_reduction="sum", learning_rate=lrs, momentum_buffer_existed=warm > 0, **kw
+    )
     assert compare(occurrences(att.attribute_from_cache(tr, te), run), ref) <= 1e-9
     # non-vacuous: plain-SGD propagation differs
-    plain = DVEmbAttributor(a).attribute_from_cache(tr, te, learning_rate=lrs)
+    plain = DVEmbAttributor(a, loss_reduction="sum").attribute_from_cache(tr, te, learning_rate=lrs)
     assert compare(occurrences(plain, run), ref) > 1e-3
 
 
@@ -259,10 +261,12 @@ def test_warm_started_dampened_momentum_without_record_is_exact_or_refused(tmp_p
     lrs = [0.1, 0.08, 0.06, 0.05]
     run = make_run(tmp_path, opt_kw=kw, lrs=lrs, warm=3)
     ref, _ = unroll_explicit(run, lambda t: sgd_step_matrices(run, t), query_grads(run))
-    att = DVEmbAttributor(args(tmp_path), learning_rate=lrs, **kw)
+    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum", learning_rate=lrs, **kw)
     with pytest.raises(ValueError, match="momentum_buffer_existed"):  # ambiguous: refused
         score = att.attribute_from_cache(tmp_path / "train", tmp_path / "query")
-    att = DVEmbAttributor(args(tmp_path), learning_rate=lrs, momentum_buffer_existed=True, **kw)
+    att = DVEmbAttributor(
+        args(tmp_path), loss_reduction="sum", learning_rate=lrs, momentum_buffer_existed=True, **kw
+    )
     score = att.attribute_from_cache(tmp_path / "train", tmp_path / "query")
     err = compare(occurrences(score, run), ref)
     print(f"warm-started dampened momentum without dynamics: rel err {err:.3e}")
@@ -273,24 +277,26 @@ def test_warm_started_dampened_momentum_without_record_is_exact_or_refused(tmp_p
 def test_missing_learning_rate_raises_and_adam_warns(tmp_path):
     run = make_run(tmp_path / "sgd")
     with pytest.raises(ValueError, match="never assumed to be 1") as e:
-        DVEmbAttributor(args(tmp_path)).attribute_from_cache(
+        DVEmbAttributor(args(tmp_path), loss_reduction="sum").attribute_from_cache(
             tmp_path / "sgd" / "train", tmp_path / "sgd" / "query"
         )
     assert "learning_rate=" in str(e.value)
     with pytest.raises(ValueError, match="learning-rate schedule"):
-        DVEmbAttributor(args(tmp_path)).embed(tmp_path / "sgd" / "train")
+        DVEmbAttributor(args(tmp_path), loss_reduction="sum").embed(tmp_path / "sgd" / "train")
     del run
     adam = make_run(tmp_path / "adam", lrs=[1e-3] * 4, adam=True)
     with pytest.warns(UserWarning, match="AdamWInfluenceAttributor"):
-        DVEmbAttributor(args(tmp_path)).attribute_from_cache(
+        DVEmbAttributor(args(tmp_path), loss_reduction="sum").attribute_from_cache(
             tmp_path / "adam" / "train",
             tmp_path / "adam" / "query",
             dynamics=adam.extra["dynamics"],
         )
     with pytest.raises(ValueError, match="curvature"):
-        DVEmbAttributor(args(tmp_path), curvature="gauss_newton")
+        DVEmbAttributor(args(tmp_path), loss_reduction="sum", curvature="gauss_newton")
     with pytest.raises(ValueError, match="curvature_source"):
-        DVEmbAttributor(args(tmp_path), curvature="mc_fisher").attribute_from_cache(
+        DVEmbAttributor(
+            args(tmp_path), loss_reduction="sum", curvature="mc_fisher"
+        ).attribute_from_cache(
             tmp_path / "sgd" / "train", tmp_path / "sgd" / "query", learning_rate=LRS
         )
 
@@ -298,7 +304,7 @@ def test_missing_learning_rate_raises_and_adam_warns(tmp_path):
 # ---- cached embeddings ---------------------------------------------------------------------------
 def test_embeddings_saved_and_reloaded_rescore_identically(tmp_path):
     run = make_run(tmp_path)
-    att = DVEmbAttributor(args(tmp_path), learning_rate=LRS)
+    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum", learning_rate=LRS)
     embs = att.embed(tmp_path / "train", save_to=tmp_path / "emb")
     direct = att.attribute_from_cache(tmp_path / "train", tmp_path / "query")
     loaded = DataValueEmbeddings.load(tmp_path / "emb")
@@ -329,7 +335,7 @@ def test_replay_equals_store(tmp_path):
     def loss(model, batch):
         return mlp_sample_losses(model(batch["x"]), batch["y"]).sum()
 
-    att = DVEmbAttributor(args(tmp_path))
+    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum")
     dyn = run.extra["dynamics"]
     stored = att.attribute_from_cache(tmp_path / "train", tmp_path / "query", dynamics=dyn)
     replay = ReplayGradientSource(run.model, run.extra["snaps"], loss)
@@ -393,11 +399,13 @@ def test_mc_fisher_is_closer_to_the_exact_derivative_than_the_empirical_fisher(t
     exact = exact_scores(run)
     tr, te = tmp_path / "train", tmp_path / "query"
     a = args(tmp_path)
-    emp = DVEmbAttributor(a, learning_rate=LRS).attribute_from_cache(tr, te)
-    mc = DVEmbAttributor(a, learning_rate=LRS, curvature="mc_fisher").attribute_from_cache(
-        tr, te, curvature_source=tmp_path / "curv"
-    )
-    none = DVEmbAttributor(a, learning_rate=LRS, curvature="none").attribute_from_cache(tr, te)
+    emp = DVEmbAttributor(a, loss_reduction="sum", learning_rate=LRS).attribute_from_cache(tr, te)
+    mc = DVEmbAttributor(
+        a, loss_reduction="sum", learning_rate=LRS, curvature="mc_fisher"
+    ).attribute_from_cache(tr, te, curvature_source=tmp_path / "curv")
+    none = DVEmbAttributor(
+        a, loss_reduction="sum", learning_rate=LRS, curvature="none"
+    ).attribute_from_cache(tr, te)
     errs = {
         k: fro_rel(s.query(run.ids, run.qids), exact)
         for k, s in (("empirical_fisher", emp), ("mc_fisher", mc), ("none", none))
@@ -463,7 +471,7 @@ def test_recorded_per_group_learning_rates_are_used_and_not_overridden(tmp_path)
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(xq), yq, reduction="sum").backward()
     a = args(tmp_path)
-    att = DVEmbAttributor(a, curvature="none")
+    att = DVEmbAttributor(a, loss_reduction="sum", curvature="none")
     score = att.attribute_from_cache(tmp_path / "tr", tmp_path / "q", dynamics=rec.dynamics())
     # explicit: per-coordinate learning rates over the [W | b] matrix forms of fc1 then fc2
     blocks = list(DiskGradientSource(tmp_path / "tr"))
@@ -495,10 +503,12 @@ def test_exact_hessian_equals_the_exact_derivative(tmp_path, case):
 
     hessian = ExactHessian(run.model, run.extra["snaps"], loss)
     tr, te, a = tmp_path / "train", tmp_path / "query", args(tmp_path)
-    got = DVEmbAttributor(a, curvature=hessian).attribute_from_cache(
+    got = DVEmbAttributor(a, loss_reduction="sum", curvature=hessian).attribute_from_cache(
         tr, te, dynamics=run.extra["dynamics"]
     )
-    fisher = DVEmbAttributor(a).attribute_from_cache(tr, te, dynamics=run.extra["dynamics"])
+    fisher = DVEmbAttributor(a, loss_reduction="sum").attribute_from_cache(
+        tr, te, dynamics=run.extra["dynamics"]
+    )
     err, err_fisher = (fro_rel(s.query(run.ids, run.qids), exact) for s in (got, fisher))
     print(f"{case}: exact Hessian {err:.1e}, empirical Fisher {err_fisher:.1e}")
     assert err <= 1e-9

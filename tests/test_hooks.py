@@ -175,6 +175,43 @@ def test_sample_id_key_and_manual_ids() -> None:
     assert cb2.pop().hashes == ["a", "b", "c"]
 
 
+def test_sample_id_key_of_the_wrong_shape_is_refused_at_capture() -> None:
+    """Two ids for a batch of four, or a 2-D id field, would give distinct samples one id."""
+
+    class WithIds(TinyLM):
+        def forward(self, input_ids: torch.Tensor, sample_id: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids)
+
+    model = WithIds()
+    ids = torch.randint(0, 17, (4, 5))
+    cases = {
+        "too few": (torch.tensor([7, 8]), r"shape \(2,\) for a batch of 4 samples"),
+        "2-D": (torch.tensor([[1, 2], [1, 3], [1, 4], [1, 5]]), r"shape \(4, 2\)"),
+    }
+    for field, match in cases.values():
+        cb = CaptureCallback()
+        hm = HookManager(model, config=HookManagerConfig(sample_id_key="sample_id"), callbacks=[cb])
+        with pytest.raises(ValueError, match=match) as err:
+            with hm.collect(deregister_on_exit=True):
+                model(input_ids=ids, sample_id=field).sum().backward()
+        assert "sample_id_key 'sample_id'" in str(err.value)
+        assert "shape (4,)" in str(err.value) and "set_sample_ids" in str(err.value)
+        assert cb.record is None
+    # one id per row, also as a (B, 1) column, is taken
+    cb = CaptureCallback()
+    hm = HookManager(model, config=HookManagerConfig(sample_id_key="sample_id"), callbacks=[cb])
+    with hm.collect(deregister_on_exit=True):
+        model(input_ids=ids, sample_id=torch.tensor([[4], [5], [6], [7]])).sum().backward()
+    assert cb.pop().hashes == ["4", "5", "6", "7"]
+    # the live path's per-item ids follow the same rule
+    from dattri_llm.gradient.streaming import sample_id
+
+    config = HookManagerConfig(sample_id_key="sample_id")
+    assert sample_id({"input_ids": ids[0], "sample_id": torch.tensor(3)}, config) == "3"
+    with pytest.raises(ValueError, match=r"sample_id_key 'sample_id'.*shape \(2,\)"):
+        sample_id({"input_ids": ids[0], "sample_id": torch.tensor([3, 4])}, config)
+
+
 def test_selection_errors_are_clear() -> None:
     model = TinyLM()
     with pytest.raises(ValueError, match="fc"):

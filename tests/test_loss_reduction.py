@@ -212,3 +212,49 @@ def test_sample_sum_loss_on_its_own():
     one = SampleSumLoss(mean_loss)
     one(model, {"input_ids": batch["input_ids"][:1]})
     assert one.reduction == "auto"  # a single sample cannot tell; sum and mean agree on it
+
+
+# ---- the trajectory methods: the captured run's reduction is declared, not assumed silently --
+def test_trajectory_methods_never_assume_the_reduction_silently(tmp_path, recwarn):
+    """Issue 26, 3: a store captured from a mean-loss loop scored silently as a sum."""
+    import warnings
+
+    from dattri_llm import AdamWInfluenceAttributor, DVEmbAttributor
+    from tests import test_adamw_influence as adamw_tests
+    from tests import test_dvemb as dvemb_tests
+
+    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
+    sgd = dvemb_tests.make_run(tmp_path / "sgd", reduction="mean")
+    adam = adamw_tests.make_run(tmp_path / "adam", "adamw", reduction="mean")
+    calls = {
+        "DVEmbAttributor": lambda att: att.attribute_from_cache(
+            tmp_path / "sgd" / "train", tmp_path / "sgd" / "query", learning_rate=dvemb_tests.LRS
+        ),
+        "AdamWInfluenceAttributor": lambda att: att.attribute_from_cache(
+            tmp_path / "adam" / "train",
+            tmp_path / "adam" / "query",
+            dynamics=adam.extra["dynamics"],
+        ),
+    }
+    for cls in (DVEmbAttributor, AdamWInfluenceAttributor):
+        call = calls[cls.__name__]
+        with pytest.warns(UserWarning, match="loss_reduction was not declared") as caught:
+            undeclared = call(cls(a))
+        msg = str(caught[0].message)
+        assert cls.__name__ in msg and 'loss_reduction="mean"' in msg
+        assert 'loss_reduction="sum"' in msg
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # declared: no warning
+            mean = call(cls(a, loss_reduction="mean"))
+            total = call(cls(a, loss_reduction="sum"))
+        # what the warning is about is real: the undeclared run scored as a sum, off the mean
+        assert torch.equal(undeclared.scores, total.scores)
+        assert (mean.scores - total.scores).abs().max() > 1e-3 * mean.scores.abs().max()
+        # no state survives a call: the attributor is undeclared again
+        att = cls(a)
+        with pytest.warns(UserWarning, match="loss_reduction"):
+            call(att)
+        assert att.loss_reduction is None
+        with pytest.raises(ValueError, match="loss_reduction is not declared.*loss_reduction="):
+            att.kappa(4)
+    del sgd

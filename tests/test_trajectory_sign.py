@@ -93,12 +93,12 @@ def test_positive_score_means_the_sample_helped(tmp_path, kind):
     run = run_for(tmp_path, kind)
     d = tmp_path / kind
     if kind == "adamw":
-        att = AdamWInfluenceAttributor(args(tmp_path))
+        att = AdamWInfluenceAttributor(args(tmp_path), loss_reduction="sum")
         score = att.attribute_from_cache(
             d / "train", d / "query", dynamics=run.extra["rec"].dynamics()
         )
     elif kind == "sgd":
-        att = DVEmbAttributor(args(tmp_path))
+        att = DVEmbAttributor(args(tmp_path), loss_reduction="sum")
         score = att.attribute_from_cache(
             d / "train", d / "query", dynamics=run.extra["rec"].dynamics()
         )

@@ -100,7 +100,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         task: For the live path.
         dynamics: Default ``dynamics=`` of the calls (``OptimizerStateCallback.dynamics()``, a
             ``TrajectorySnapshots`` or its directory); a call's own ``dynamics=`` wins.
-        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch;
+            required from a store (see :class:`TrajectoryAttributor`), ``None`` is ``"sum"``
+            only for the live ``attribute``.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
         curvature: Each step's batch-loss curvature: ``"empirical_fisher"`` (``κ Σ s sᵀ`` from
@@ -112,7 +114,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         >>> rec = OptimizerStateCallback(model, opt)
         >>> ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
         >>> ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
-        >>> score = AdamWInfluenceAttributor(args).attribute_from_cache(
+        >>> score = AdamWInfluenceAttributor(args, loss_reduction="sum").attribute_from_cache(
         ...     "train_grads", "query_grads", dynamics=rec.dynamics())
     """
 
@@ -121,7 +123,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         args: Any = None,
         task: Any = None,
         dynamics: Any = None,
-        loss_reduction: str = "sum",
+        loss_reduction: str | None = None,
         method: str = "adjoint",
         compute_dtype: torch.dtype | None = None,
         curvature: str | ExactHessian = "empirical_fisher",

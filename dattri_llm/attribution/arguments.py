@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dattri_llm.utils.progress import check_show
+
 __all__ = ["AttributionArguments"]
 
 _COLLATES = ("stack", "pad")
@@ -67,7 +69,9 @@ class AttributionArguments:
             everything it is given by itself (e.g. rank 0 alone, the others waiting).
         distributed_timeout_s: How long a split call waits for every rank to join it before
             failing with an error naming the missing ranks.
-        show_progress: Show tqdm progress bars.
+        show_progress: Progress bars on standard error: ``None`` (default, tqdm's
+            convention) only when it is a terminal, so CI logs and redirected runs carry none;
+            ``True`` always; ``False`` never.
         live_cache_gb: Live runs keep the streamed train gradients in memory up to this many
             GiB, so an attributor that reads the train set several times (K-FAC covariances,
             EK-FAC eigenvalues, then scoring) runs one forward/backward pass over it instead
@@ -96,7 +100,7 @@ class AttributionArguments:
     resumable: bool = False
     distributed_scoring: bool = True
     distributed_timeout_s: float = 300.0
-    show_progress: bool = True
+    show_progress: bool | None = None
     live_cache_gb: float = 2.0
 
     def __post_init__(self) -> None:
@@ -138,10 +142,10 @@ class AttributionArguments:
             raise ValueError(
                 f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
             )
+        check_show(self.show_progress, "AttributionArguments.show_progress")
         for name in (
             "use_cpu",
             "dataloader_drop_last",
-            "show_progress",
             "resumable",
             "distributed_scoring",
         ):

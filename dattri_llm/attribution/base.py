@@ -43,7 +43,7 @@ from dattri_llm.gradient.compat import (
 )
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManagerConfig
-from dattri_llm.gradient.sources import GradientBlock, GradientSource
+from dattri_llm.gradient.sources import GradientBlock, GradientSource, as_source
 from dattri_llm.utils.distributed import get_rank, get_world_size
 
 __all__ = ["BaseAttributor"]
@@ -361,6 +361,10 @@ class BaseAttributor:
     ) -> AttributionScore:
         """Attribute from any two gradient sources (the loop behind the other entry points).
 
+        A source yields ``(step, Gradient, hashes)`` blocks, optionally with ``checkpoint``
+        (default 0) and ``metadata`` after them, or :class:`GradientBlock` (see
+        :func:`~dattri_llm.gradient.sources.as_source`).
+
         ``fit`` reads ``train_source`` first when a subclass needs it, so pass a re-readable
         source to such attributors.
 
@@ -381,6 +385,7 @@ class BaseAttributor:
         """
         check_granularity(attribution_granularity)
         k = check_top_k(top_k)
+        train_source, test_source = as_source(train_source, "train"), as_source(test_source, "test")
         names = (source_name(train_source, "train"), source_name(test_source, "test"))
         if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
             # stores: refuse an incompatible pair before any pass over the train gradients

@@ -224,7 +224,9 @@ class DVEmbAttributor(TrajectoryAttributor):
         curvature: ``"empirical_fisher"``, ``"mc_fisher"``, ``"none"``, or an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true Hessian
             of each step's batch loss, replayed from parameter snapshots).
-        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch;
+            required from a store (see :class:`TrajectoryAttributor`), ``None`` is ``"sum"``
+            only for the live ``attribute``.
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
             queries; no embeddings kept).
         compute_dtype: Raise the propagation's precision.
@@ -243,7 +245,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         weight_decay: float = 0.0,
         momentum_buffer_existed: bool | None = None,
         curvature: str | ExactHessian = "empirical_fisher",
-        loss_reduction: str = "sum",
+        loss_reduction: str | None = None,
         method: str = "forward",
         compute_dtype: torch.dtype | None = None,
     ) -> None:
@@ -318,8 +320,9 @@ class DVEmbAttributor(TrajectoryAttributor):
             if self.compute_dtype is None
             else torch.promote_types(first.dtype, self.compute_dtype)
         )
-        load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
-        emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
+        with self.declared_reduction("embed"):
+            load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+            emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
         out = DataValueEmbeddings(emb.cpu(), hashes, steps, layer_widths(first, layers))
         if save_to is not None:
             out.save(save_to)
@@ -444,13 +447,13 @@ class DVEmbAttributor(TrajectoryAttributor):
         mats, rows = [], []
         for b in blocks:
             m, h = dense_rows([b], layers, dtype, device)
-            mats.append(m * m.shape[0] if self.loss_reduction == "mean" else m)
+            mats.append(m * m.shape[0] if self.require_reduction("embed") == "mean" else m)
             rows += h
         counts: dict[str, int] = {}
         for h in rows:
             counts[h] = counts.get(h, 0) + 1
         weights = torch.tensor([1.0 / counts[h] for h in rows], dtype=dtype, device=device)
-        kappa = 1.0 / batch if self.loss_reduction == "mean" else 1.0
+        kappa = 1.0 / batch if self.require_reduction("embed") == "mean" else 1.0
         return torch.cat(mats), weights, kappa
 
     def _schedule(self, learning_rate: Any, dyn: Any, where: str) -> Any:

@@ -35,7 +35,13 @@ from dattri_llm.gradient.ops.kronecker import (
     NonKronecker,
     TokenCount,
 )
-from dattri_llm.gradient.sources import GradientBlock, GradientSource, InMemoryGradientSource
+from dattri_llm.gradient.sources import (
+    BlockSource,
+    GradientBlock,
+    GradientSource,
+    InMemoryGradientSource,
+    as_source,
+)
 
 __all__ = ["KFACAttributor", "EKFACAttributor"]
 
@@ -195,6 +201,8 @@ class KFACAttributor(BaseAttributor):
         """Identity of the training data, to reuse a fit only for the same data."""
         if source is None:
             return None
+        if isinstance(source, BlockSource):
+            source = source.source  # a user source, as attribute_sources reads it
         if isinstance(source, (str, os.PathLike)):
             return ("store", os.path.realpath(source), ())
         if _looks_like_dataset(source):
@@ -229,7 +237,7 @@ class KFACAttributor(BaseAttributor):
             ]
             return InMemoryGradientSource(items)
         if isinstance(train_source, GradientSource) or not _looks_like_dataset(train_source):
-            return train_source
+            return as_source(train_source, "train")
         return self._live_source(train_source, hook_config, collate_fn)
 
     def _live_source(self, dataset: Any, hook_config: Any, collate_fn: Any) -> Iterable:
@@ -425,7 +433,7 @@ class EKFACAttributor(KFACAttributor):
 
 # ---- helpers ---------------------------------------------------------------------------------
 def _ekfac_pass(
-    fits: dict[int, KroneckerFactors], source: Iterable, show: bool
+    fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:
     """One pass over the training gradients, each block feeding its checkpoint's correction."""
     corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
@@ -446,18 +454,11 @@ def _gradient(block: Any) -> Gradient:
     return block.gradient
 
 
-def _progress(items: Iterable, desc: str, show: bool) -> Iterable:
-    if not show:
-        return items
+def _progress(items: Iterable, desc: str, show: bool | None) -> Iterable:
     from dattri_llm.utils.distributed import get_rank
+    from dattri_llm.utils.progress import progress
 
-    if get_rank() != 0:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        items, desc=desc, leave=False, total=len(items) if hasattr(items, "__len__") else None
-    )
+    return items if get_rank() != 0 else progress(items, show, desc=desc)
 
 
 def _is_store(obj: Any) -> bool:
@@ -470,7 +471,10 @@ def _looks_like_dataset(obj: Any) -> bool:
         return False
     if not hasattr(obj, "__getitem__") or not hasattr(obj, "__len__") or len(obj) == 0:
         return False
-    return not isinstance(obj[0], (GradientBlock, GradientRecord, Gradient))
+    first = obj[0]
+    if isinstance(first, tuple) and 3 <= len(first) <= 5 and isinstance(first[1], Gradient):
+        return False  # (step, Gradient, hashes, ...) blocks
+    return not isinstance(first, (GradientBlock, GradientRecord, Gradient))
 
 
 def _load_factors(obj: Any) -> dict[int, KroneckerFactors]:

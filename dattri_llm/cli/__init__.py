@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from dattri_llm.cli import attribute, demo, inspect_store, report, top
 from dattri_llm.cli._common import (
@@ -86,8 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     prog = f"dattri-llm {args.command}"
+
+    def show_warning(message: Any, category: Any, *rest: Any, **kw: Any) -> None:
+        # one line per warning: the message, not the library's source line that raised it
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
     try:
-        code = args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            code = args.run(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
-import sys
 from typing import Any
 
 __all__ = [
+    "plain",
     "EXIT_OK",
     "EXIT_ERROR",
     "EXIT_USAGE",
@@ -83,11 +84,9 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def show_progress(args: argparse.Namespace) -> bool:
-    """Whether to show progress bars for ``args`` (see :func:`add_progress_flag`)."""
-    if args.progress is not None:
-        return bool(args.progress)
-    return sys.stderr.isatty()
+def show_progress(args: argparse.Namespace) -> bool | None:
+    """Progress bars for ``args``: forced on / off, or ``None`` (only on a terminal)."""
+    return None if args.progress is None else bool(args.progress)
 
 
 def open_store(path: str, argument: str) -> Any:
@@ -101,7 +100,17 @@ def open_store(path: str, argument: str) -> Any:
     try:
         store = GradientStorageManager(path)
     except StoreFormatError as e:
-        raise UsageError(argument, str(e)) from None
+        from dattri_llm.gradient.store.format import META_FILE
+
+        if os.path.isfile(os.path.join(path, META_FILE)):
+            raise UsageError(argument, str(e)) from None
+        held = sorted(os.listdir(path))
+        raise UsageError(  # a reader's wording: the store is read, never written, here
+            argument,
+            f"{path!r} is not a gradient store: it has no {META_FILE} (it holds {held[:5]}"
+            f"{' ...' if len(held) > 5 else ''}). Pass the save_dir an OffloadCallback / "
+            "GradientStorageManager wrote during capture.",
+        ) from None
     if len(store) == 0:
         raise UsageError(
             argument,
@@ -109,6 +118,18 @@ def open_store(path: str, argument: str) -> Any:
             "wrote during capture.",
         )
     return store
+
+
+def plain(doc: str | None) -> str:
+    """A docstring for ``--help``: Sphinx roles and double backquotes removed.
+
+    ``:class:`~dattri_llm.OffloadCallback``` becomes ``OffloadCallback`` and ````x```` becomes
+    ``x``.
+    """
+    if not doc:
+        return ""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], doc)
+    return text.replace("``", "")
 
 
 def load_scores(path: str, argument: str) -> Any:

@@ -12,8 +12,10 @@ factory builds the library's attributor. Adding a method is one entry, e.g.::
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -95,13 +97,13 @@ METHODS: dict[str, Method] = _registry(
     Method(
         "kfac",
         "K-FAC influence, fitted from the train store",
-        attributor("KFACAttributor"),
+        lambda ns, args: _kronecker("KFACAttributor", ns, args),
         damping=True,
     ),
     Method(
         "ekfac",
         "EK-FAC influence, fitted from the train store",
-        attributor("EKFACAttributor"),
+        lambda ns, args: _kronecker("EKFACAttributor", ns, args),
         damping=True,
     ),
     Method(
@@ -128,6 +130,44 @@ METHODS: dict[str, Method] = _registry(
         },
     ),
 )
+
+
+def _kronecker(name: str, ns: argparse.Namespace, args: Any) -> Any:
+    import dattri_llm
+
+    return getattr(dattri_llm, name)(args, non_kronecker=ns.non_kronecker or "skip")
+
+
+def select_layers(patterns: list[str], names: list[str], store: str) -> list[str]:
+    r"""The layers ``--layers`` names, in store order: exact names, regexes or globs.
+
+    A pattern is a layer name, a regex full-matched against the names (as
+    ``HookManagerConfig`` selects modules: ``transformer\.h\..*``, ``fc|head``) or a shell
+    glob (``transformer.h.*``, ``*.mlp.*``).
+
+    Raises:
+        UsageError: a pattern that matches no layer of ``store``.
+    """
+    chosen: set[str] = set()
+    for pattern in patterns:
+        if pattern in names:
+            chosen.add(pattern)
+            continue
+        hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
+        try:
+            rx = re.compile(pattern)
+        except re.error:
+            rx = None
+        if rx is not None:
+            hits |= {n for n in names if rx.fullmatch(n)}
+        if not hits:
+            raise UsageError(
+                "--layers",
+                f"[{pattern!r}] not in {store}: no layer matches it as a name, a regex or a "
+                f"glob; it holds {names}.",
+            )
+        chosen |= hits
+    return [n for n in names if n in chosen]
 
 
 def _trajectory(name: str, ns: argparse.Namespace, args: Any) -> Any:
@@ -192,7 +232,21 @@ def add_parser(sub: Any) -> None:
         help="score only records with these checkpoint labels (default: all; for grad-dot and "
         "grad-cos the train store's last)",
     )
-    p.add_argument("--layers", nargs="+", metavar="NAME", help="score only these layers")
+    p.add_argument(
+        "--layers",
+        nargs="+",
+        metavar="PATTERN",
+        help="score only these layers: names, regexes (full match, as HookManagerConfig) or "
+        "globs, e.g. 'transformer.h.*'",
+    )
+    p.add_argument(
+        "--non-kronecker",
+        choices=("skip", "diagonal"),
+        default=None,
+        help="kfac/ekfac: layers without a Kronecker form (embeddings, norms): 'skip' leaves "
+        "them out of the scores, 'diagonal' preconditions them with a diagonal Fisher "
+        "(default: skip)",
+    )
     p.add_argument(
         "--granularity",
         choices=("sample", "token"),
@@ -223,8 +277,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--loss-reduction",
         choices=("sum", "mean"),
-        default="sum",
-        help="adamw-influence, dvemb: how the training loss combined each batch",
+        default=None,
+        help="adamw-influence, dvemb: how the training loss combined each batch (declare it: "
+        "undeclared, the sum is assumed with a warning)",
     )
     p.add_argument(
         "--pair-by",
@@ -262,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
         flag = "--damping" if args.damping is not None else "--relative-damping"
         takes = ", ".join(m.name for m in METHODS.values() if m.damping)
         raise UsageError(flag, f"--method {method.name} takes no damping (only {takes} do).")
+    if not method.damping and args.non_kronecker is not None:
+        takes = ", ".join(m.name for m in METHODS.values() if m.damping)
+        raise UsageError("--non-kronecker", f"only {takes} take it, not --method {method.name}.")
     if args.damping is not None and args.damping < 0:
         raise UsageError("--damping", f"must be >= 0, got {args.damping}.")
     if args.relative_damping and args.damping is None:
@@ -283,13 +341,15 @@ def run(args: argparse.Namespace) -> int:
                     f"{missing} not in {name} {store.save_dir} (it holds checkpoint labels "
                     f"{store.available_checkpoints()}).",
                 )
-        if args.layers:
-            unknown = [x for x in args.layers if x not in store.layer_names]
-            if unknown:
-                raise UsageError(
-                    "--layers", f"{unknown} not in {name} {store.save_dir}: it holds "
-                    f"{store.layer_names}."
-                )  # fmt: skip
+    layers = None
+    if args.layers:
+        layers = select_layers(args.layers, train.layer_names, f"--train {train.save_dir}")
+        missing = [n for n in layers if n not in test.layer_names]
+        if missing:
+            raise UsageError(
+                "--layers", f"{missing} not in --test {test.save_dir}: it holds "
+                f"{test.layer_names}."
+            )  # fmt: skip
     if checkpoints is None and method.last_checkpoint and len(train.available_checkpoints()) > 1:
         last = train.available_checkpoints()[-1]
         if last not in test.available_checkpoints():
@@ -315,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs.update(method.call_kwargs(args))
     t0 = time.perf_counter()
     score = method.factory(args, run_args).attribute_from_cache(
-        train, test, args.granularity, args.layers, checkpoints=checkpoints, **kwargs
+        train, test, args.granularity, layers, checkpoints=checkpoints, **kwargs
     )
     seconds = time.perf_counter() - t0
     score.save(args.out)
@@ -324,13 +384,14 @@ def run(args: argparse.Namespace) -> int:
         "train store": os.path.abspath(args.train),
         "test store": os.path.abspath(args.test),
         "checkpoints": "all" if checkpoints is None else checkpoints,
-        "layers": args.layers or f"all ({len(train.layer_names)})",
+        "layers": layers or f"all ({len(train.layer_names)})",
         "granularity": args.granularity,
         "seconds": round(seconds, 3),
         "dattri_llm": __version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if method.damping:
+        settings["non-kronecker layers"] = args.non_kronecker or "skip"
         settings["damping"] = (
             "default (0.1 x mean eigenvalue)"
             if args.damping is None

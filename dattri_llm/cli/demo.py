@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dattri_llm.cli._common import HelpFormatter
+from dattri_llm.cli._common import HelpFormatter, plain
 
 
 def add_parser(sub: Any) -> None:
@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="train a tiny GPT-2 while offloading gradients, then attribute (offline, ~1 min)",
-        description=demo.__doc__,
+        description=plain(demo.__doc__),
         formatter_class=HelpFormatter,
     )
     demo.add_arguments(p)

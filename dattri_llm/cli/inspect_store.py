@@ -19,6 +19,7 @@ from dattri_llm.cli._common import (
     show_progress,
 )
 from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
+from dattri_llm.utils.progress import progress as progress_over
 
 DESCRIPTION = """Describe a gradient store: records, steps, checkpoints, ranks, samples, the
 layers with their per-sample shapes and sizes, the dtype, the format version and the capture
@@ -176,16 +177,12 @@ def _print(d: dict) -> None:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-def verify(store: Any, progress: bool) -> tuple[int, list[str]]:
+def verify(store: Any, progress: bool | None) -> tuple[int, list[str]]:
     """Read every record; returns ``(records checked, one message per damaged file)``."""
     from dattri_llm.gradient.store import StoreFormatError
 
     bad: list[str] = []
-    indices: Any = range(len(store))
-    if progress:
-        from tqdm.auto import tqdm
-
-        indices = tqdm(indices, desc="verifying", unit="record", leave=False)
+    indices: Any = progress_over(range(len(store)), progress, desc="verifying", unit="record")
     for i in indices:
         try:
             store.load_record(i)

@@ -1,31 +1,54 @@
 """``GradientSource``: what attributors read — blocks of ``(step, Gradient, hashes)``.
 
-A source is an iterable of :class:`GradientBlock` in a stable order, plus ``rereadable``
-(whether it can be iterated again, e.g. a store on disk, as opposed to a live stream that
-recomputes). Attributors never care where blocks come from.
+A source is an iterable of blocks in a stable order, plus ``rereadable`` (whether it can be
+iterated again, e.g. a store on disk, as opposed to a live stream that recomputes).
+Attributors never care where blocks come from.
+
+A block is a ``(step, gradient, hashes)`` tuple (the specification's contract) or a richer
+``(step, gradient, hashes, checkpoint, metadata)`` one; the library's own sources yield
+:class:`GradientBlock`, a named tuple of those five fields whose first three are the
+specification's. :func:`as_source` is the one place a source that did not come from the
+library is read through: every item becomes a :class:`GradientBlock`, the missing fields
+taking their defaults (``checkpoint=0``, ``metadata={}``), and anything else is refused with
+the item's position and type.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from dattri_llm.gradient.gradient import GradientBlock, GradientRecord
+from dattri_llm.gradient.gradient import NO_METADATA, Gradient, GradientBlock, GradientRecord
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.compat import CaptureFacts
     from dattri_llm.gradient.store import GradientStorageManager
 
-__all__ = ["GradientBlock", "GradientSource", "InMemoryGradientSource", "DiskGradientSource"]
+__all__ = [
+    "GradientBlock",
+    "GradientSource",
+    "InMemoryGradientSource",
+    "DiskGradientSource",
+    "BlockSource",
+    "as_block",
+    "as_source",
+]
 
 
 @runtime_checkable
 class GradientSource(Protocol):
-    """The contract every gradient source satisfies."""
+    """The contract every gradient source satisfies.
+
+    ``__iter__`` yields ``(step, gradient, hashes)`` tuples — or ``(step, gradient, hashes,
+    checkpoint)``, ``(step, gradient, hashes, checkpoint, metadata)``, a
+    :class:`GradientBlock` or a :class:`GradientRecord` — in a stable order: ``step`` an int,
+    ``gradient`` a :class:`~dattri_llm.Gradient` of ``B`` rows, ``hashes`` ``B`` sample ids.
+    A source without ``rereadable`` is read once when it is not a list or tuple.
+    """
 
     #: Whether iterating again yields the same blocks without recomputation.
     rereadable: bool
@@ -35,20 +58,129 @@ class GradientSource(Protocol):
         ...
 
 
+def as_block(item: object, where: str = "a gradient source") -> GradientBlock:
+    """One item of a source as a :class:`GradientBlock` (see the module docstring).
+
+    Args:
+        item: A :class:`GradientBlock`, a :class:`GradientRecord`, or a tuple ``(step,
+            gradient, hashes[, checkpoint[, metadata]])``.
+        where: How the error names the item (e.g. ``"item 3 of the train source"``).
+
+    Raises:
+        TypeError: the item is none of those, or a field has the wrong type.
+    """
+    if isinstance(item, GradientBlock):
+        return item
+    if isinstance(item, GradientRecord):
+        return GradientBlock(
+            item.step, item.gradient, list(item.hashes), item.checkpoint, item.metadata
+        )
+    fix = (
+        "a GradientSource yields (step, Gradient, hashes) tuples (optionally followed by "
+        "checkpoint and metadata) or GradientBlocks."
+    )
+    if not isinstance(item, tuple) or not 3 <= len(item) <= 5:
+        size = f" of {len(item)} fields" if isinstance(item, tuple) else ""
+        raise TypeError(f"{where} is a {type(item).__name__}{size}; {fix}")
+    step, gradient, hashes, *rest = item
+    if not isinstance(gradient, Gradient):
+        raise TypeError(
+            f"{where}: its second field must be a dattri_llm Gradient, got "
+            f"{type(gradient).__name__}; {fix}"
+        )
+    if isinstance(hashes, torch.Tensor):
+        hashes = hashes.tolist()
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(
+            f"{where}: its third field (hashes) must be a sequence of one sample id per "
+            f"gradient row, got {type(hashes).__name__}."
+        )
+    if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
+        raise TypeError(f"{where}: its first field (step) must be an int, got {step!r}.")
+    checkpoint = rest[0] if rest else 0
+    metadata = rest[1] if len(rest) > 1 else None
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"{where}: its fifth field (metadata) must be a mapping, got {type(metadata).__name__}."
+        )
+    return GradientBlock(
+        int(step),
+        gradient,
+        [h if isinstance(h, str) else str(h) for h in hashes],
+        int(checkpoint),
+        NO_METADATA if metadata is None else metadata,
+    )
+
+
+class BlockSource:
+    """A user source read through :func:`as_block` (what :func:`as_source` returns).
+
+    Everything else (``capture_facts``, ``num_samples``, ``layer_names``, ...) is the wrapped
+    source's; ``load_step`` (random access by step) is read through :func:`as_block` too.
+    """
+
+    yields_blocks = True
+
+    def __init__(self, source: Iterable[object], side: str) -> None:
+        self.source = source
+        self.side = side
+        self.rereadable = bool(getattr(source, "rereadable", isinstance(source, (list, tuple))))
+
+    def __iter__(self) -> Iterator[GradientBlock]:
+        for i, item in enumerate(self.source):
+            yield as_block(item, f"item {i} of the {self.side} source")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("source", "side"):  # dunders: not delegated
+            raise AttributeError(name)
+        value = getattr(self.source, name)
+        if name == "load_step":
+            return lambda step: [
+                as_block(b, f"a block of step {step} of the {self.side} source")
+                for b in value(step)
+            ]
+        return value
+
+
+def as_source(source: Any, side: str = "train") -> Any:
+    """``source`` as a source of :class:`GradientBlock` — the one entry of user sources.
+
+    The library's own sources (they set ``yields_blocks = True``) are returned as they are;
+    any other iterable (a user's class, a generator, a list of tuples) is read through
+    :func:`as_block`, so ``(step, Gradient, hashes)`` tuples work wherever a source does.
+
+    Args:
+        source: A gradient source or an iterable of blocks.
+        side: ``"train"`` or ``"test"`` (how errors name it).
+
+    Raises:
+        TypeError: ``source`` is not iterable.
+    """
+    if getattr(source, "yields_blocks", False):
+        return source
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            f"the {side} source must be an iterable of (step, Gradient, hashes) blocks (a "
+            f"GradientSource), got {type(source).__name__}."
+        )
+    return BlockSource(source, side)
+
+
 class InMemoryGradientSource:
-    """A source over records already in memory (e.g. from a ``CaptureCallback``)."""
+    """A source over records already in memory (e.g. from a ``CaptureCallback``).
+
+    Args:
+        records: :class:`GradientRecord`, :class:`GradientBlock` or ``(step, Gradient,
+            hashes[, checkpoint[, metadata]])`` tuples (see :func:`as_block`).
+    """
 
     rereadable = True
+    yields_blocks = True
 
-    def __init__(self, records: Iterable[GradientRecord | GradientBlock]) -> None:
-        self._blocks: list[GradientBlock] = []
-        for r in records:
-            if isinstance(r, GradientRecord):
-                self._blocks.append(
-                    GradientBlock(r.step, r.gradient, list(r.hashes), r.checkpoint, r.metadata)
-                )
-            else:
-                self._blocks.append(r)
+    def __init__(self, records: Iterable[GradientRecord | GradientBlock | tuple]) -> None:
+        self._blocks: list[GradientBlock] = [
+            as_block(r, f"item {i} of the records") for i, r in enumerate(records)
+        ]
 
     def __iter__(self) -> Iterator[GradientBlock]:
         return iter(self._blocks)
@@ -78,6 +210,7 @@ class DiskGradientSource:
     """
 
     rereadable = True
+    yields_blocks = True
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from dattri_llm.gradient.callbacks.capture import CaptureCallback
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.sources import GradientBlock
 from dattri_llm.utils.hashing import hash_sample
+from dattri_llm.utils.progress import progress_bar
 
 __all__ = [
     "GradientStreamer",
@@ -47,7 +48,7 @@ def _as_fields(item: Any) -> Mapping[str, Any] | torch.Tensor:
 def sample_id(item: Any, config: HookManagerConfig | None = None) -> str:
     """Identity of one dataset item, as the hook manager would give its row in a batch.
 
-    Uses ``config.sample_id_key`` (the field's first value) when set, else the content hash
+    Uses ``config.sample_id_key`` (the field's scalar value) when set, else the content hash
     over ``config.hash_keys`` (default ``input_ids``, or every tensor field).
     """
     fields = _as_fields(item)
@@ -55,7 +56,14 @@ def sample_id(item: Any, config: HookManagerConfig | None = None) -> str:
     if key is not None:
         if not isinstance(fields, Mapping) or key not in fields:
             raise KeyError(f"sample_id_key {key!r} is not a field of the dataset items.")
-        return str(torch.as_tensor(fields[key]).reshape(-1)[0].item())
+        value = torch.as_tensor(fields[key])
+        if value.numel() != 1:
+            raise ValueError(
+                f"sample_id_key {key!r}: the field {key!r} of a dataset item has shape "
+                f"{tuple(value.shape)}; it must be one scalar id per sample. Store each item's "
+                "id as a scalar, or drop sample_id_key to identify samples by content hash."
+            )
+        return str(value.reshape(()).item())
     keys = config.hash_keys if config is not None else None
     if keys is not None and isinstance(fields, Mapping):
         keys = [k for k in keys if k in fields] or None
@@ -189,7 +197,7 @@ class GradientStreamer:
         drop_last: Drop the last incomplete batch.
         device: Where batches are moved (default: the device of the model's parameters).
         frozen: Use the frozen probe (default). Ignored for DDP / FSDP wrappers.
-        show_progress: Show a tqdm bar.
+        show_progress: Show a tqdm bar (``None``: only when standard error is a terminal).
         desc: Label of the bar.
         optimizer: Preconditioned capture (LESS): each gradient mapped through this
             optimizer's update (see ``HookManager(optimizer=...)``); default raw gradients.
@@ -199,6 +207,7 @@ class GradientStreamer:
     """
 
     rereadable = False
+    yields_blocks = True
 
     def __init__(
         self,
@@ -214,7 +223,7 @@ class GradientStreamer:
         drop_last: bool = False,
         device: torch.device | str | None = None,
         frozen: bool = True,
-        show_progress: bool = False,
+        show_progress: bool | None = False,
         desc: str = "gradients",
         optimizer: Any = None,
         precondition_scale: float | str = 1.0,
@@ -317,14 +326,12 @@ class GradientStreamer:
         )
         hm.checkpoint = self.checkpoint
         loader = self._loader()
-        bar = None
-        if self.show_progress:
-            from tqdm.auto import tqdm
-
-            n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
-            if n is not None and self.drop_last:
-                n -= n % self.batch_size
-            bar = tqdm(total=n, desc=self.desc, leave=False, unit="sample", unit_scale=True)
+        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        if n is not None and self.drop_last:
+            n -= n % self.batch_size
+        bar = progress_bar(
+            self.show_progress, total=n, desc=self.desc, unit="sample", unit_scale=True
+        )
         try:
             for batch, ids in loader:
                 batch = move_to_device(batch, device)

@@ -259,7 +259,8 @@ def tour(args: argparse.Namespace, out: str) -> dict:
             a, task=multi, optimizers=optimizers).attribute(train_items, query_items, hook)),
         (f"LESS x{len(ckpts)}", "cache", lambda: LESSAttributor(a).attribute_from_cache(
             f"{out}/less", te)),  # weights: the learning rates recorded at capture
-        ("AdamW-influence", "cache", lambda: AdamWInfluenceAttributor(a).attribute_from_cache(
+        ("AdamW-influence", "cache", lambda: AdamWInfluenceAttributor(
+            a, loss_reduction="sum").attribute_from_cache(
             f"{out}/run", f"{out}/query_final", dynamics=recorder.dynamics())),
         ("DVEmb (SGD copy)", "live", lambda: DVEmbAttributor(sgd, task=at_final).attribute(
             train_items, query_items, masked)),

@@ -237,7 +237,9 @@ def attribution_quality(
     scores: dict[str, torch.Tensor] = {}
     for name, attributor, kwargs in (
         ("TracIn", TracInAttributor(args), {}),
-        ("DVEmb", DVEmbAttributor(args), {"learning_rate": lr}),
+        # loss_reduction: "sum", the default this check was measured with (the train module
+        # divides the summed loss by a fixed loss_div_factor, not by the batch)
+        ("DVEmb", DVEmbAttributor(args, loss_reduction="sum"), {"learning_rate": lr}),
     ):
         ids, matrix = attributor.attribute_from_cache(
             str(train_dir), str(test_dir), **kwargs

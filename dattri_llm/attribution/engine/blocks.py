@@ -50,6 +50,7 @@ class LiveSource:
     """
 
     rereadable = False
+    yields_blocks = True
 
     def __init__(self, make: Callable[[], Iterator[GradientBlock]], budget: int) -> None:
         self._make = make

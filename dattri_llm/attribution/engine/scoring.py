@@ -77,18 +77,15 @@ def dense_row_bytes(grad: Gradient, itemsize: int) -> int:
     return most * itemsize
 
 
-def progress_bar(show: bool, total: int | None, desc: str, initial: int = 0) -> Any:
-    """A tqdm bar over samples (rate in samples/s and ETA), or ``None``."""
-    if not show:
-        return None
-    from tqdm.auto import tqdm
-
+def progress_bar(show: bool | None, total: int | None, desc: str, initial: int = 0) -> Any:
+    """A bar over samples (rate in samples/s and ETA), or ``None`` (see ``utils.progress``)."""
+    from dattri_llm.utils import progress
     from dattri_llm.utils.distributed import get_rank, get_world_size
 
     if get_world_size() > 1:
         desc = f"{desc} [rank {get_rank()}]"
-    return tqdm(
-        total=total, initial=initial, desc=desc, unit="sample", unit_scale=True, leave=False
+    return progress.progress_bar(
+        show, total=total, initial=initial, desc=desc, unit="sample", unit_scale=True
     )
 
 

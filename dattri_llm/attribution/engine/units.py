@@ -67,6 +67,7 @@ class RecordSource:
     all_checkpoints: list[int] = field(default_factory=list)
 
     rereadable = True
+    yields_blocks = True
 
     def __len__(self) -> int:
         return len(self.units)

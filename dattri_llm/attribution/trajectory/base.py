@@ -28,8 +28,10 @@ float64; ``compute_dtype`` may raise precision, never lower it).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ from dattri_llm.attribution.trajectory.unroll import (
     forward_sweep,
 )
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
+from dattri_llm.gradient.sources import as_source
+from dattri_llm.utils.progress import progress
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
@@ -138,6 +142,7 @@ def step_index(
             return out
 
         return StepIndex(list(by_step), load_disk)
+    source = as_source(source, "train")
     if hasattr(source, "load_step") and hasattr(source, "steps"):
         return StepIndex(source.steps(), source.load_step)
     blocks: dict[int, list[GradientBlock]] = {}
@@ -176,9 +181,14 @@ class TrajectoryAttributor(BaseAttributor):
     Args:
         args: Run options.
         task: For the live path.
-        loss_reduction: How the training loss combined the batch: ``"sum"`` (the library's
-            convention) or ``"mean"``. It sets ``κ`` in the batch curvature ``κ Σ s sᵀ``
-            (the captured ``s`` are the samples' shares either way).
+        loss_reduction: How the training loss of the captured run combined each batch:
+            ``"sum"`` (``loss = Σ ℓ_z``) or ``"mean"`` (``loss = Σ ℓ_z / B``, e.g.
+            ``model(**batch).loss``). It sets ``κ`` in the batch curvature ``κ Σ s sᵀ`` and how
+            a removal re-normalises the batch (the captured ``s`` are the samples' shares
+            either way), so it changes every score. ``None`` (not declared): the live
+            ``attribute`` trains (or replays) with the task's per-sample sum itself and uses
+            ``"sum"``; from a store (``attribute_from_cache``, ``attribute_sources``, ``embed``)
+            ``"sum"`` is assumed with a warning that names ``loss_reduction`` (declare it).
         compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
             float32 run); never lowers it.
         method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
@@ -191,7 +201,7 @@ class TrajectoryAttributor(BaseAttributor):
         self,
         args: Any = None,
         task: Any = None,
-        loss_reduction: str = "sum",
+        loss_reduction: str | None = None,
         compute_dtype: torch.dtype | None = None,
         method: str = "adjoint",
     ) -> None:
@@ -199,7 +209,7 @@ class TrajectoryAttributor(BaseAttributor):
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
         self.method = method
-        if loss_reduction not in _REDUCTIONS:
+        if loss_reduction is not None and loss_reduction not in _REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {_REDUCTIONS} (how the training loss combined "
                 f"the batch), got {loss_reduction!r}."
@@ -210,6 +220,53 @@ class TrajectoryAttributor(BaseAttributor):
             raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}.")
         self.loss_reduction = loss_reduction
         self.compute_dtype = compute_dtype
+
+    def require_reduction(self, where: str) -> str:
+        """``loss_reduction``, refusing ``None`` (a captured run's reduction is not guessed).
+
+        Raises:
+            ValueError: ``loss_reduction`` was not declared, with how to declare it.
+        """
+        if self.loss_reduction is None:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}.{where}: loss_reduction is not declared: it says how the training loss "
+                f"of the captured run combined each batch, and it changes every score. Declare: "
+                f'{name}(..., loss_reduction="mean") if the loop trained on the batch mean '
+                f"(loss = sum of the per-sample losses / B, e.g. model(**batch).loss), or "
+                f'loss_reduction="sum" if it trained on their sum.'
+            )
+        return self.loss_reduction
+
+    @contextlib.contextmanager
+    def declared_reduction(self, where: str, live: bool = False) -> Iterator[None]:
+        """Within: ``loss_reduction`` declared, for this call only (no state survives it).
+
+        The live path trains (or replays) with the task's per-sample sum, so an undeclared
+        reduction is ``"sum"`` there. From a store an undeclared reduction is assumed
+        ``"sum"`` (the library's convention, what the specification's workflow records) with a
+        warning naming ``loss_reduction``: a store does not record how its loop reduced the
+        loss, and a mean-loss loop then scores wrong.
+        """
+        if self.loss_reduction is not None:
+            yield
+            return
+        if not live:
+            name = type(self).__name__
+            warnings.warn(
+                f"{name}.{where}: loss_reduction was not declared, so the scores assume the "
+                "captured run trained on the SUM of the per-sample losses. If the loop trained "
+                "on their mean (model(**batch).loss, reduction='mean'), every score is off: "
+                f'declare {name}(..., loss_reduction="mean"); declare loss_reduction="sum" to '
+                "confirm the sum (and silence this warning).",
+                UserWarning,
+                stacklevel=4,
+            )
+        self.loss_reduction = "sum"
+        try:
+            yield
+        finally:
+            self.loss_reduction = None
 
     # ---- what subclasses implement ---------------------------------------------------------
     def step_loader(
@@ -321,7 +378,8 @@ class TrajectoryAttributor(BaseAttributor):
             show_progress=args.show_progress,
             desc="queries",
         )
-        return self.attribute_sources(train, test, attribution_granularity, **extra)
+        with self.declared_reduction("attribute", live=True):  # trained on the sum
+            return self.attribute_sources(train, test, attribution_granularity, **extra)
 
     def attribute_from_cache(
         self,
@@ -389,7 +447,7 @@ class TrajectoryAttributor(BaseAttributor):
         if not first:
             raise ValueError(f"{type(self).__name__}: step {index.steps[0]} holds no gradients.")
         layers = first[0].gradient.layer_names
-        test_blocks = list(test_source)
+        test_blocks = list(as_source(test_source, "test"))
         if not test_blocks:
             raise ValueError("the test source yielded no gradients.")
         dtype = first[0].gradient.dtype
@@ -399,15 +457,16 @@ class TrajectoryAttributor(BaseAttributor):
             dtype = torch.promote_types(dtype, self.compute_dtype)
         self._check_queries(test_blocks, first[0].gradient, layers)
         queries, query_hashes = dense_rows(test_blocks, layers, dtype, self.device)
-        if distributed.active(self.args):
-            distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
-            scores, hashes, steps = self._run_split(
-                index, layers, queries, query_hashes, dtype, kwargs
-            )
-        else:
-            scores, hashes, steps = self.run(
-                index, layers, queries, query_hashes, dtype=dtype, **kwargs
-            )
+        with self.declared_reduction("attribute_sources"):
+            if distributed.active(self.args):
+                distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
+                scores, hashes, steps = self._run_split(
+                    index, layers, queries, query_hashes, dtype, kwargs
+                )
+            else:
+                scores, hashes, steps = self.run(
+                    index, layers, queries, query_hashes, dtype=dtype, **kwargs
+                )
         score = AttributionScore(
             scores.detach().cpu(), hashes, steps, query_hashes, output_dir=self.args.output_dir
         )
@@ -502,17 +561,12 @@ class TrajectoryAttributor(BaseAttributor):
             )
 
     def progress(self, steps: Iterable[int], desc: str) -> Iterable[int]:
-        """A progress bar over steps when ``args.show_progress``."""
-        if not self.args.show_progress:
-            return steps
-        from tqdm.auto import tqdm
-
-        steps = list(steps)
-        return tqdm(steps, total=len(steps), desc=desc, leave=False)
+        """A progress bar over steps as ``args.show_progress`` says (see ``utils.progress``)."""
+        return progress(list(steps), self.args.show_progress, desc=desc)
 
     def kappa(self, batch_size: int) -> float:
         """``κ`` of the batch curvature: the batch size for a mean loss, 1 for a sum."""
-        return float(batch_size) if self.loss_reduction == "mean" else 1.0
+        return float(batch_size) if self.require_reduction("kappa") == "mean" else 1.0
 
     def removal_pushes(self, shares: torch.Tensor, step: int) -> torch.Tensor:
         """The change of a step's batch gradient when each sample is removed from its batch.
@@ -521,7 +575,7 @@ class TrajectoryAttributor(BaseAttributor):
         then over the ``B − 1`` others, ``(Σ_{z'≠z} s_{z'}) B/(B−1) − G = (G − B s_z)/(B−1)``
         with ``G = Σ s``, returned as ``(B s_z − G)/(B − 1)``.
         """
-        if self.loss_reduction == "sum":
+        if self.require_reduction("removal_pushes") == "sum":
             return shares
         b = shares.shape[0]
         if b < 2:

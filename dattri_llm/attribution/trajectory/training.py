@@ -32,6 +32,7 @@ from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.sources import InMemoryGradientSource
 from dattri_llm.gradient.streaming import move_to_device, sample_id
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
+from dattri_llm.utils.progress import progress_bar
 
 __all__ = ["RecordedRun", "build_optimizer", "record_training"]
 
@@ -134,11 +135,7 @@ def record_training(
     hm = HookManager(trained, config=hook_config, callbacks=[capture, recorder])
     device = next(trained.parameters()).device
     micro, update = 0, 0
-    bar = None
-    if getattr(args, "show_progress", False):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc="recorded run", unit="step", leave=False)
+    bar = progress_bar(args.show_progress, total=total, desc="recorded run", unit="step")
     with hm.collect(deregister_on_exit=True):
         opt.zero_grad(set_to_none=True)
         while update < total:

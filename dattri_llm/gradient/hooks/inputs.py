@@ -57,8 +57,9 @@ def sample_ids(
     """One identity per row of a step's batch; ``None`` when the inputs were not seen.
 
     Raises:
-        ValueError / KeyError: ids of the wrong length, or a ``sample_id_key`` not among the
-            inputs.
+        ValueError / KeyError: ids of the wrong length (``set_sample_ids``, or a
+            ``sample_id_key`` field that is not one scalar id per row), or a ``sample_id_key``
+            not among the inputs.
     """
     if manual is not None:
         if len(manual) != b:
@@ -70,7 +71,15 @@ def sample_ids(
                 f"sample_id_key {sample_id_key!r} is not among the model inputs {sorted(inputs)}."
             )
         v = inputs[sample_id_key]
-        return [str(x) for x in v.reshape(v.shape[0], -1)[:, 0].tolist()]
+        if v.shape[0] != b or v.numel() != b:
+            raise ValueError(
+                f"sample_id_key {sample_id_key!r}: the model input {sample_id_key!r} has shape "
+                f"{tuple(v.shape)} for a batch of {b} samples; it must hold exactly one id per "
+                f"sample, shape ({b},). Give every sample of the batch its own scalar id in that "
+                "field (or HookManager.set_sample_ids(ids)), or drop sample_id_key to identify "
+                "samples by the content hash of their inputs."
+            )
+        return [str(x) for x in v.reshape(b).tolist()]
     if inputs:
         batched = {k: v for k, v in inputs.items() if v.shape[0] == b}
         if batched:

@@ -41,7 +41,7 @@ __all__ = ["eigendecompose", "EigenvalueCorrection", "fit_eigenvalue_correction"
 def eigendecompose(
     covariances: KroneckerCovariances,
     dtype: torch.dtype = torch.float64,
-    progress: bool = False,
+    progress: bool | None = False,
     warn_skipped: bool = True,
 ) -> KroneckerFactors:
     """K-FAC fit: eigendecompose every layer's ``A`` and ``G`` (batched over equal sizes).
@@ -52,7 +52,7 @@ def eigendecompose(
     Args:
         covariances: Accumulated sums.
         dtype: Eigendecomposition dtype (float64 by default even for float32 models).
-        progress: Show a progress bar.
+        progress: Show a progress bar (``None``: only on a terminal).
         warn_skipped: Warn once, listing the layers left out.
     """
     covariances.all_reduce()
@@ -179,14 +179,14 @@ class EigenvalueCorrection:
 def fit_eigenvalue_correction(
     factors: KroneckerFactors,
     gradients: Iterable,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> KroneckerFactors:
     """EK-FAC: :class:`EigenvalueCorrection` over one pass on the training gradients.
 
     Args:
         factors: A K-FAC fit (its eigenbasis is kept).
         gradients: The training gradients (Gradients or GradientBlocks); all-reduced over ranks.
-        progress: Show a progress bar.
+        progress: Show a progress bar (``None``: only on a terminal).
 
     Returns:
         A new ``"ekfac"`` fit sharing the eigenvectors.

@@ -237,7 +237,9 @@ class KroneckerCovariances:
         diag.sq_sum += dense.to(_acc_dtype(dense)).pow(2).sum(0).to(self.dtype)
         diag.num_samples += float(b)
 
-    def accumulate(self, gradients: Iterable, progress: bool = False) -> KroneckerCovariances:
+    def accumulate(
+        self, gradients: Iterable, progress: bool | None = False
+    ) -> KroneckerCovariances:
         """:meth:`update` with every item of ``gradients`` (Gradients or GradientBlocks)."""
         for item in _progress(gradients, "K-FAC covariances", progress):
             self.update(_as_gradient(item))
@@ -558,12 +560,10 @@ def _as_gradient(item: object) -> Gradient:
     raise TypeError(f"expected a Gradient, GradientRecord or GradientBlock, got {type(item)}")
 
 
-def _progress(items: Iterable, desc: str, enabled: bool) -> Iterable:
-    if not enabled or get_rank() != 0:
-        return items
-    from tqdm.auto import tqdm
+def _progress(items: Iterable, desc: str, enabled: bool | None) -> Iterable:
+    from dattri_llm.utils.progress import progress
 
-    return tqdm(items, desc=desc, leave=False)
+    return items if get_rank() != 0 else progress(items, enabled, desc=desc)
 
 
 def _check_same_layers(names: list[str], device: torch.device | None = None) -> None:

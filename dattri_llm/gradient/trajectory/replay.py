@@ -27,6 +27,7 @@ from dattri_llm.gradient.callbacks.parameter_snapshot import trainable_parameter
 from dattri_llm.gradient.gradient import GradientBlock
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
+from dattri_llm.utils.progress import progress
 
 __all__ = ["ReplayGradientSource", "has_active_dropout"]
 
@@ -66,12 +67,13 @@ class ReplayGradientSource:
         steps: Replay only these steps (default: every step with parameters and a batch).
         checkpoint: Checkpoint label of the blocks.
         device: Where batches are moved (default: the model's device).
-        show_progress: Show a progress bar while iterating.
+        show_progress: Show a progress bar while iterating (``None``: only on a terminal).
 
     ``rereadable`` is ``False`` (iterating again recomputes); :meth:`load_step` replays one step.
     """
 
     rereadable = False
+    yields_blocks = True
 
     def __init__(
         self,
@@ -82,7 +84,7 @@ class ReplayGradientSource:
         steps: Sequence[int] | None = None,
         checkpoint: int = 0,
         device: str | torch.device | None = None,
-        show_progress: bool = False,
+        show_progress: bool | None = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{_WHERE}: model must be an nn.Module, got {type(model).__name__}.")
@@ -125,11 +127,7 @@ class ReplayGradientSource:
         return len(self._steps)
 
     def __iter__(self) -> Iterator[GradientBlock]:
-        steps: Any = self._steps
-        if self.show_progress:
-            from tqdm.auto import tqdm
-
-            steps = tqdm(steps, desc="replay", leave=False)
+        steps = progress(self._steps, self.show_progress, desc="replay")
         with self._preserved():
             for step in steps:
                 yield self._replay(step)
