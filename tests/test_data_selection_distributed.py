@@ -1,8 +1,11 @@
-"""Online data selection under several ranks is refused, whatever order DDP wraps the model in.
+"""Online data selection under several ranks is refused, whenever the process group appeared.
 
 Issue 26, item 1: with DDP wrapping the model *after* the HookManager was built (the order many
 scripts use), the callback reported dropped samples while ``param.grad`` still held the whole
-batch's all-reduced gradient. Both orders now raise, naming the world size and the fix.
+batch's all-reduced gradient. The refusal rests on the world size, checked when the callback is
+registered and at the first step, so it holds with the manager built before or after
+``init_process_group``. The step runs on the unwrapped model: a rank that raises inside a DDP
+backward would leave the other rank's all-reduce waiting (the test would hang, not fail).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dattri_llm import (
     REGISTER_ALL,
@@ -56,9 +58,8 @@ def _worker(rank: int, out: str, init_file: str, wrap_after: bool) -> None:
         )
         if not wrap_after:
             hm = HookManager(model, config, callbacks=[selection])
-        ddp = DistributedDataParallel(model)
         with hm.collect(deregister_on_exit=True):
-            ddp(torch.randn(4, 3)).sum().backward()
+            model(torch.randn(4, 3)).sum().backward()
     except RuntimeError as e:
         message = str(e)
     finally:
