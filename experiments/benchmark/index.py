@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=3.0, help="noise norm / center norm")
     ap.add_argument("--skip", nargs="*", default=[], help="settings to skip: ivf ivfpq hnsw")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--hnsw-m", type=int, default=16)
+    ap.add_argument("--ef-construction", type=int, default=40)
     ap.add_argument("--quick", action="store_true", help="N=20000, D=256, 50 queries")
     a = ap.parse_args()
     if a.quick:
@@ -141,12 +143,12 @@ def main() -> None:
                     {**p, "nprobe": nprobe, "rerank": rerank}, b, size)  # fmt: skip
         del pq
     if "hnsw" not in a.skip:
-        p = {"M": 16, "efConstruction": 40, "efSearch": 16}
+        p = {"M": a.hnsw_m, "efConstruction": a.ef_construction, "efSearch": 16}
         b, hnsw = timed(lambda: make_index("hnsw", a.dim, p, x))
         size = index_bytes(faiss, hnsw)
         for ef in (16, 32, 64, 128, 256):
-            measure(f"hnsw M=16 efC=40 efSearch={ef}", hnsw, "hnsw", {**p, "efSearch": ef}, b,
-                    size)  # fmt: skip
+            name = f"hnsw M={a.hnsw_m} efC={a.ef_construction} efSearch={ef}"
+            measure(name, hnsw, "hnsw", {**p, "efSearch": ef}, b, size)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)
