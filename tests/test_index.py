@@ -154,6 +154,28 @@ def test_multi_partition_merge_is_exact(tmp_path):
     assert any(int(h[1:]) < 20 for h in winners) and any(int(h[1:]) >= 20 for h in winners)
 
 
+def test_a_real_masked_capture_matches_tracin(tmp_path):
+    from torch import nn
+
+    from dattri_llm import HookManager, HookManagerConfig, OffloadCallback
+    from dattri_llm.gradient.ops import ProjectionConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(13, 6), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    config = HookManagerConfig(projection=ProjectionConfig("mask", proj_dim=10, seed=2))
+    for name, n, seed in (("train", 24, 1), ("test", 4, 2)):
+        x = torch.randint(0, 13, (n, 5), generator=gen(seed))
+        fm = GradientStorageManager(tmp_path / name)
+        hm = HookManager(model, config, callbacks=[OffloadCallback(file_manager=fm)])
+        with hm.collect(deregister_on_exit=True):
+            (model(x) ** 2).sum().backward()
+    for metric in ("dot", "cosine"):
+        index = GradientIndex.build(tmp_path / "train", tmp_path / metric, metric)
+        got = index.search(tmp_path / "test", k=3)
+        att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine")
+        same_top(got, att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=3), 3)
+
+
 # ---- approximate kinds -----------------------------------------------------------------------
 def clustered(n: int, centers: int, dim: int, seed: int) -> torch.Tensor:
     g = gen(seed)
