@@ -424,9 +424,8 @@ class GradientIndex:
         queries = _precondition(queries, preconditioner, self.dim)
         q = np.ascontiguousarray(queries.to(torch.float32).numpy())
         overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
-        top = self._merged(q, k, overrides)
-        bottom_vals, bottom_ids = self._merged(-q, k, overrides)
-        return self._result(top, (-bottom_vals, bottom_ids), hashes, k, output_dir)
+        top, bottom = self._merged(q, k, overrides)
+        return self._result(top, bottom, hashes, k, output_dir)
 
     def _test_source(self, test: Any) -> tuple[Any, str]:
         from dattri_llm.gradient.sources import DiskGradientSource
@@ -453,30 +452,45 @@ class GradientIndex:
             test = facts_of(block.gradient.select_layers(self.layers), block.metadata, "test")
         check_compatible(train, test)
 
-    def _merged(
-        self, q: np.ndarray, k: int, overrides: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query, the ``k`` largest inner products over every part: values, global ids."""
-        vals, ids = [], []
+    def _merged(self, q: np.ndarray, k: int, overrides: dict[str, Any]) -> tuple[tuple, tuple]:
+        """Per query, the ``k`` largest and the ``k`` smallest inner products over every part.
+
+        Returns:
+            ``((top values, global ids), (bottom values, global ids))``, each ``(M, <= k)``.
+        """
+        found: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         offset = 0
         for (index, hashes, _, _), entry in zip(self._parts, self.meta["parts"]):
             n = len(hashes)
             if n:
+                kk = min(k, n)
                 if self.kind == "flat":
-                    # exact: torch's matmul over FAISS's own vectors (no copy) is faster than
-                    # IndexFlatIP.search on one thread (docs/benchmarks/index.md)
-                    d, i = (torch.from_numpy(q) @ _flat_vectors(index).T).topk(min(k, n), dim=1)
+                    # exact: one torch matmul over FAISS's own vectors (a view) gives both
+                    # directions, faster than IndexFlatIP.search on one thread
+                    full = torch.from_numpy(q) @ _flat_vectors(index).T
+                    runs = [(True, *full.topk(kk, dim=1)), (False, *full.topk(kk, 1, False))]
                 else:
                     params = {**entry["params"], **{a: b for a, b in overrides.items() if b}}
                     kinds.set_search_params(index, self.kind, params)
-                    d, i = index.search(q, min(k, n))
-                    d, i = torch.from_numpy(d), torch.from_numpy(i).to(torch.long)
-                missing = i < 0  # an approximate search found fewer than k
-                vals.append(d.masked_fill(missing, float("-inf")))
-                ids.append(torch.where(missing, torch.full_like(i, -1), i + offset))
+                    runs = []
+                    for largest, sign in ((True, 1.0), (False, -1.0)):
+                        d, i = index.search(np.ascontiguousarray(sign * q), kk)
+                        runs.append((largest, sign * torch.from_numpy(d), torch.from_numpy(i)))
+                for largest, d, i in runs:
+                    i = i.to(torch.long)
+                    missing = i < 0  # an approximate search found fewer than k
+                    fill = float("-inf") if largest else float("inf")
+                    found[largest][0].append(d.masked_fill(missing, fill))
+                    found[largest][1].append(
+                        torch.where(missing, torch.full_like(i, -1), i + offset)
+                    )
             offset += n
-        joined, pos = torch.cat(vals, 1).topk(min(k, sum(v.shape[1] for v in vals)), dim=1)
-        return joined, torch.cat(ids, 1).gather(1, pos)
+        out = []
+        for largest in (True, False):
+            vals, ids = torch.cat(found[largest][0], 1), torch.cat(found[largest][1], 1)
+            v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
+            out.append((v, ids.gather(1, pos)))
+        return out[0], out[1]
 
     def _result(
         self,
