@@ -4,8 +4,9 @@ Here: ``arguments`` (:class:`AttributionArguments`), ``task`` (:class:`Attributi
 ``score`` (:class:`AttributionScore`), ``base`` (:class:`BaseAttributor`, the interface every
 method implements) and the methods ``tracin``, ``kronecker``, ``less``, ``adamw_influence``,
 ``dvemb``. Below: ``engine/`` (the score loop the methods run on), ``trajectory/`` (the
-machinery of the methods that replay a training run) and ``views/`` (HTML report, token
-heatmaps). ``docs/ARCHITECTURE.md`` is the map.
+machinery of the methods that replay a training run), ``views/`` (HTML report, token
+heatmaps) and ``index/`` (nearest-neighbour search over a projected store, FAISS).
+``docs/ARCHITECTURE.md`` is the map.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ __all__ += ["DataValueEmbeddings"]
 from dattri_llm.attribution.trajectory.curvature import ExactHessian  # noqa: E402
 
 __all__ += ["ExactHessian"]
+
+from dattri_llm.attribution.index import GradientIndex  # noqa: E402
+
+__all__ += ["GradientIndex"]
 
 # Modules that moved into the subpackages keep their old import paths as the *same* module
 # objects (not copies), so ``import dattri_llm.attribution.scoring``, ``from

@@ -4,7 +4,8 @@ One module per command, each with ``add_parser(subparsers)``; every command work
 library's public API only. Commands: ``inspect`` (what a gradient store holds), ``attribute``
 (scores from two stores; the methods are the registry in :mod:`dattri_llm.cli.attribute`),
 ``top`` (the most influential training samples of each query), ``report`` (a self-contained
-HTML page) and ``demo``. Exit codes are in :mod:`dattri_llm.cli._common`.
+HTML page), ``index`` (build / search a nearest-neighbour index over a projected store) and
+``demo``. Exit codes are in :mod:`dattri_llm.cli._common`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from dattri_llm.cli import attribute, demo, inspect_store, report, top
+from dattri_llm.cli import attribute, demo, index, inspect_store, report, top
 from dattri_llm.cli._common import (
     EXIT_CODES,
     EXIT_ERROR,
@@ -28,7 +29,7 @@ from dattri_llm.cli._common import (
 
 __all__ = ["main", "build_parser", "version"]
 
-_COMMANDS = (inspect_store, attribute, top, report, demo)
+_COMMANDS = (inspect_store, attribute, top, report, index, demo)
 
 WORKFLOW = """workflow:
   1. capture: wrap your training loop in a HookManager with an OffloadCallback (Python; see

@@ -1,0 +1,558 @@
+"""``GradientIndex``: nearest-neighbour search over a projected gradient store (FAISS).
+
+Build once over a train store whose layers are fixed-size vectors (a projected capture), then
+answer "which training samples are the top proponents / opponents of these queries?" without a
+pass over the store::
+
+    index = GradientIndex.build("train_grads", "train_grads.index", metric="cosine")
+    scores = GradientIndex.open("train_grads.index").search("query_grads", k=10)
+    scores.top_k(10)          # as after TracInAttributor(...).attribute_from_cache(top_k=10)
+
+A score is an inner product of per-sample vectors (the layers joined in the store's order):
+``metric="dot"`` is TracIn / Grad-Dot, ``"cosine"`` is Grad-Cos (every row divided by its norm
+over the indexed layers). A sample's rows at several steps or checkpoints are summed at build
+time (each weighted by ``checkpoint_weights``), so an exact (``flat``) search gives the very
+scores and ranking of ``TracInAttributor(...).attribute_from_cache(train, test, top_k=k)``,
+to float32 round-off. ``ivf`` and ``hnsw`` are approximate (``kinds`` documents their
+parameters; ``docs/benchmarks/index.md`` measures recall and speed).
+
+Partitions: a store written by several ranks gets one FAISS index per partition (each sample
+in the partition of its first row, its vector summing all its rows), and a search merges the
+partitions' top-k exactly. Build and search run in one process; under ``torchrun`` call them
+on one rank (splitting them across ranks is not implemented).
+
+The proponents are a search for the largest inner products with the query ``q``, the
+opponents one for the largest with ``-q``; the result holds both, like the top-k sink of the
+score engine (:class:`~dattri_llm.attribution.engine.sinks.TopKSink`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dattri_llm.attribution.index import kinds
+from dattri_llm.attribution.index.format import (
+    INDEX_FORMAT_NAME,
+    INDEX_FORMAT_VERSION,
+    META_NAME,
+    IndexFormatError,
+    StaleIndexError,
+    fingerprint_difference,
+    part_files,
+    read_index_meta,
+    store_fingerprint,
+    write_json,
+)
+from dattri_llm.attribution.index.vectors import (
+    check_vector_schema,
+    query_vectors,
+    train_parts,
+)
+from dattri_llm.attribution.score import AttributionScore
+
+__all__ = ["GradientIndex"]
+
+Preconditioner = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def _open_store(store: Any) -> Any:
+    from dattri_llm.gradient.sources import DiskGradientSource
+    from dattri_llm.gradient.store import GradientStorageManager
+
+    if isinstance(store, DiskGradientSource):
+        return store.store
+    if isinstance(store, GradientStorageManager):
+        return store
+    return DiskGradientSource(store).store  # its checks: exists, is a store, holds records
+
+
+def _weights(checkpoint_weights: Any) -> tuple[Callable[[int], float], Any]:
+    """``weight(c)`` and the JSON form of ``checkpoint_weights`` (TracIn's semantics)."""
+    if checkpoint_weights is None:
+        return (lambda c: 1.0), None
+    if isinstance(checkpoint_weights, Mapping):
+        table = {int(k): float(v) for k, v in checkpoint_weights.items()}
+        saved: Any = {str(k): v for k, v in table.items()}
+    else:
+        table = dict(enumerate(float(w) for w in checkpoint_weights))
+        saved = [table[i] for i in range(len(table))]
+
+    def weight(c: int) -> float:
+        if c not in table:
+            raise KeyError(
+                f"checkpoint_weights has no weight for checkpoint {c} (it covers "
+                f"{sorted(table)}); give one weight per checkpoint label of the store."
+            )
+        return table[c]
+
+    return weight, saved
+
+
+class GradientIndex:
+    """A FAISS index over a projected gradient store (see the module docstring).
+
+    Build it with :meth:`build`, reopen it with :meth:`open`, query it with :meth:`search`.
+
+    Attributes:
+        directory: The index directory.
+        meta: Its ``index.json`` (metric, kind, params, layers, dims, parts, store fingerprint).
+        store: The train ``GradientStorageManager`` it was built from (checked unchanged).
+    """
+
+    def __init__(self, directory: Path, meta: dict[str, Any], store: Any, parts: list) -> None:
+        self.directory = directory
+        self.meta = meta
+        self.store = store
+        self._parts = parts  # [(faiss index, hashes, steps, checkpoints)]
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def metric(self) -> str:
+        """``"dot"`` or ``"cosine"``."""
+        return self.meta["metric"]
+
+    @property
+    def kind(self) -> str:
+        """The built kind: ``"flat"``, ``"ivf"`` or ``"hnsw"``."""
+        return self.meta["kind"]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The kind's parameters (defaults filled in)."""
+        return dict(self.meta["params"])
+
+    @property
+    def layers(self) -> list[str]:
+        """The indexed layers, in vector order."""
+        return list(self.meta["layers"])
+
+    @property
+    def dim(self) -> int:
+        """Numbers per vector."""
+        return int(self.meta["dim"])
+
+    @property
+    def num_samples(self) -> int:
+        """Indexed train samples (one vector each)."""
+        return sum(len(p[1]) for p in self._parts)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientIndex({str(self.directory)!r}, samples={self.num_samples}, "
+            f"metric={self.metric!r}, kind={self.kind!r}, dim={self.dim}, parts={len(self._parts)})"
+        )
+
+    # ---- build -----------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        train_store: Any,
+        index_dir: str | os.PathLike,
+        metric: str = "dot",
+        kind: str = "auto",
+        *,
+        layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
+        checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
+        overwrite: bool = False,
+        show_progress: bool = False,
+        **params: Any,
+    ) -> GradientIndex:
+        """Build an index over a projected train store and write it to ``index_dir``.
+
+        Args:
+            train_store: The train gradient store (a directory, ``GradientStorageManager`` or
+                ``DiskGradientSource``); every indexed layer must be stored as one vector per
+                sample (a projected capture), else :class:`NotVectorError` says why and how.
+            index_dir: Where to write the index (created; beside the store, or inside it).
+            metric: ``"dot"`` (TracIn / Grad-Dot inner products) or ``"cosine"`` (Grad-Cos).
+            kind: ``"auto"`` (exact ``flat`` for small stores, see
+                :data:`~dattri_llm.attribution.index.kinds.AUTO_FLAT_MAX`), ``"flat"``,
+                ``"ivf"`` or ``"hnsw"``.
+            layers: Index only these layers (default: all, in the store's order).
+            checkpoints: Index only records with these checkpoint labels (default: all).
+            checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
+            overwrite: Replace an existing index in ``index_dir``.
+            show_progress: A progress bar over the store's rows.
+            **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
+                ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
+                ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
+
+        Returns:
+            The opened index.
+
+        Raises:
+            ValueError: an unknown metric or kind, a parameter the kind does not take, or an
+                ``index_dir`` that already holds an index (pass ``overwrite=True``).
+            NotVectorError: a layer stored factorized.
+        """
+        faiss = kinds.import_faiss()
+        if metric not in kinds.METRICS:
+            raise ValueError(f"metric must be one of {kinds.METRICS}, got {metric!r}.")
+        if kind not in kinds.KINDS:
+            raise ValueError(f"kind must be one of {kinds.KINDS}, got {kind!r}.")
+        store = _open_store(train_store)
+        directory = Path(index_dir)
+        if (directory / META_NAME).exists() and not overwrite:
+            raise ValueError(
+                f"index_dir {directory} already holds an index; pass overwrite=True to replace "
+                "it, or choose another directory."
+            )
+        layers = store.check_layers(layers) or store.layer_names
+        wanted = store.check_checkpoints(checkpoints)
+        where = f"store {store.save_dir}"
+        check_vector_schema(store.schema, layers, where)
+        weight, saved_weights = _weights(checkpoint_weights)
+        fingerprint = store_fingerprint(store)
+        facts = store.capture_facts(layers)
+        started = time.perf_counter()
+        bar = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=store.num_samples, desc="reading the store", unit="row")
+        parts = None
+        last = 0
+        for _, done, _, result in train_parts(store, layers, metric, wanted, weight):
+            if bar is not None:
+                bar.update(done - last)
+            last = done
+            parts = result
+        if bar is not None:
+            bar.close()
+        assert parts is not None
+        first = store.load_record(0, layers=layers).gradient
+        dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
+        dim = sum(dims)
+        n_total = sum(len(p.hashes) for p in parts.values())
+        built_kind = kinds.resolve_kind(kind, n_total, dim)
+        full = kinds.resolve_params(built_kind, n_total, dim, params)
+        read_s = time.perf_counter() - started
+        if directory.exists() and overwrite:
+            for p in directory.glob("part_*"):
+                p.unlink()
+            (directory / META_NAME).unlink(missing_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        entries = []
+        opened = []
+        for i, (rel, pv) in enumerate(parts.items()):
+            vectors = pv.matrix(dim)
+            kind_i, params_i = built_kind, full
+            if built_kind == "ivf" and params_i["nlist"] > len(pv.hashes):
+                # a small partition of a large store: as many lists as it can train
+                kind_i = "ivf"
+                params_i = {**full, "nlist": max(1, len(pv.hashes) // 39)}
+                params_i["nprobe"] = min(params_i["nprobe"], params_i["nlist"])
+            index = kinds.make_index(kind_i, dim, params_i, vectors)
+            del vectors
+            faiss_path, samples_path = part_files(directory, i)
+            tmp = faiss_path.with_name(f".{faiss_path.name}.tmp")
+            faiss.write_index(index, os.fspath(tmp))
+            os.replace(tmp, faiss_path)
+            write_json(
+                samples_path,
+                {"hashes": pv.hashes, "steps": pv.steps, "checkpoints": pv.checkpoints},
+            )
+            entries.append(
+                {
+                    "partition": rel,
+                    "samples": len(pv.hashes),
+                    "faiss": faiss_path.name,
+                    "samples_file": samples_path.name,
+                    "params": params_i,
+                    "bytes": faiss_path.stat().st_size,
+                }
+            )
+            opened.append((index, pv.hashes, pv.steps, pv.checkpoints))
+        meta = {
+            "format": INDEX_FORMAT_NAME,
+            "version": INDEX_FORMAT_VERSION,
+            "metric": metric,
+            "kind": built_kind,
+            "requested_kind": kind,
+            "params": full,
+            "layers": list(layers),
+            "dims": dims,
+            "dim": dim,
+            "num_samples": n_total,
+            "checkpoints": sorted(wanted) if wanted is not None else None,
+            "checkpoint_weights": saved_weights,
+            "capture_fingerprint": facts.fingerprint,
+            "store": {
+                "path": os.path.relpath(os.path.abspath(store.save_dir), directory.absolute()),
+                "absolute_path": os.path.abspath(store.save_dir),
+                "fingerprint": fingerprint,
+            },
+            "parts": entries,
+            "build_seconds": {"read": read_s, "total": time.perf_counter() - started},
+            "faiss_version": getattr(faiss, "__version__", "unknown"),
+        }
+        write_json(directory / META_NAME, meta)
+        return cls(directory, meta, store, opened)
+
+    # ---- open ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, index_dir: str | os.PathLike, store: Any = None) -> GradientIndex:
+        """Open an index written by :meth:`build`, refusing one whose store changed.
+
+        Args:
+            index_dir: The index directory.
+            store: The train store, when it moved since the build (default: the path
+                recorded at build time, relative to the index first, then absolute).
+
+        Raises:
+            IndexFormatError: not an index (or an interrupted build), or a damaged one.
+            FileNotFoundError: the store is not where the index recorded it.
+            StaleIndexError: the store changed since the build (naming the file); rebuild.
+        """
+        faiss = kinds.import_faiss()
+        directory = Path(index_dir)
+        meta = read_index_meta(directory)
+        recorded = meta["store"]
+        if store is None:
+            candidates = [directory / recorded["path"], Path(recorded["absolute_path"])]
+            found = next((c for c in candidates if c.is_dir()), None)
+            if found is None:
+                raise FileNotFoundError(
+                    f"the train store of the index {directory} is not at {candidates[0]} nor "
+                    f"{candidates[1]}; pass its new location: GradientIndex.open(index_dir, "
+                    "store=...)."
+                )
+            store = found
+        store = _open_store(store)
+        now = store_fingerprint(store)
+        diff = fingerprint_difference(recorded["fingerprint"], now, Path(store.save_dir))
+        if diff is not None:
+            raise StaleIndexError(
+                f"the train store {store.save_dir} changed since the index {directory} was "
+                f"built: {diff}. Its scores would not be the store's; rebuild it with "
+                f"GradientIndex.build(train_store, {str(directory)!r}, overwrite=True) (or "
+                "dattri-llm index build --overwrite)."
+            )
+        facts = store.capture_facts(meta["layers"])
+        if facts.fingerprint != meta["capture_fingerprint"]:
+            raise StaleIndexError(
+                f"the capture settings of {store.save_dir} differ from the ones the index "
+                f"{directory} was built over; rebuild it."
+            )
+        parts = []
+        for entry in meta["parts"]:
+            faiss_path = directory / entry["faiss"]
+            samples_path = directory / entry["samples_file"]
+            for p in (faiss_path, samples_path):
+                if not p.is_file():
+                    raise IndexFormatError(f"{p} is missing from the index; rebuild it.")
+            samples = json.loads(samples_path.read_text(encoding="utf-8"))
+            index = faiss.read_index(os.fspath(faiss_path))
+            if index.ntotal != len(samples["hashes"]) or index.ntotal != entry["samples"]:
+                raise IndexFormatError(
+                    f"{faiss_path} holds {index.ntotal} vectors but {samples_path} lists "
+                    f"{len(samples['hashes'])} samples (index.json: {entry['samples']}); the "
+                    "index is damaged: rebuild it."
+                )
+            kinds.set_search_params(index, meta["kind"], entry["params"])
+            parts.append((index, samples["hashes"], samples["steps"], samples["checkpoints"]))
+        return cls(directory, meta, store, parts)
+
+    def remove(self) -> None:
+        """Delete the index directory's files (the store is untouched)."""
+        shutil.rmtree(self.directory)
+
+    # ---- search ----------------------------------------------------------------------------
+    def search(
+        self,
+        test: Any,
+        k: int = 10,
+        *,
+        nprobe: int | None = None,
+        ef_search: int | None = None,
+        rerank: int | None = None,
+        preconditioner: Preconditioner | None = None,
+        check_compatible: bool = True,
+        output_dir: str | None = None,
+    ) -> AttributionScore:
+        """The top-``k`` proponents and opponents of every query, as an ``AttributionScore``.
+
+        Args:
+            test: The queries: a test gradient store (directory, ``GradientStorageManager``,
+                ``DiskGradientSource``) or any gradient source of the indexed layers, with one
+                checkpoint label.
+            k: Proponents and opponents per query.
+            nprobe: ``ivf``: lists visited per query (default: the build's).
+            ef_search: ``hnsw``: the search's candidate list (default: the build's).
+            rerank: ``ivf`` with PQ: re-rank ``rerank * k`` candidates exactly.
+            preconditioner: Folded into the query side: a ``(D, D)`` matrix ``P`` (queries
+                become ``q @ P``; for a symmetric ``P`` the score is ``q^T P g``, e.g. a
+                projected inverse Fisher) or a callable mapping the ``(M, D)`` float64
+                queries to ``(M, D)``. Applied after the Grad-Cos normalization. Default:
+                identity.
+            check_compatible: Refuse a test capture incompatible with the train store
+                (layers, projection style / size / seed), as the attributors do.
+            output_dir: The result's default ``save`` directory.
+
+        Returns:
+            An :class:`AttributionScore` with ``top_k_kept=k``: one row per kept train
+            sample, ``NaN`` where a score was not kept; ``top_k(k' <= k)`` and ``query`` of
+            kept entries work as after ``attribute_from_cache(..., top_k=k)``.
+        """
+        from dattri_llm.attribution.engine.sinks import check_top_k
+
+        k = check_top_k(k)
+        if k is None:
+            raise ValueError("k must be a positive int.")
+        source, where = self._test_source(test)
+        if check_compatible:
+            self._check_test(source)
+        hashes, queries = query_vectors(source, self.layers, self.metric, where)
+        if queries.shape[1] != self.dim:
+            raise ValueError(
+                f"the {where} gives {queries.shape[1]} numbers per sample over the indexed "
+                f"layers, the index holds {self.dim}; was it captured with another projection?"
+            )
+        queries = _precondition(queries, preconditioner, self.dim)
+        q = np.ascontiguousarray(queries.to(torch.float32).numpy())
+        overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
+        top, bottom = self._merged(q, k, overrides)
+        return self._result(top, bottom, hashes, k, output_dir)
+
+    def _test_source(self, test: Any) -> tuple[Any, str]:
+        from dattri_llm.gradient.sources import DiskGradientSource
+        from dattri_llm.gradient.store import GradientStorageManager
+
+        if isinstance(test, (str, os.PathLike, GradientStorageManager)):
+            test = DiskGradientSource(test, layers=self.layers)
+        if isinstance(test, DiskGradientSource):
+            if test.layers is None or list(test.layers) != self.layers:
+                test = DiskGradientSource(test.store, layers=self.layers, dtype=test.dtype)
+            return test, f"test store {test.store.save_dir}"
+        return test, "test source"
+
+    def _check_test(self, source: Any) -> None:
+        from dattri_llm.gradient.compat import check_compatible, facts_of
+
+        train = self.store.capture_facts(self.layers)
+        if hasattr(source, "capture_facts"):
+            test = source.capture_facts()
+        else:
+            block = next(iter(source), None)
+            if block is None:
+                raise ValueError("the test source yielded no gradients.")
+            test = facts_of(block.gradient.select_layers(self.layers), block.metadata, "test")
+        check_compatible(train, test)
+
+    def _merged(self, q: np.ndarray, k: int, overrides: dict[str, Any]) -> tuple[tuple, tuple]:
+        """Per query, the ``k`` largest and the ``k`` smallest inner products over every part.
+
+        Returns:
+            ``((top values, global ids), (bottom values, global ids))``, each ``(M, <= k)``.
+        """
+        found: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
+        offset = 0
+        for (index, hashes, _, _), entry in zip(self._parts, self.meta["parts"]):
+            n = len(hashes)
+            if n:
+                kk = min(k, n)
+                if self.kind == "flat":
+                    # exact: one torch matmul over FAISS's own vectors (a view) gives both
+                    # directions, faster than IndexFlatIP.search on one thread
+                    full = torch.from_numpy(q) @ _flat_vectors(index).T
+                    runs = [(True, *full.topk(kk, dim=1)), (False, *full.topk(kk, 1, False))]
+                else:
+                    params = {**entry["params"], **{a: b for a, b in overrides.items() if b}}
+                    kinds.set_search_params(index, self.kind, params)
+                    runs = []
+                    for largest, sign in ((True, 1.0), (False, -1.0)):
+                        d, i = index.search(np.ascontiguousarray(sign * q), kk)
+                        runs.append((largest, sign * torch.from_numpy(d), torch.from_numpy(i)))
+                for largest, d, i in runs:
+                    i = i.to(torch.long)
+                    missing = i < 0  # an approximate search found fewer than k
+                    fill = float("-inf") if largest else float("inf")
+                    found[largest][0].append(d.masked_fill(missing, fill))
+                    found[largest][1].append(
+                        torch.where(missing, torch.full_like(i, -1), i + offset)
+                    )
+            offset += n
+        out = []
+        for largest in (True, False):
+            vals, ids = torch.cat(found[largest][0], 1), torch.cat(found[largest][1], 1)
+            v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
+            out.append((v, ids.gather(1, pos)))
+        return out[0], out[1]
+
+    def _result(
+        self,
+        top: tuple[torch.Tensor, torch.Tensor],
+        bottom: tuple[torch.Tensor, torch.Tensor],
+        test_hashes: list[str],
+        k: int,
+        output_dir: str | None,
+    ) -> AttributionScore:
+        """The kept scores as the top-k sink represents them (one row per kept sample)."""
+        all_hashes, all_steps, all_ckpts = [], [], []
+        for _, hashes, steps, ckpts in self._parts:
+            all_hashes += hashes
+            all_steps += steps
+            all_ckpts += ckpts
+        used = torch.cat([top[1].flatten(), bottom[1].flatten()])
+        used = torch.unique(used[used >= 0])
+        row_of = torch.full((len(all_hashes) + 1,), -1, dtype=torch.long)
+        row_of[used] = torch.arange(used.numel())
+        m = len(test_hashes)
+        mat = torch.full((used.numel(), m), float("nan"), dtype=torch.float32)
+        for vals, ids in (top, bottom):
+            ok = (ids >= 0) & torch.isfinite(vals)
+            cols = torch.arange(m).unsqueeze(1).expand_as(ids)
+            mat[row_of[ids[ok]], cols[ok]] = vals[ok]
+        keep = used.tolist()
+        return AttributionScore(
+            mat,
+            [all_hashes[i] for i in keep],
+            [all_steps[i] for i in keep],
+            test_hashes,
+            output_dir=output_dir,
+            train_checkpoints=[all_ckpts[i] for i in keep],
+            top_k_kept=k,
+            num_train=len(all_hashes),
+        )
+
+
+def _flat_vectors(index: Any) -> torch.Tensor:
+    """``(n, D)`` float32: the vectors of a flat FAISS index, as a view of its storage."""
+    faiss = kinds.import_faiss()
+    flat = faiss.downcast_index(index)
+    xb = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d)
+    return torch.from_numpy(xb).view(flat.ntotal, flat.d)
+
+
+def _precondition(queries: torch.Tensor, p: Preconditioner | None, dim: int) -> torch.Tensor:
+    if p is None:
+        return queries
+    if callable(p) and not isinstance(p, torch.Tensor):
+        out = p(queries)
+    else:
+        p = torch.as_tensor(p)
+        if tuple(p.shape) != (dim, dim):
+            raise ValueError(
+                f"preconditioner must be a ({dim}, {dim}) matrix over the indexed vectors, got "
+                f"shape {tuple(p.shape)}; or pass a callable on the (M, {dim}) queries."
+            )
+        out = queries @ p.to(queries.dtype)
+    if tuple(out.shape) != tuple(queries.shape):
+        raise ValueError(
+            f"the preconditioner returned shape {tuple(out.shape)} for queries of shape "
+            f"{tuple(queries.shape)}; it must keep the shape."
+        )
+    return out.to(torch.float64)

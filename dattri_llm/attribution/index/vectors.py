@@ -1,0 +1,281 @@
+"""Gradients as one vector per sample: the layers joined in a fixed order, rows aggregated.
+
+A :class:`~dattri_llm.attribution.index.GradientIndex` searches fixed-size vectors, so every
+layer it covers must be stored as one vector per sample (a ``Materialized`` layer: the
+``dense`` / ``mask`` / ``sparse`` projections, a ``logra`` capture with
+``capture_style="materialized"`` or ``"auto"``, or an unprojected materialized layer; a tied
+layer whose sites are all materialized sums them). A factorized layer keeps per-token factors
+whose size varies with the sequence and is refused (:class:`NotVectorError`).
+
+The train side of the scores TracIn's ``top_k`` ranks is agnostic: a sample's rows (steps,
+checkpoints, duplicated items) are summed. Inner products are linear, so summing a sample's
+(prepared) row vectors once at build time gives exactly those sums:
+``v(z) = sum_rows w_c * prep(row)`` with ``prep`` the identity (``"dot"``) or the division by
+the row's norm (``"cosine"``, Grad-Cos), and ``w_c`` the checkpoint weights (TracIn).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
+
+__all__ = [
+    "NotVectorError",
+    "check_vector_schema",
+    "block_vectors",
+    "unit_rows",
+    "PartVectors",
+    "train_parts",
+    "query_vectors",
+]
+
+
+class NotVectorError(ValueError):
+    """A layer is not stored as one fixed-size vector per sample (it cannot be indexed)."""
+
+
+def _refusal(name: str, layer_type: str, where: str) -> NotVectorError:
+    return NotVectorError(
+        f"layer {name!r} ({layer_type}) of the {where} is stored factorized (per-token factors "
+        "whose size varies with the sequence): a GradientIndex needs one fixed-size vector per "
+        "sample and layer. Capture with a vector projection (HookManagerConfig(projection="
+        "ProjectionConfig('dense' | 'mask' | 'sparse', proj_dim=...))), or with "
+        "capture_style='materialized' (or 'auto') so that each layer is stored as its "
+        "(projected) per-sample gradient; or leave the layer out with layers=[...]."
+    )
+
+
+def check_vector_schema(schema: Sequence[Mapping[str, Any]], layers: Sequence[str], where: str):
+    """Refuse, from a shard's layer schema, a selected layer that is stored factorized.
+
+    Raises:
+        NotVectorError: naming the first such layer and the fix.
+    """
+    for spec in schema:
+        if spec["name"] not in layers:
+            continue
+        sites = spec["sites"] if spec["kind"] == "shared" else [spec]
+        for site in sites:
+            if site["kind"] != "materialized":
+                raise _refusal(spec["name"], site["layer_type"], where)
+
+
+def block_vectors(gradient: Gradient, layers: Sequence[str], where: str) -> torch.Tensor:
+    """``(B, D)``: the selected layers' per-sample vectors joined in ``layers`` order.
+
+    Raises:
+        NotVectorError: a selected layer is factorized.
+        KeyError: a selected layer is missing from the gradient.
+    """
+    parts = []
+    for name in layers:
+        if name not in gradient.layers:
+            raise KeyError(
+                f"layer {name!r} is not in the {where}; it holds {gradient.layer_names}."
+            )
+        lg = gradient.layers[name]
+        sites = lg.sites if isinstance(lg, Shared) else [lg]
+        for site in sites:
+            if not isinstance(site, Materialized):
+                raise _refusal(name, site.layer_type, where)
+        data = lg.materialize().data
+        parts.append(data.reshape(data.shape[0], -1))
+    return torch.cat(parts, dim=1)
+
+
+def _prepare(rows: torch.Tensor, metric: str) -> torch.Tensor:
+    """The rows in float64, divided by their norms for ``"cosine"``."""
+    rows = rows.to(torch.float64)
+    if metric == "cosine":
+        norms = rows.norm(dim=1, keepdim=True)
+        rows = rows / norms.clamp_min(torch.finfo(torch.float64).tiny)
+    return rows
+
+
+def unit_rows(store: Any, checkpoints: set[int] | None) -> list[tuple[int, str, Any]]:
+    """``(record index, partition key, RecordInfo)`` of the records to index, in store order."""
+    import os
+
+    root = os.fspath(store.save_dir)
+    out = []
+    for i, rec in enumerate(store.records()):
+        if checkpoints is not None and rec.checkpoint not in checkpoints:
+            continue
+        part = os.path.relpath(rec.path.parent.parent, root)
+        out.append((i, part, rec))
+    return out
+
+
+class PartVectors:
+    """The aggregated vectors of the samples one part holds, in id order."""
+
+    def __init__(self) -> None:
+        self.hashes: list[str] = []
+        self.steps: list[int] = []
+        self.checkpoints: list[int] = []
+        self.blocks: list[np.ndarray] = []
+
+    def add(self, vectors: torch.Tensor, hashes: list[str], steps: list[int], ckpts: list[int]):
+        """Append finished samples (``(b, D)`` float64 vectors)."""
+        self.blocks.append(vectors.to(torch.float32).numpy())
+        self.hashes += hashes
+        self.steps += steps
+        self.checkpoints += ckpts
+
+    def matrix(self, dim: int) -> np.ndarray:
+        """``(n, D)`` float32, C-contiguous (the blocks are freed)."""
+        out = np.concatenate(self.blocks) if self.blocks else np.zeros((0, dim), np.float32)
+        self.blocks = []
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def train_parts(
+    store: Any,
+    layers: Sequence[str],
+    metric: str,
+    checkpoints: set[int] | None,
+    weight: Any,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, int, int, Any]]:
+    """Stream the records; yield progress ``(part, rows done, rows total, None)``.
+
+    The final item is ``("", total, total, parts)`` with ``parts = {partition: PartVectors}``:
+    each sample belongs to the partition of its first row (store order) and its vector sums
+    all its rows, wherever they are, so parts hold disjoint samples and the exact top-k of the
+    store is the top-k of the parts' top-k.
+
+    Args:
+        store: The ``GradientStorageManager``.
+        layers: The layers, in vector order.
+        metric: ``"dot"`` or ``"cosine"``.
+        checkpoints: Only records with these checkpoint labels (``None``: all).
+        weight: ``weight(checkpoint) -> float`` (TracIn's checkpoint weights).
+        dtype: Cast on reading (``None``: as stored).
+    """
+    rows = unit_rows(store, checkpoints)
+    owner: dict[str, str] = {}
+    left: dict[str, int] = {}
+    for _, part, rec in rows:
+        for h in rec.hashes:
+            owner.setdefault(h, part)
+            left[h] = left.get(h, 0) + 1
+    parts = {part: PartVectors() for part in dict.fromkeys(p for _, p, _ in rows)}
+    pending: dict[str, list[Any]] = {}  # hash -> [sum, step, ckpt, (step, ckpt) seen]
+    total = sum(len(rec.hashes) for _, _, rec in rows)
+    done = 0
+    warned = False
+    where = f"store {store.save_dir}"
+    for index, part, rec in rows:
+        g = store.load_record(index, layers=layers, dtype=dtype).gradient
+        vec = _prepare(block_vectors(g, layers, where), metric)
+        w = float(weight(rec.checkpoint))
+        if w != 1.0:
+            vec = vec * w
+        finished: dict[str, list[str]] = {}  # owner part -> hashes whose rows are all in
+        direct: dict[str, list[int]] = {}  # owner part -> rows of single-row samples
+        for r, h in enumerate(rec.hashes):
+            if left[h] == 1 and h not in pending:
+                direct.setdefault(owner[h], []).append(r)
+                left[h] = 0
+                continue
+            key = (int(rec.step), int(rec.checkpoint))
+            entry = pending.get(h)
+            if entry is None:
+                pending[h] = [vec[r].clone(), key[0], key[1], {key}]
+            else:
+                if key in entry[3] and not warned:
+                    warned = True
+                    warnings.warn(
+                        f"train sample {h!r} occurs more than once at step {key[0]}: identical "
+                        "samples share one id, so the index sums their rows (the influence of "
+                        "all the copies together), as TracIn's top_k does. Deduplicate the "
+                        "train set to silence this.",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                entry[0] += vec[r]
+                entry[1] = entry[1] if entry[1] == key[0] else -1
+                entry[2] = entry[2] if entry[2] == key[1] else -1
+                entry[3].add(key)
+            left[h] -= 1
+            if left[h] == 0:
+                finished.setdefault(owner[h], []).append(h)
+        for p, rs in direct.items():
+            idx = torch.as_tensor(rs, dtype=torch.long)
+            parts[p].add(
+                vec.index_select(0, idx),
+                [rec.hashes[r] for r in rs],
+                [int(rec.step)] * len(rs),
+                [int(rec.checkpoint)] * len(rs),
+            )
+        for p, hs in finished.items():
+            entries = [pending.pop(h) for h in hs]
+            parts[p].add(
+                torch.stack([e[0] for e in entries]),
+                hs,
+                [e[1] for e in entries],
+                [e[2] for e in entries],
+            )
+        done += len(rec.hashes)
+        yield part, done, total, None
+    assert not pending, "every sample's rows were counted from the index"
+    yield "", total, total, parts
+
+
+def query_vectors(
+    source: Any, layers: Sequence[str], metric: str, where: str = "test source"
+) -> tuple[list[str], torch.Tensor]:
+    """The test side: unique test hashes (first occurrence) and their ``(M, D)`` vectors.
+
+    Every block must carry one checkpoint label (a query set captured once): the index holds
+    one vector per train sample, summed over its checkpoints, which pairs with one test
+    gradient per query (as a single-checkpoint test store pairs with every train checkpoint
+    in ``attribute_from_cache``).
+
+    Raises:
+        ValueError: the source is empty, or holds several checkpoint labels, or gives a
+            query two different gradients (two steps).
+    """
+    hashes: list[str] = []
+    rows: list[torch.Tensor] = []
+    seen: dict[str, int] = {}
+    labels: set[int] = set()
+    for block in source:
+        if len(block.hashes) != block.gradient.batch_size:
+            raise ValueError(
+                f"{where}: the block at step {block.step} has {len(block.hashes)} hashes for "
+                f"{block.gradient.batch_size} rows; every row needs exactly one sample hash."
+            )
+        labels.add(int(block.checkpoint))
+        if len(labels) > 1:
+            raise ValueError(
+                f"{where} holds test gradients at checkpoints {sorted(labels)}: an index holds "
+                "one vector per train sample (summed over its checkpoints) and pairs with one "
+                "test gradient per query. Search with one checkpoint's test gradients "
+                "(DiskGradientSource(test_store, checkpoints=[c])), or build one index per "
+                "checkpoint (GradientIndex.build(..., checkpoints=[c]))."
+            )
+        vec = block_vectors(block.gradient, layers, where)
+        keep = []
+        for r, h in enumerate(block.hashes):
+            if h in seen:
+                if seen[h] != int(block.step):
+                    raise ValueError(
+                        f"test sample {h!r} has two gradients in the {where} (steps {seen[h]} "
+                        f"and {block.step}); capture each query once."
+                    )
+                continue
+            seen[h] = int(block.step)
+            hashes.append(h)
+            keep.append(r)
+        if keep:
+            rows.append(vec[torch.as_tensor(keep, dtype=torch.long)])
+    if not rows:
+        raise ValueError(f"the {where} yielded no gradients.")
+    return hashes, _prepare(torch.cat(rows), metric)
