@@ -62,7 +62,10 @@ def samples(n: int, seed: int) -> list[dict]:
 
 
 def capture(model: nn.Module, store: GradientStorageManager, data: list[dict], bs: int, ckpt=0):
-    hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+    # factors kept: EK-FAC fits its covariances from these stores
+    hm = HookManager(
+        model, callbacks=[OffloadCallback(file_manager=store, keep_token_factors=True)]
+    )
     hm.checkpoint = ckpt
     with hm.collect():
         for i in range(0, len(data), bs):

@@ -58,6 +58,7 @@ from dattri_llm.attribution.index.vectors import (
     train_parts,
 )
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.utils.progress import progress_bar
 
 __all__ = ["GradientIndex"]
 
@@ -167,7 +168,7 @@ class GradientIndex:
         checkpoints: Sequence[int] | None = None,
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         overwrite: bool = False,
-        show_progress: bool = False,
+        show_progress: bool | None = None,
         **params: Any,
     ) -> GradientIndex:
         """Build an index over a projected train store and write it to ``index_dir``.
@@ -185,7 +186,7 @@ class GradientIndex:
             checkpoints: Index only records with these checkpoint labels (default: all).
             checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
             overwrite: Replace an existing index in ``index_dir``.
-            show_progress: A progress bar over the store's rows.
+            show_progress: A progress bar over the store's rows (``None``: only on a terminal).
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
                 ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
@@ -218,11 +219,9 @@ class GradientIndex:
         fingerprint = store_fingerprint(store)
         facts = store.capture_facts(layers)
         started = time.perf_counter()
-        bar = None
-        if show_progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=store.num_samples, desc="reading the store", unit="row")
+        bar = progress_bar(
+            show_progress, total=store.num_samples, desc="reading the store", unit="row"
+        )
         parts = None
         last = 0
         for _, done, _, result in train_parts(store, layers, metric, wanted, weight):
