@@ -13,6 +13,7 @@ from torch import nn
 
 from dattri_llm import (
     AttributionArguments,
+    CaptureCallback,
     GradientStorageManager,
     HookManager,
     HookManagerConfig,
@@ -122,8 +123,6 @@ def test_factorized_path_equals_dense_path_on_a_wide_layer():
     proj = {"0": ProjectionConfig("sparse", proj_dim=16, seed=3), "2": None}
     out = {}
     for style in ("factorized", "materialized"):
-        from dattri_llm import CaptureCallback
-
         cb = CaptureCallback()
         hm = HookManager(model, HookManagerConfig(projection=proj, capture_style=style), [cb])
         with hm.collect(deregister_on_exit=True):
