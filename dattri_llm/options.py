@@ -27,7 +27,7 @@ _SIMILARITY_ALIASES = {"dot": "dot", "cosine": "cosine", "cos": "cosine"}
 #: What OffloadCallback persists: every sample's gradient, or the batch sum.
 RecordingType = Literal["per_sample", "per_batch"]
 #: Capture-time random projection styles.
-ProjectionStyle = Literal["logra", "dense", "mask"]
+ProjectionStyle = Literal["logra", "dense", "mask", "sparse"]
 #: One score per train sample, or per (train sample, train token position).
 AttributionGranularity = Literal["sample", "token"]
 

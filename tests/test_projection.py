@@ -243,7 +243,9 @@ def test_dict_form_none_keeps_layers_exact_and_unknown_pattern_raises():
 
 def test_logra_on_norm_and_bad_options_are_clear_errors():
     model = net()
-    with pytest.raises(ValueError, match=r"'ln' \(nn.LayerNorm\).*'logra'.*\['dense', 'mask'\]"):
+    with pytest.raises(
+        ValueError, match=r"'ln' \(nn.LayerNorm\).*'logra'.*\['dense', 'mask', 'sparse'\]"
+    ):
         HookManager(model, HookManagerConfig(projection=ProjectionConfig("logra", proj_dim=4)))
     with pytest.raises(ValueError, match="perfect square"):
         ProjectionConfig("logra", proj_dim=12)

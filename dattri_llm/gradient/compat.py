@@ -61,7 +61,7 @@ class LayerFacts:
         kw = self.module_kwargs
         if self.layer_type.startswith("projected."):
             style = self.layer_type.split(".", 1)[1]
-            parts = [f"{k} {kw[k]}" for k in ("proj_dim", "seed", "proj_type") if k in kw]
+            parts = [f"{k} {kw[k]}" for k in ("proj_dim", "seed", "proj_type", "nnz") if k in kw]
             return f"{kw.get('source_layer_type', '?')} projected ({style}: {', '.join(parts)})"
         return f"{self.layer_type} (no projection)"
 

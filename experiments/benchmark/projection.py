@@ -8,18 +8,22 @@ dense projection of a ``V x E`` table needs a ``V*E x proj_dim`` matrix).
 
 For ``proj_dim`` in 16 / 64 / 256 (``logra`` also 1024 / 4096, i.e. 32 / 64 per side) and each
 style (``logra``: sqrt split per side, e.g. 8 x 8 for
-64; ``dense``; ``mask``; LayerNorms take ``mask`` under ``logra``, which they refuse) it
+64; ``dense``; ``mask``; ``sparse`` with ``nnz`` 1 and 2; LayerNorms take ``mask`` under
+``logra``, which they refuse) it
 measures (``logra`` both kept factorised, with a token axis, and with ``capture_style="auto"``,
 which stores the small ``k x d`` projected gradient when it is smaller than the factors): stored
-bytes per train sample, one-time matrix generation, capture time of the train
-set, Gram (TracIn / Grad-Dot) scoring time ``ops.cross_dot(train, test)`` with the cost-model
-route, and the Spearman rank correlation of the projected scores with the exact ones (per test
-query over the train samples, averaged; and over the whole score matrix).
+bytes per train sample, one-time matrix generation, the cached projection state (matrices /
+masks / hashes, MB), capture time of the train set and its ratio to the same forward + backward
+passes without hooks (a plain step), Gram (TracIn / Grad-Dot) scoring time
+``ops.cross_dot(train, test)`` with the cost-model route, and the Spearman rank correlation of
+the projected scores with the exact ones (per test query over the train samples, averaged; and
+over the whole score matrix).
 
 Run::
 
     OMP_NUM_THREADS=1 python experiments/benchmark/projection.py            # full
     OMP_NUM_THREADS=1 python experiments/benchmark/projection.py --quick    # smaller
+    OMP_NUM_THREADS=1 python experiments/benchmark/projection.py --styles dense sparse --dims 256
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import nn
 
 from dattri_llm import CaptureCallback, HookManager, HookManagerConfig, ProjectionConfig
 from dattri_llm.gradient import Gradient, ops
-from dattri_llm.gradient.ops.projection import clear_projection_cache
+from dattri_llm.gradient.ops.projection import clear_projection_cache, projection_cache_info
 
 
 def text_chunks(n: int, seq: int) -> torch.Tensor:
@@ -101,6 +105,15 @@ def capture(model: nn.Module, data: torch.Tensor, config: HookManagerConfig, bs:
     return Gradient.concatenate([r.gradient for r in cb.records]), elapsed, hm
 
 
+def plain(model: nn.Module, data: torch.Tensor, bs: int) -> float:
+    """Seconds of the same forward + backward passes without any hook (a plain step)."""
+    t0 = time.perf_counter()
+    for i in range(0, len(data), bs):
+        lm_loss(model, data[i : i + bs]).backward()
+        model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
 def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     """Spearman correlation of two 1-D tensors (ranks by argsort; ties are negligible here)."""
     rx = x.double().argsort().argsort().double()
@@ -137,9 +150,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--styles", nargs="+", default=None, help="only these styles (and exact)")
+    p.add_argument("--dims", nargs="+", type=int, default=None, help="only these proj_dims")
     args = p.parse_args()
     n_train, n_test = (32, 8) if args.quick else (64, 16)
     dims = (16, 64) if args.quick else (16, 64, 256)
+    if args.dims:
+        dims = tuple(args.dims)
     repeat = 1 if args.quick else 3
 
     from importlib.metadata import version
@@ -172,29 +189,34 @@ def main() -> None:
     hooked.append("transformer.ln_f")
     base = {"linear_io": hooked}
 
+    t_plain = min(plain(model, train_ids, 8) for _ in range(repeat))
+    print(f"plain step (no hooks) over the train set: {t_plain:.2f}s")
     exact_tr, t_cap, _ = capture(model, train_ids, HookManagerConfig(**base), 8)
     exact_te, _, _ = capture(model, test_ids, HookManagerConfig(**base), 8)
     t_score, exact = timed(lambda: ops.cross_dot(exact_tr, exact_te), repeat)
     dense_bytes = exact_tr.materialize().nbytes / n_train
-    rows = [
-        ("exact (factorized)", "-", exact_tr.nbytes / n_train, 0.0, t_cap, t_score, 1.0, 1.0, 1.0)
-    ]
+    rows = [("exact (factorized)", "-", exact_tr.nbytes / n_train, 0.0, 0, t_cap, t_score, 1, 1, 1)]
     print(
         f"exact: {len(exact_tr.layers)} layers, factors {exact_tr.nbytes / n_train / 1e6:.2f} "
         f"MB/sample, dense gradient {dense_bytes / 1e6:.2f} MB/sample"
     )
 
-    wide = () if args.quick else (1024, 4096)  # logra: 32 x 32 and 64 x 64 per layer
+    wide = () if args.quick or args.dims else (1024, 4096)  # logra: 32 x 32 and 64 x 64 per side
     plan = (
-        ("logra", "factorized", dims),
-        ("logra", "auto", dims + wide),
-        ("dense", "factorized", dims),
-        ("mask", "factorized", dims),
+        ("logra", "factorized", dims, {}),
+        ("logra", "auto", dims + wide, {}),
+        ("dense", "factorized", dims, {}),
+        ("mask", "factorized", dims, {}),
+        ("sparse", "factorized", dims, {"nnz": 1}),
+        ("sparse", "factorized", dims, {"nnz": 2}),
     )
-    for style, capture_style, style_dims in plan:
+    for style, capture_style, style_dims, opts in plan:
+        if args.styles and style not in args.styles:
+            continue
         for dim in style_dims:
-            main_cfg = ProjectionConfig(style, proj_dim=dim, seed=0)
-            norm_cfg = ProjectionConfig("mask" if style == "logra" else style, proj_dim=dim)
+            main_cfg = ProjectionConfig(style, proj_dim=dim, seed=0, **opts)
+            norm_style = "mask" if style == "logra" else style
+            norm_cfg = ProjectionConfig(norm_style, proj_dim=dim, **opts)
             proj = {".*ln_.*": norm_cfg, ".*": main_cfg}
             cfg = HookManagerConfig(**base, projection=proj, capture_style=capture_style)
             clear_projection_cache()
@@ -206,6 +228,7 @@ def main() -> None:
             hm.remove()
             tr, t_cap, _ = capture(model, train_ids, cfg, 8)
             te, _, _ = capture(model, test_ids, cfg, 8)
+            cached_mb = projection_cache_info()["bytes"] / 1e6  # everything capture cached
             t_score, scores = timed(lambda tr=tr, te=te: ops.cross_dot(tr, te), repeat)
             per_query = sum(spearman(scores[:, j], exact[:, j]) for j in range(n_test)) / n_test
             overall = spearman(scores.flatten(), exact.flatten())
@@ -213,12 +236,15 @@ def main() -> None:
             per_query_rs = sum(spearman(rescaled[:, j], exact[:, j]) for j in range(n_test))
             per_query_rs /= n_test
             label = f"{style} ({capture_style})" if style == "logra" else style
+            if opts:
+                label += " (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")"
             rows.append(
                 (
                     label,
                     str(dim),
                     tr.nbytes / n_train,
                     t_gen,
+                    cached_mb,
                     t_cap,
                     t_score,
                     per_query,
@@ -228,23 +254,26 @@ def main() -> None:
             )
             print(
                 f"  {label:18s} {dim:4d}: {tr.nbytes / n_train:10.0f} B/sample, gen {t_gen:6.2f}s,"
-                f" capture {t_cap:6.2f}s, score {t_score * 1e3:8.1f} ms, spearman "
+                f" cached {cached_mb:7.2f} MB, capture {t_cap:6.2f}s "
+                f"({t_cap / t_plain:.2f}x plain), score {t_score * 1e3:8.1f} ms, spearman "
                 f"{per_query:.3f} / {overall:.3f} (masks rescaled: {per_query_rs:.3f})"
             )
         clear_projection_cache()
 
     print()
     print(
-        "| style | proj_dim | bytes / sample | vs exact factors | matrix gen (s) | capture (s) "
-        "| scoring (ms) | vs exact scoring | Spearman per query | Spearman all "
-        "| Spearman per query, masks x P/d |"
+        f"plain step over the train set: {t_plain:.2f}s\n\n"
+        "| style | proj_dim | bytes / sample | vs exact factors | matrix gen (s) | cached (MB) "
+        "| capture (s) | vs plain step | scoring (ms) | vs exact scoring | Spearman per query "
+        "| Spearman all | Spearman per query, masks x P/d |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    ref_bytes, ref_score = rows[0][2], rows[0][5]
-    for style, dim, nbytes, t_gen, t_cap, t_score, sq, sa, sr in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ref_bytes, ref_score = rows[0][2], rows[0][6]
+    for style, dim, nbytes, t_gen, mb, t_cap, t_score, sq, sa, sr in rows:
         print(
             f"| {style} | {dim} | {nbytes:,.0f} | {ref_bytes / nbytes:.0f}x smaller "
-            f"| {t_gen:.2f} | {t_cap:.2f} | {t_score * 1e3:.1f} | {ref_score / t_score:.1f}x "
+            f"| {t_gen:.2f} | {mb:.2f} | {t_cap:.2f} | {t_cap / t_plain:.2f}x "
+            f"| {t_score * 1e3:.1f} | {ref_score / t_score:.1f}x "
             f"| {sq:.3f} | {sa:.3f} | {sr:.3f} |"
         )
 

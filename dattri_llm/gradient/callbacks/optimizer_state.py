@@ -112,8 +112,9 @@ class OptimizerStateCallback(HookCallback):
         dense = [n for n, lay in layouts.items() if lay.dense_projection]
         if dense:
             raise ValueError(
-                f"{_WHERE}: layers {dense} use a 'dense' projection, which mixes coordinates; "
-                "optimizer moments are per coordinate. Use no projection or a 'mask' projection."
+                f"{_WHERE}: layers {dense} use a 'dense' / 'sparse' projection, which mixes "
+                "coordinates; optimizer moments are per coordinate. Use no projection or a "
+                "'mask' projection."
             )
         self._layouts = layouts
 

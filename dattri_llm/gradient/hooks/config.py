@@ -59,8 +59,9 @@ class HookManagerConfig:
             :class:`~dattri_llm.gradient.ops.projection.ProjectionConfig` for every hooked layer,
             or ``{layer-name regex: ProjectionConfig | None}`` (full match, first match wins;
             ``None`` or no match keeps the layer exact). Styles ``"logra"`` (factors projected
-            separately, stays factorised), ``"dense"`` and ``"mask"`` (a ``(B, proj_dim)``
-            vector); norm layers accept ``"dense"`` / ``"mask"`` only.
+            separately, stays factorised), ``"dense"``, ``"mask"`` and ``"sparse"`` (a
+            ``(B, proj_dim)`` vector); norm layers accept ``"dense"`` / ``"mask"`` /
+            ``"sparse"`` only.
         hash_keys: Input fields hashed to identify samples (default: ``input_ids`` when the
             model receives it, else every tensor input with the batch's leading size).
         sample_id_key: Read sample ids from this model input instead of hashing.

@@ -23,6 +23,7 @@ from dattri_llm.gradient.layers.projected import (
     ProjectedDenseRule,
     ProjectedMaskRule,
     ProjectedOuterProductRule,
+    ProjectedSparseRule,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ register_rule(InstanceNormRule(), ("nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn
 register_rule(ProjectedOuterProductRule())
 register_rule(ProjectedDenseRule())
 register_rule(ProjectedMaskRule())
+register_rule(ProjectedSparseRule())
 
 
 def supported_layer_types() -> list[str]:

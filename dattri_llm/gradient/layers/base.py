@@ -44,7 +44,7 @@ class LayerRule:
     layer_type: ClassVar[str] = ""
     module_types: ClassVar[tuple[type, ...]] = ()
     kronecker: ClassVar[bool] = False
-    projection_styles: ClassVar[tuple[str, ...]] = ("logra", "dense", "mask")
+    projection_styles: ClassVar[tuple[str, ...]] = ("logra", "dense", "mask", "sparse")
     #: Fill value for padding the token axis of ``a`` (zero contributions).
     a_pad_value: ClassVar[float] = 0.0
 

@@ -20,7 +20,7 @@ class EmbeddingRule(LayerRule):
 
     layer_type = "nn.Embedding"
     module_types = (nn.Embedding,)
-    projection_styles = ("logra", "dense", "mask")
+    projection_styles = ("logra", "dense", "mask", "sparse")
     a_pad_value = 0
 
     def module_kwargs(self, module: nn.Module) -> dict:

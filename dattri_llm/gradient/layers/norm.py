@@ -23,7 +23,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ElementwiseAffineRule(LayerRule):
-    projection_styles = ("dense", "mask")
+    projection_styles = ("dense", "mask", "sparse")
 
     def _channels(self, kw: dict) -> int:
         raise NotImplementedError

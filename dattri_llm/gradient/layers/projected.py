@@ -11,15 +11,21 @@ shape, bias folded in as a last column; ``(V, E)`` for an embedding). The projec
   projection matrix picked by the indices) and the column factor ``g C``. Both become
   :class:`ProjectedOuterProductRule` layers (``"projected.logra"``) with matrix form ``(k, d)``,
   so a tied embedding / LM head (same ``(V, E)`` form, same matrices) still sums exactly.
-* ``"dense"`` / ``"mask"``: a vector ``(B, proj_dim)`` (:class:`ProjectedVectorRule`), either
-  ``vec(M) @ P`` or ``proj_dim`` exact entries of ``vec(M)`` (row-major) gathered from the
-  factors by :func:`gather_entries`.
+* ``"dense"`` / ``"mask"`` / ``"sparse"``: a vector ``(B, proj_dim)``
+  (:class:`ProjectedVectorRule`): ``vec(M) @ P``, ``proj_dim`` exact entries of ``vec(M)``
+  (row-major) gathered from the factors by :func:`gather_entries`, or a sparse JL sketch
+  (``dattri_llm.gradient.ops.sparse_projection``; :func:`factor_sides` says which factor is the
+  row side of an outer-product layer).
 
 Projected layers carry JSON-able ``module_kwargs`` (the projection's seed and sizes and the source
 layer's type and hyper-parameters), never the matrices: the same seed regenerates them.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,11 +39,14 @@ __all__ = [
     "ProjectedVectorRule",
     "ProjectedDenseRule",
     "ProjectedMaskRule",
+    "ProjectedSparseRule",
     "logra_supported",
     "logra_projects_input_in_forward",
     "logra_project_input",
     "logra_project_factors",
+    "logra_split",
     "gather_entries",
+    "factor_sides",
 ]
 
 
@@ -111,6 +120,12 @@ class ProjectedMaskRule(ProjectedVectorRule):
     layer_type = "projected.mask"
 
 
+class ProjectedSparseRule(ProjectedVectorRule):
+    """``"sparse"``: a seeded sparse JL transform of ``vec(M)`` (``nnz`` buckets per entry)."""
+
+    layer_type = "projected.sparse"
+
+
 # ---- logra: which factor is the row / column side of each layer family ------------------------
 def logra_supported(rule: LayerRule) -> bool:
     """Whether the ``"logra"`` factor projection is implemented for the rule's layers."""
@@ -157,6 +172,45 @@ def logra_project_factors(
     raise ValueError(f"'logra' projection is not implemented for layer type {rule.layer_type!r}.")
 
 
+# ---- logra: how proj_dim splits between the two sides -------------------------------------------
+def logra_split(proj_dim: int | None, options: Mapping[str, Any]) -> tuple[int, int]:
+    """``(proj_dim_in, proj_dim_out)`` of a ``"logra"`` config (sqrt split unless given).
+
+    Raises:
+        ValueError: sizes that are not positive ints, disagree, or do not split evenly.
+    """
+    d_in = options.get("proj_dim_in")
+    d_out = options.get("proj_dim_out")
+    for name, v in (("proj_dim_in", d_in), ("proj_dim_out", d_out)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"ProjectionConfig({name}=) must be a positive int, got {v!r}")
+    if d_in is not None and d_out is not None:
+        if proj_dim is not None and proj_dim != d_in * d_out:
+            raise ValueError(
+                f"logra proj_dim={proj_dim} must equal proj_dim_in * proj_dim_out = "
+                f"{d_in} * {d_out}; pass one or the other."
+            )
+        return d_in, d_out
+    if proj_dim is None:
+        raise ValueError(
+            "ProjectionConfig(style='logra') needs proj_dim, or both proj_dim_in and proj_dim_out."
+        )
+    if d_in is not None or d_out is not None:
+        side = d_in if d_in is not None else d_out
+        if proj_dim % side:
+            raise ValueError(f"logra proj_dim={proj_dim} is not divisible by {side}.")
+        other = proj_dim // side
+        return (side, other) if d_in is not None else (other, side)
+    root = math.isqrt(int(proj_dim))
+    if root * root != proj_dim:
+        raise ValueError(
+            f"logra splits proj_dim evenly between the two factors (sqrt(proj_dim) each), so "
+            f"it must be a perfect square, got {proj_dim}; pass proj_dim_in= and "
+            "proj_dim_out= for an uneven split."
+        )
+    return root, root
+
+
 # ---- mask: exact entries of the matrix form, gathered from the factors ------------------------
 def gather_entries(
     rule: LayerRule, a: torch.Tensor, g: torch.Tensor, kw: dict, idx: torch.Tensor
@@ -180,3 +234,19 @@ def gather_entries(
             out = torch.where(rows == r, part.sum(1), out)
         return out
     return rule.materialize(a, g, kw)[:, idx]
+
+
+# ---- sparse: the two sides of a sum of per-token outer products --------------------------------
+def factor_sides(
+    rule: LayerRule, a: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows, cols)`` with matrix form ``M = sum_t rows_t cols_t^T``, or ``None``.
+
+    Outer-product layers: ``(g, a)`` (``(B, T, K)``, ``(B, T, D)``); embeddings: the indices of
+    the one-hot rows ``(B, T)`` and ``g``; other rules (norms) have no such form.
+    """
+    if isinstance(rule, EmbeddingRule):
+        return a.long(), g
+    if isinstance(rule, OuterProductRule):
+        return g, a
+    return None

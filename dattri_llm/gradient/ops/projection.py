@@ -1,6 +1,6 @@
 """Capture-time random projection of per-sample gradients (``HookManagerConfig(projection=...)``).
 
-Three styles, chosen per layer with :class:`ProjectionConfig`:
+Four styles, chosen per layer with :class:`ProjectionConfig`:
 
 * ``"logra"``: each factor is projected with its own seeded matrix, so a linear / convolution /
   embedding layer stays factorised in a small space and its per-sample gradient is never formed
@@ -17,6 +17,9 @@ Three styles, chosen per layer with :class:`ProjectionConfig`:
 * ``"mask"``: ``proj_dim`` seeded coordinates of the row-major flattened matrix form, gathered
   straight from the factors (exact entries, no dense gradient formed) -> ``(B, proj_dim)``. A
   layer with fewer than ``proj_dim`` entries keeps all of them.
+* ``"sparse"``: a seeded sparse JL transform (each matrix-form entry hashed to ``nnz`` signed
+  buckets) -> ``(B, proj_dim)``, from the factors where cheaper, with only ``nnz * (K + D)``
+  cached hash entries per layer shape (see :mod:`dattri_llm.gradient.ops.sparse_projection`).
 
 Random matrices are dattri's (``dattri.func.projection.BasicProjector``, the ``attribution``
 extra; ``proj_type`` ``"normal"`` (default) or ``"rademacher"``), scaled by
@@ -32,7 +35,6 @@ of 1000, so the streams never coincide).
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,7 +48,15 @@ from dattri_llm.gradient.layers.projected import (
     logra_project_factors,
     logra_project_input,
     logra_projects_input_in_forward,
+    logra_split,
     logra_supported,
+)
+from dattri_llm.gradient.ops.sparse_projection import (
+    check_nnz,
+    clear_sparse_cache,
+    sketch_item,
+    sparse_cache_info,
+    sparse_hashes,
 )
 
 __all__ = [
@@ -62,12 +72,13 @@ __all__ = [
     "projection_cache_info",
 ]
 
-STYLES = ("logra", "dense", "mask")
+STYLES = ("logra", "dense", "mask", "sparse")
 PROJ_TYPES = ("normal", "rademacher")
 _OPTIONS = {
     "logra": ("proj_dim_in", "proj_dim_out", "proj_type"),
     "dense": ("proj_type",),
     "mask": (),
+    "sparse": ("nnz",),
 }
 _EXTRA_HINT = 'pip install "dattri_llm[attribution]"'
 
@@ -76,13 +87,15 @@ class ProjectionConfig:
     """One capture-time projection: style, size, seed and projector options.
 
     Args:
-        style: ``"logra"``, ``"dense"`` or ``"mask"``.
+        style: ``"logra"``, ``"dense"``, ``"mask"`` or ``"sparse"``.
         proj_dim: Size of each layer's projected gradient (``logra``: ``proj_dim_out *
             proj_dim_in``; may be omitted when both are given).
         seed: Seed of the random matrices / mask; the same seed reproduces them anywhere.
         **projector_options: ``proj_type`` (``"normal"`` or ``"rademacher"``; logra, dense) and
             ``proj_dim_in`` / ``proj_dim_out`` (logra: column / activation side and row /
-            output-gradient side).
+            output-gradient side), ``nnz`` (sparse: nonzeros per input coordinate, default
+            :data:`~dattri_llm.gradient.ops.sparse_projection.DEFAULT_NNZ` = 1; more lowers the
+            variance of the structured sketch at proportionally more hashing cost).
     """
 
     def __init__(
@@ -106,7 +119,7 @@ class ProjectionConfig:
         self.seed = int(seed)
         self.projector_options = dict(projector_options)
         if style == "logra":
-            d_in, d_out = self._logra_dims(proj_dim)
+            d_in, d_out = logra_split(proj_dim, self.projector_options)
             self.projector_options.update(proj_dim_in=d_in, proj_dim_out=d_out)
             proj_dim = d_in * d_out
         if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim < 1:
@@ -114,39 +127,8 @@ class ProjectionConfig:
                 f"ProjectionConfig(proj_dim=) must be a positive int, got {proj_dim!r}"
             )
         self.proj_dim = int(proj_dim)
-
-    def _logra_dims(self, proj_dim: int | None) -> tuple[int, int]:
-        d_in = self.projector_options.get("proj_dim_in")
-        d_out = self.projector_options.get("proj_dim_out")
-        for name, v in (("proj_dim_in", d_in), ("proj_dim_out", d_out)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"ProjectionConfig({name}=) must be a positive int, got {v!r}")
-        if d_in is not None and d_out is not None:
-            if proj_dim is not None and proj_dim != d_in * d_out:
-                raise ValueError(
-                    f"logra proj_dim={proj_dim} must equal proj_dim_in * proj_dim_out = "
-                    f"{d_in} * {d_out}; pass one or the other."
-                )
-            return d_in, d_out
-        if proj_dim is None:
-            raise ValueError(
-                "ProjectionConfig(style='logra') needs proj_dim, or both "
-                "proj_dim_in and proj_dim_out."
-            )
-        if d_in is not None or d_out is not None:
-            side = d_in if d_in is not None else d_out
-            if proj_dim % side:
-                raise ValueError(f"logra proj_dim={proj_dim} is not divisible by {side}.")
-            other = proj_dim // side
-            return (side, other) if d_in is not None else (other, side)
-        root = math.isqrt(int(proj_dim))
-        if root * root != proj_dim:
-            raise ValueError(
-                f"logra splits proj_dim evenly between the two factors (sqrt(proj_dim) each), so "
-                f"it must be a perfect square, got {proj_dim}; pass proj_dim_in= and "
-                "proj_dim_out= for an uneven split."
-            )
-        return root, root
+        if style == "sparse":
+            self.projector_options["nnz"] = check_nnz(projector_options.get("nnz"), proj_dim)
 
     @property
     def proj_type(self) -> str:
@@ -286,13 +268,20 @@ def mask_indices(
 
 
 def clear_projection_cache() -> None:
-    """Drop every cached matrix and mask (they are regenerated identically on demand)."""
+    """Drop every cached matrix, mask and hash (they are regenerated identically on demand)."""
     _CACHE.clear()
+    clear_sparse_cache()
 
 
 def projection_cache_info() -> dict[str, int]:
-    """``{"entries": cached tensors, "generated": matrices / masks drawn since start-up}``."""
-    return {"entries": len(_CACHE), "generated": _STATS["generated"]}
+    """``{"entries", "generated", "bytes"}``: cached tensors, drawn since start-up, their size."""
+    sparse = sparse_cache_info()
+    nbytes = sum(t.numel() * t.element_size() for t in _CACHE.values())
+    return {
+        "entries": len(_CACHE) + sparse["entries"],
+        "generated": _STATS["generated"] + sparse["generated"],
+        "bytes": nbytes + sparse["bytes"],
+    }
 
 
 # ---- one layer ---------------------------------------------------------------------------------
@@ -342,10 +331,12 @@ class LayerProjection:
             }
             self.layer_type = "projected.logra"
         else:
-            dim = config.proj_dim if config.style == "dense" else min(config.proj_dim, k * d)
+            dim = config.proj_dim if config.style != "mask" else min(config.proj_dim, k * d)
             self.module_kwargs = {"_k": 1, "_d": dim, "proj_dim": dim, **meta}
             if config.style == "dense":
                 self.module_kwargs["proj_type"] = config.proj_type
+            if config.style == "sparse":
+                self.module_kwargs["nnz"] = int(opts["nnz"])
             self.layer_type = f"projected.{config.style}"
 
     @property
@@ -356,8 +347,12 @@ class LayerProjection:
     def matrices(
         self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> dict[str, torch.Tensor]:
-        """``{"row": R, "col": C}`` (logra), ``{"matrix": P}`` (dense) or ``{"indices": idx}``."""
+        """``{"row": R, "col": C}`` (logra), ``{"matrix": P}``, ``{"indices": idx}``, hashes."""
         c, (k, d) = self.config, self.shape
+        if c.style == "sparse":
+            return sparse_hashes(
+                k, d, c.proj_dim, c.seed, c.projector_options["nnz"], dtype, device
+            )
         if c.style == "logra":
             opts = c.projector_options
             return {
@@ -400,6 +395,9 @@ class LayerProjection:
                 f"layer {self.name!r}: project the sites of a shared parameter one by one."
             )
         k, d = self.shape
+        if self.style == "sparse":
+            data = sketch_item(item, self.shape, self.config.proj_dim, self.matrices)
+            return Materialized(data, self.layer_type, self.module_kwargs)
         if self.style == "mask":
             idx = self.matrices(device=_device(item))["indices"]
             if isinstance(item, Materialized):

@@ -63,13 +63,14 @@ class LayerLayout:
             if projection.style == "mask":
                 self.indices = projection.matrices()["indices"]
                 self.num_coords = int(self.indices.numel())
-            elif projection.style == "dense":
+            elif projection.style in ("dense", "sparse"):
                 self.dense_projection = True
             else:
                 raise ValueError(
                     f"layer {name!r} is captured with a {projection.style!r} projection, which "
                     "mixes coordinates: per-coordinate optimizer quantities cannot be laid out "
-                    "on it. Use no projection, or 'mask' (or 'dense' for preconditioned capture)."
+                    "on it. Use no projection, or 'mask' (or 'dense' / 'sparse' for preconditioned "
+                    "capture)."
                 )
 
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -95,13 +95,13 @@ class Preconditioner:
                 raise ValueError(
                     f"{_WHERE}: layer {spec.name!r} uses the 'logra' projection, which mixes "
                     "coordinates before the optimizer's per-coordinate map could run. Use no "
-                    "projection, 'mask' or 'dense' (both applied after the map)."
+                    "projection, 'mask', 'dense' or 'sparse' (applied after the map)."
                 )
         self.layouts = layer_layouts(manager)
 
     def defers_projection(self, projection: Any) -> bool:
         """Whether a layer's capture-time projection must wait until after the map."""
-        return self.enabled and projection is not None and projection.style == "dense"
+        return self.enabled and projection is not None and projection.style in ("dense", "sparse")
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -129,7 +129,7 @@ class Preconditioner:
             gamma, lr, count = self._map_layer(opt, hypers, layout, dense.data * scale)
             item: LayerGradient = Materialized(gamma, dense.layer_type, dense.module_kwargs)
             lp = projection[name] if projection is not None else None
-            if lp is not None and lp.style == "dense":
+            if lp is not None and lp.style in ("dense", "sparse"):
                 item = lp.project_item(item)
             out[name] = item
             lrs |= lr
