@@ -34,6 +34,8 @@ from dattri_llm.gradient.ops.projection import (
 from dattri_llm.gradient.ops.sparse_projection import sketch_dense, sketch_factors, sparse_hashes
 from tests.reference import per_sample_grads, rel_err
 from tests.test_projection import capture, loss_fn, make_batch, matrix_forms, net
+from tests.test_projection_end_to_end import LM, T, V  # the tiny LM of the end-to-end tests
+from tests.test_projection_end_to_end import loss_fn as lm_loss
 
 
 def oracle_matrix(k: int, d: int, m: int, seed: int, nnz: int) -> torch.Tensor:
@@ -217,27 +219,6 @@ def test_cached_state_is_tiny():
 
 
 # ---- store -> TracIn -------------------------------------------------------------------------
-V, T = 17, 6
-
-
-class LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, 5)
-        self.fc = nn.Linear(5, 7)
-        self.ln = nn.LayerNorm(7)
-        self.head = nn.Linear(7, V)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(torch.tanh(self.fc(self.emb(input_ids)))))
-
-
-def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    ids = batch["input_ids"]
-    logits = model(ids)
-    return nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="sum"
-    )
 
 
 def offload(model: nn.Module, ids: torch.Tensor, path, projection, batch: int = 3) -> str:
