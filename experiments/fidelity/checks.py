@@ -18,7 +18,6 @@ from dattri_llm import (
     HookManager,
     HookManagerConfig,
     OffloadCallback,
-    Shared,
     TracInAttributor,
 )
 from dattri_llm.integrations.olmo_core import olmo_core_layer_types
@@ -48,6 +47,14 @@ def olmo_core_loss(model: torch.nn.Module, ids: torch.Tensor, div: float) -> tor
     return out.loss
 
 
+def shared_modules(model: torch.nn.Module) -> set[str]:
+    """Names of the modules whose parameter another module shares (tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name.rpartition(".")[0])
+    return {m for mods in owners.values() if len(mods) > 1 for m in mods}
+
+
 def row_kind(layer: str, pname: str, tied: bool) -> str:
     """A table row: the layer's role (block index dropped) and the parameter."""
     kind = re.sub(r"^blocks\.\d+\.", "", layer)
@@ -74,7 +81,7 @@ def exactness(
         ref.load_state_dict(step["state"])
         grad = store.load_record(i).gradient
         dense = {n: grad.layers[n].materialize().parameters() for n in grad.layer_names}
-        tied = {n for n in grad.layer_names if isinstance(grad.layers[n], Shared)}
+        tied = set(grad.layer_names) & shared_modules(ref)  # a compact store sums tied sites
         for row, h in enumerate(info.hashes):
             ref.zero_grad(set_to_none=True)
             olmo_core_loss(ref, by_hash[h][None], div).backward()
