@@ -387,3 +387,22 @@ def test_demo_help_is_plain_text_and_inspect_speaks_as_a_reader(tmp_path: Path, 
     assert code == 2 and "argument STORE: " in err and "is not a gradient store" in err
     assert "Pass an empty or new directory" not in err  # the writer's advice
     assert "notes.txt" in err and "save_dir" in err
+
+
+def test_top_labels_name_their_field(capsys) -> None:
+    """``top`` shows a text's labels as ``[field=value]`` (issue 26, item 11)."""
+    import torch
+
+    from dattri_llm.attribution.score import AttributionScore
+    from dattri_llm.attribution.views.report import SampleText
+    from dattri_llm.cli.top import print_top
+
+    score = AttributionScore(torch.tensor([[2.0], [-1.0]]), ["a", "b"], [0, 0], ["q"])
+    texts = {
+        "a": SampleText("a helpful text", labels={"topic": "import"}),
+        "b": SampleText("an unhelpful one", labels={"topic": "try", "split": 1}),
+    }
+    print_top(score, 1, texts, None)
+    out = capsys.readouterr().out
+    assert "[topic=import] a helpful text" in out
+    assert "[topic=try] [split=1] an unhelpful one" in out

@@ -127,7 +127,7 @@ def print_top(
             print(f"  {kind}:")
             for r, e in enumerate(item[kind], 1):
                 left = f"  {r:>3}  {e['score']:+.4e}  {e['hash'][:12]}"
-                labels = " ".join(f"[{v}]" for v in e["labels"].values())
+                labels = " ".join(f"[{k}={v}]" for k, v in e["labels"].items())
                 text = "" if e["text"] is None else f"{labels} {e['text']}".strip()
                 room = max(width - len(left) - 2, 20)
                 print(f"{left}  {snippet(text, room)}" if text else left)
