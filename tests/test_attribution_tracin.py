@@ -552,6 +552,16 @@ def test_layers_mismatch_between_stores(tmp_path):
         str(tmp_path / "train"), str(tmp_path / "test"), layers=["fc", "head"]
     )
     assert score.agnostic_matrix()[1].shape == (4, 2)
+    # and exactly: the brute-force Gram over those layers' parameters only (issue 26, 14)
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    keep = torch.cat(
+        [torch.full((s,), n.split(".")[0] in ("fc", "head")) for n, s in zip(names, sizes)]
+    )
+    ref = vmap_grads(model, train)[:, keep] @ vmap_grads(model, test)[:, keep].T
+    assert rel(score.query(train, test), ref) < 1e-10
+    full = vmap_grads(model, train) @ vmap_grads(model, test).T
+    assert rel(full, ref) > 1e-3  # the left-out layers matter here
 
 
 def test_arguments_work_with_hf_argument_parser(tmp_path):
