@@ -156,8 +156,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
     train_items, unique, seen = [], [], set()
     for topic, text in train:
         item = {"input_ids": encode(text)}
-        if hash_sample(item) not in seen:
-            seen.add(hash_sample(item))
+        h = hash_sample(item)
+        if h not in seen:
+            seen.add(h)
             train_items.append(item)
             unique.append((topic, text))
     dropped, train = len(train) - len(unique), unique
