@@ -166,6 +166,9 @@ class OffloadCallback(HookCallback):
         self._offsets = {}
         if isinstance(getattr(self.file_manager, "storage_settings", None), dict):
             self.file_manager.storage_settings["storage"] = self._settings()
+            coverage = getattr(manager, "coverage", None)
+            if callable(coverage):  # what share of the trainable parameters the store holds
+                self.file_manager.storage_settings["coverage"] = coverage().to_dict()
 
     def _settings(self) -> dict:
         keep = self.keep_token_factors

@@ -10,13 +10,17 @@ in the parameter's gradient hook (which receives the whole gradient of this back
 the captured per-sample gradients of every site of that parameter are summed over the batch
 (one contraction per site, ``batch_sum``) and compared with it.
 
-At construction, :func:`uncaptured_warning` names the trainable parameters no hook captures.
+At construction, :func:`uncaptured_warning` names the trainable parameters no hook captures,
+and :func:`capture_coverage` counts them (``HookManager.coverage()``, logged at the first step,
+recorded in a store's ``meta.json`` by ``OffloadCallback``).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +29,9 @@ from torch import nn
 from dattri_llm.gradient.gradient import Factorized, Materialized
 
 __all__ = [
+    "CaptureCoverage",
     "batch_param_gradient",
+    "capture_coverage",
     "bypass_message",
     "coverage_gap",
     "coverage_message",
@@ -272,3 +278,77 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _WARNED_UNCAPTURED:
         _WARNED_UNCAPTURED.add(key)
         warnings.warn(message, UserWarning, stacklevel=5)
+
+
+_LOG = logging.getLogger("dattri_llm.capture")
+
+
+@dataclass(frozen=True)
+class CaptureCoverage:
+    """What share of a model's trainable parameters a :class:`~dattri_llm.HookManager` captures.
+
+    Counts are parameter entries (scalars); a parameter shared by several modules (tied
+    weights) counts once. ``HookManager.coverage()`` returns one.
+
+    Attributes:
+        captured: Trainable entries whose per-sample gradient is captured.
+        total: Trainable entries of the model.
+        left_out: Names (``model.named_parameters()``) of the trainable parameters not captured.
+    """
+
+    captured: int
+    total: int
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def fraction(self) -> float:
+        """``captured / total`` (``1.0`` for a model without trainable parameters)."""
+        return self.captured / self.total if self.total else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``captured``, ``total``, ``fraction`` and ``left_out``."""
+        return {
+            "captured": self.captured,
+            "total": self.total,
+            "fraction": round(self.fraction, 6),
+            "left_out": list(self.left_out),
+        }
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.fraction:.1%} of the trainable parameters ({self.captured:,} of {self.total:,})"
+        )
+        return text + (f"; left out: {_listed(list(self.left_out))}" if self.left_out else "")
+
+
+def capture_coverage(
+    model: nn.Module, layers: Sequence[Any], param_ids: Iterable[int]
+) -> CaptureCoverage:
+    """Count the trainable parameters a manager's hooks capture.
+
+    Args:
+        model: The hooked model.
+        layers: The manager's ``LayerSpec`` list (``param_grad`` layers capture every
+            trainable parameter of their module).
+        param_ids: ``id()`` of every parameter the ``linear_io`` layers capture.
+    """
+    captured = set(param_ids)
+    for spec in layers:
+        if spec.hook_type == "param_grad":
+            captured.update(id(p) for p in spec.module.parameters(recurse=False))
+    n_captured = total = 0
+    left_out: list[str] = []
+    for name, p in model.named_parameters():  # each parameter once, tied ones too
+        if not p.requires_grad:
+            continue
+        total += p.numel()
+        if id(p) in captured:
+            n_captured += p.numel()
+        else:
+            left_out.append(name)
+    return CaptureCoverage(n_captured, total, tuple(left_out))
+
+
+def log_coverage(coverage: CaptureCoverage) -> None:
+    """The one log line of a manager's first captured step (logger ``dattri_llm.capture``)."""
+    _LOG.info("HookManager captures %s", coverage)

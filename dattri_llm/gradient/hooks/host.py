@@ -53,6 +53,10 @@ class CaptureHost(Protocol):
         """``{layer name: {parameter name: parameter}}`` of the captured layers."""
         ...
 
+    def coverage(self) -> Any:
+        """The share of trainable parameters captured (a ``CaptureCoverage``)."""
+        ...
+
     def paused(self) -> AbstractContextManager[Any]:
         """A context in which capture is off."""
         ...

@@ -36,6 +36,7 @@ from dattri_llm.gradient.gradient import (
     GradientRecord,
     LayerGradient,
 )
+from dattri_llm.gradient.hooks import coverage as cov
 from dattri_llm.gradient.hooks.assembly import (
     first_tensor,
     grad_target,
@@ -49,7 +50,6 @@ from dattri_llm.gradient.hooks.config import (
     as_config,
     resolve_layers,
 )
-from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
 from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
 from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
@@ -200,6 +200,10 @@ class HookManager:
         gradient (a tied group maps to its one shared parameter).
         """
         return layer_parameters(self.layers, self._shared_groups)
+
+    def coverage(self) -> cov.CaptureCoverage:
+        """What share of the model's trainable parameters the hooks capture (and which not)."""
+        return cov.capture_coverage(self.model, self.layers, self._param_sites)
 
     def _register(self) -> None:
         self._handles.append(
@@ -375,7 +379,7 @@ class HookManager:
         ):
             self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
             self._magnitude[spec.name] = max(
-                self._magnitude.get(spec.name, 0.0), term_magnitude(item)
+                self._magnitude.get(spec.name, 0.0), cov.term_magnitude(item)
             )
         if self.projection is not None:  # logra: project the factors, relabel the layer
             item = self.projection.project_factors(spec, item)
@@ -425,7 +429,7 @@ class HookManager:
             name: [(o, it) for o, it in items if self._item_task.get((name, o)) == task]
             for name, items in self._buffers.items()
         }
-        message = coverage_message(sites, buffers, grad, self._magnitude)
+        message = cov.coverage_message(sites, buffers, grad, self._magnitude)
         if message is not None:
             warn_once(f"coverage:{sites[0][0].name}:{sites[0][1]}", message)
 
@@ -532,9 +536,11 @@ class HookManager:
         for entry in bypassed:
             by_layer.setdefault(entry.sites[0][0].name, []).append(entry)
         for name, entries in by_layer.items():
-            warn_once(f"bypassed:{name}", bypass_message(entries))
+            warn_once(f"bypassed:{name}", cov.bypass_message(entries))
         if merged:
             self._coverage_pending = False  # checked on the first captured step only
+        if self.step == 0:
+            cov.log_coverage(self.coverage())
         ref = ref_tensor(merged)
         like = (ref.dtype, ref.device) if ref is not None else grad_like
         layers: dict[str, LayerGradient] = {}

@@ -12,6 +12,7 @@ from dattri_llm.gradient.layers.base import LayerRule, OuterProductRule
 from dattri_llm.gradient.layers.conv import ConvRule
 from dattri_llm.gradient.layers.conv_transpose import ConvTransposeRule
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
+from dattri_llm.gradient.layers.hf_classes import hf_norm_form
 from dattri_llm.gradient.layers.linear import HFConv1DRule, LinearRule
 from dattri_llm.gradient.layers.norm import (
     GroupNormRule,
@@ -85,10 +86,16 @@ def get_rule(layer_type: str) -> LayerRule:
 
 
 def rule_for_module(module: nn.Module) -> LayerRule | None:
-    """The rule that recognises ``module`` by its class, or ``None``."""
+    """The rule that recognises ``module`` by its class, or ``None``.
+
+    Besides the torch classes, Hugging Face's ``Conv1D`` and the RMS norm classes of
+    :mod:`~dattri_llm.gradient.layers.hf_classes` are recognised by name.
+    """
     cls = type(module)
     if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
         return _RULES[HFConv1DRule.layer_type]
+    if hf_norm_form(module) is not None:
+        return _RULES[RMSNormRule.layer_type]
     for rule in _RULES.values():
         if rule.module_types and isinstance(module, rule.module_types):
             return rule

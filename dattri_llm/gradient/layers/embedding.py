@@ -11,12 +11,18 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.layers.base import LayerRule, chunk_rows
+from dattri_llm.gradient.layers.hf_classes import embedding_output_scale
 
 __all__ = ["EmbeddingRule"]
 
 
 class EmbeddingRule(LayerRule):
-    """``nn.Embedding`` (``padding_idx`` rows get no gradient, as in PyTorch)."""
+    """``nn.Embedding`` (``padding_idx`` rows get no gradient, as in PyTorch).
+
+    A Hugging Face scaled embedding (Gemma's ``embedding(ids) * embed_scale``, recognised by
+    class name in :mod:`~dattri_llm.gradient.layers.hf_classes`) records ``output_scale`` in its
+    kwargs, and its output gradient is multiplied by it (the table's own gradient).
+    """
 
     layer_type = "nn.Embedding"
     module_types = (nn.Embedding,)
@@ -29,11 +35,15 @@ class EmbeddingRule(LayerRule):
                 "nn.Embedding(scale_grad_by_freq=True) scales gradients by batch frequencies, so "
                 "per-sample gradients are not defined; disable it or exclude the layer."
             )
-        return {
+        kw = {
             "num_embeddings": int(module.num_embeddings),
             "embedding_dim": int(module.embedding_dim),
             "padding_idx": None if module.padding_idx is None else int(module.padding_idx),
         }
+        scale = embedding_output_scale(module)
+        if scale is not None and scale != 1.0:
+            kw["output_scale"] = scale
+        return kw
 
     def param_names(self, kw: dict) -> list[str]:
         return ["weight"]
@@ -49,7 +59,9 @@ class EmbeddingRule(LayerRule):
 
     def capture_output_grad(self, grad: torch.Tensor, kw: dict) -> torch.Tensor:
         d = int(kw["embedding_dim"])
-        return grad.reshape(grad.shape[0], -1, d) if grad.dim() > 2 else grad.reshape(1, -1, d)
+        g = grad.reshape(grad.shape[0], -1, d) if grad.dim() > 2 else grad.reshape(1, -1, d)
+        scale = kw.get("output_scale")
+        return g if scale is None else g * scale
 
     def finalize(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         """Zero the output gradient at ``padding_idx`` positions (PyTorch gives them none)."""

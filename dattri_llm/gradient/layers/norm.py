@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.layers.base import LayerRule
+from dattri_llm.gradient.layers.hf_classes import hf_norm_form
 
 __all__ = ["LayerNormRule", "RMSNormRule", "GroupNormRule", "InstanceNormRule"]
 
@@ -128,30 +129,43 @@ class LayerNormRule(_TrailingShapeRule):
 
 
 class RMSNormRule(_TrailingShapeRule):
-    """``nn.RMSNorm``, and any RMSNorm relabelled with ``layer_types`` (e.g. ``LlamaRMSNorm``).
+    """``nn.RMSNorm``, the known Hugging Face RMS norms, any RMSNorm relabelled by ``layer_types``.
 
-    A ``bias`` parameter on the module (OLMo's norms can carry one) is read as
-    ``y = x_hat * w + b``; the first-step coverage check verifies that reading.
+    The Hugging Face classes of :mod:`~dattri_llm.gradient.layers.hf_classes` (``LlamaRMSNorm``,
+    Gemma's ``(1 + weight)`` norm, ...) are recognised by name; their eps is read from the
+    attribute their form names. A ``bias`` parameter on the module (OLMo's norms can carry one)
+    is read as ``y = x_hat * w + b``; the first-step coverage check verifies that reading.
     """
 
     layer_type = "nn.RMSNorm"
     module_types = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
 
     def module_kwargs(self, module: nn.Module) -> dict:
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        form = hf_norm_form(module)
+        if form is not None:
+            eps = getattr(module, form.eps_attr)
+        else:
+            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
         shape = getattr(module, "normalized_shape", None) or tuple(module.weight.shape)
-        return {
+        kw = {
             "normalized_shape": [int(v) for v in shape],
             "eps": None if eps is None else float(eps),
             "weight": getattr(module, "weight", None) is not None,
             "bias": isinstance(getattr(module, "bias", None), torch.Tensor),
         }
+        if form is not None:  # HF computes x_hat in float32 whatever the input dtype
+            kw["compute_dtype"] = "float32"
+        return kw
 
     @staticmethod
     def normalize(x: torch.Tensor, dims: tuple[int, ...], kw: dict) -> torch.Tensor:
-        """``x / sqrt(mean(x^2) + eps)``; ``eps=None`` means the dtype's machine epsilon."""
+        """``x / sqrt(mean(x^2) + eps)``; ``eps=None`` means the dtype's machine epsilon.
+
+        With ``compute_dtype="float32"`` (the Hugging Face classes) ``x`` is cast to float32
+        first, also from float64, as their forwards do.
+        """
         dtype = x.dtype
-        x = _upcast(x)
+        x = x.float() if kw.get("compute_dtype") == "float32" else _upcast(x)
         eps = kw.get("eps")
         if eps is None:
             eps = torch.finfo(dtype).eps
