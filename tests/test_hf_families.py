@@ -10,13 +10,23 @@ uncaptured until branch ``moe`` lands.
 
 from __future__ import annotations
 
+import json
+import logging
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from dattri_llm import REGISTER_ALL, CaptureCallback, HookManager, HookManagerConfig
+from dattri_llm import (
+    REGISTER_ALL,
+    CaptureCallback,
+    GradientStorageManager,
+    HookManager,
+    HookManagerConfig,
+    OffloadCallback,
+)
+from dattri_llm.cli import main
 from dattri_llm.gradient.layers import hf_classes
 from tests.hf_families import FAMILIES, MOE_FAMILIES, build
 from tests.reference import captured_by_parameter, per_sample_loop_grads, rel_err
@@ -164,4 +174,41 @@ def test_gemma_scaled_embedding_records_its_scale() -> None:
     assert "output_scale" not in {
         k for s in hm.layers if s.name != "model.embed_tokens" for k in s.module_kwargs
     }
+    hm.remove()
+
+
+def test_coverage_counts_logs_is_stored_and_inspected(tmp_path, caplog, capsys) -> None:
+    """Mixtral: the fused experts and routers are what is left out (until branch moe)."""
+    model = build("mixtral", torch.float32)
+    params = dict(model.named_parameters())
+    left = [n for n in params if ".mlp.experts." in n or ".mlp.gate." in n]
+    total = sum(p.numel() for p in params.values())
+    store = GradientStorageManager(tmp_path / "store")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the uncaptured-parameter warning, tested above
+        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+    cov = hm.coverage()
+    assert cov.total == total and list(cov.left_out) == left
+    assert cov.captured == total - sum(params[n].numel() for n in left)
+    assert 0 < cov.fraction < 1 and cov.to_dict()["left_out"] == left
+    with caplog.at_level(logging.INFO, logger="dattri_llm.capture"):
+        with hm.collect(deregister_on_exit=True):
+            for _ in range(2):  # logged at the first step only
+                causal_sum_loss(model, torch.randint(1, 37, (2, 5))).backward()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dattri_llm.capture"]
+    assert lines == [f"HookManager captures {cov}"]
+    assert f"{cov.fraction:.1%} of the trainable parameters" in lines[0]
+    meta = json.loads((tmp_path / "store" / "meta.json").read_text())
+    assert meta["coverage"] == cov.to_dict()
+    assert main(["inspect", str(tmp_path / "store")]) == 0
+    out = capsys.readouterr().out
+    assert f"coverage     {cov.fraction:.1%} of the trainable parameters (" in out
+    assert "left out: model.layers.0.mlp.gate.weight" in out
+
+
+def test_coverage_of_a_frozen_base_counts_trainable_parameters_only() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    hm = HookManager(model)
+    assert (hm.coverage().captured, hm.coverage().total, hm.coverage().left_out) == (10, 10, ())
     hm.remove()

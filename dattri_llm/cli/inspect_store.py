@@ -163,7 +163,11 @@ def _print(d: dict) -> None:
         else ("projection", "none")
     )
     for k, v in {**d["capture settings"], **d["record metadata (first readable record)"]}.items():
-        if k != FINGERPRINT_KEY:  # one record's weights fingerprint says nothing to a reader
+        if k == "coverage" and isinstance(v, dict):  # written by OffloadCallback
+            from dattri_llm.gradient.hooks.coverage import CaptureCoverage
+
+            lines.append((k, str(CaptureCoverage.from_dict(v))))
+        elif k != FINGERPRINT_KEY:  # one record's weights fingerprint says nothing to a reader
             lines.append((k, json.dumps(v) if not isinstance(v, str) else v))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:

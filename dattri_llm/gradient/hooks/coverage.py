@@ -314,6 +314,11 @@ class CaptureCoverage:
             "left_out": list(self.left_out),
         }
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CaptureCoverage:
+        """The inverse of :meth:`to_dict` (a store's ``meta.json`` entry)."""
+        return cls(int(d["captured"]), int(d["total"]), tuple(d.get("left_out", ())))
+
     def __str__(self) -> str:
         text = (
             f"{self.fraction:.1%} of the trainable parameters ({self.captured:,} of {self.total:,})"
