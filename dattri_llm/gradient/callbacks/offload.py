@@ -166,9 +166,19 @@ class OffloadCallback(HookCallback):
         self._offsets = {}
         if isinstance(getattr(self.file_manager, "storage_settings", None), dict):
             self.file_manager.storage_settings["storage"] = self._settings()
-            coverage = getattr(manager, "coverage", None)
-            if callable(coverage):  # what share of the trainable parameters the store holds
-                self.file_manager.storage_settings["coverage"] = coverage().to_dict()
+            self._record_coverage()
+
+    def _record_coverage(self) -> None:
+        """The share of trainable parameters captured, in ``meta.json`` (``inspect`` shows it).
+
+        Set at registration and again before each write (the store's ``meta.json`` is written
+        when its writer opens): after the first step it also drops the parameters found used
+        outside their modules.
+        """
+        coverage = getattr(self.manager, "coverage", None)
+        settings = getattr(self.file_manager, "storage_settings", None)
+        if callable(coverage) and isinstance(settings, dict):
+            settings["coverage"] = coverage().to_dict()
 
     def _settings(self) -> dict:
         keep = self.keep_token_factors
@@ -214,6 +224,7 @@ class OffloadCallback(HookCallback):
         if not self._selected(step):
             return
         step = self._stored_step(step, record.checkpoint)
+        self._record_coverage()
         if self.recording_type == "per_sample":
             gradient, storage = self._prepare(record.gradient)
             self.file_manager.write(

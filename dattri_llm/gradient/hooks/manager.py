@@ -147,6 +147,7 @@ class HookManager:
         self._partly_hooked: set[str] = plan.partly_hooked  # share with an unhooked module
         self._shared_groups: dict[str, list[str]] = plan.groups
         self._param_sites = plan.params
+        self._bypassed: set[int] = set()  # captured parameters seen used outside their modules
         #: The first captured step checks that captured gradients cover each parameter's:
         #: the graph task each item was captured in (a parameter's gradient hook sees the
         #: gradient of one task: a reentrant checkpoint's inner backward is a task of its own)
@@ -202,8 +203,9 @@ class HookManager:
         return layer_parameters(self.layers, self._shared_groups)
 
     def coverage(self) -> cov.CaptureCoverage:
-        """What share of the model's trainable parameters the hooks capture (and which not)."""
-        return cov.capture_coverage(self.model, self.layers, self._param_sites)
+        """Share of the trainable parameters captured (less any found bypassed at a step)."""
+        hooked = self._param_sites.keys() - self._bypassed  # recorded as zeros
+        return cov.capture_coverage(self.model, self.layers, hooked)
 
     def _register(self) -> None:
         self._handles.append(
@@ -537,6 +539,7 @@ class HookManager:
             by_layer.setdefault(entry.sites[0][0].name, []).append(entry)
         for name, entries in by_layer.items():
             warn_once(f"bypassed:{name}", cov.bypass_message(entries))
+            self._bypassed.update(id(e.param) for e in entries)
         if merged:
             self._coverage_pending = False  # checked on the first captured step only
         if self.step == 0:
