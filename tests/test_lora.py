@@ -118,3 +118,48 @@ def test_moe_expert_adapters_via_target_parameters_are_reported_not_captured() -
             assert torch.all(got[name] == 0) and ref[name].abs().max() > 0, name
         else:
             assert rel_err(got[name], ref[name]) < 1e-4, name
+
+
+def test_qlora_4bit_base_frozen_adapters_exact(tmp_path) -> None:
+    """QLoRA: a Llama loaded in 4-bit NF4 (bitsandbytes' CPU backend) from a saved directory,
+    ``prepare_model_for_kbit_training``, LoRA on q/v. The quantized base (``Linear4bit``) is
+    frozen and left out silently; the adapters are exact (the 4-bit kernels compute in float32;
+    tolerance 1e-6, measured 0.0). Skipped without ``bitsandbytes``."""
+    bnb = pytest.importorskip("bitsandbytes")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(  # bitsandbytes' CPU packing wants out features % 32 == 0
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    base = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=quant, device_map="cpu", dtype=torch.float32
+    )
+    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    model = with_lora(base, target_modules=["q_proj", "v_proj"])
+    q_proj = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer")
+    assert isinstance(q_proj, bnb.nn.Linear4bit) and not q_proj.weight.requires_grad
+    cb = CaptureCallback()
+    ids = torch.randint(1, 64, (3, 7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the frozen 4-bit base is left out silently
+        hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cb])
+        with hm.collect(deregister_on_exit=True):
+            causal_sum_loss(model, ids).backward()
+    got = captured_by_parameter(hm, cb.pop().gradient, model)
+    model.zero_grad(set_to_none=True)
+    ref = per_sample_loop_grads(model, causal_sum_loss, ids)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(got) == trainable and len(trainable) == 8
+    assert hm.coverage().fraction == 1.0
+    errors = {name: rel_err(got[name], ref[name]) for name in trainable}
+    assert max(errors.values()) < 1e-6, errors  # measured: 0.0 (same kernels either way)
