@@ -172,6 +172,11 @@ def embedding_output_scale(module: nn.Module) -> float | None:
     if isinstance(scale, torch.Tensor) and scale.numel() == 1:
         weight = getattr(module, "weight", None)
         dtype = weight.dtype if isinstance(weight, torch.Tensor) else scale.dtype
+        if scale.is_meta:  # built on the meta device: the float the buffer is made from
+            scalar = getattr(module, "scalar_embed_scale", None)
+            if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+                return None
+            scale = torch.tensor(float(scalar))
         return float(scale.to(dtype))
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return float(scale)
