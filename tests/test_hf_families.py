@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 
 import pytest
@@ -202,7 +203,7 @@ def test_coverage_counts_logs_is_stored_and_inspected(tmp_path, caplog, capsys) 
     assert meta["coverage"] == cov.to_dict()
     assert main(["inspect", str(tmp_path / "store")]) == 0
     out = capsys.readouterr().out
-    assert f"coverage     {cov.fraction:.1%} of the trainable parameters (" in out
+    assert re.search(rf"\ncoverage +{cov.fraction:.1%} of the trainable parameters \(", out)
     assert "left out: model.layers.0.mlp.gate.weight" in out
 
 
@@ -212,3 +213,39 @@ def test_coverage_of_a_frozen_base_counts_trainable_parameters_only() -> None:
     hm = HookManager(model)
     assert (hm.coverage().captured, hm.coverage().total, hm.coverage().left_out) == (10, 10, ())
     hm.remove()
+
+
+class BiasedTestRMSNorm(nn.Module):
+    """A Llama-form RMS norm with a bias (``weight * x_hat + bias``), registered by name."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(d))
+        self.bias = nn.Parameter(0.1 * torch.randn(d))
+        self.variance_epsilon = 1e-5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype) + self.bias
+
+
+def test_registered_norm_with_bias_is_exact(monkeypatch) -> None:
+    monkeypatch.setattr(hf_classes, "_NORMS", dict(hf_classes._NORMS))
+    hf_classes.register_hf_norm("BiasedTestRMSNorm", hf_classes.HF_NORM_FORMS["llama"])
+    model = nn.Sequential(nn.Linear(5, 6), BiasedTestRMSNorm(6), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    cb = CaptureCallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cb])
+        with hm.collect(deregister_on_exit=True):
+            model(x).pow(2).sum().backward()
+    assert hm.layers[1].module_kwargs["bias"] is True
+    got = captured_by_parameter(hm, cb.pop().gradient, model)
+    model.zero_grad(set_to_none=True)
+    ref = per_sample_loop_grads(model, lambda m, xi: m(xi).pow(2).sum(), x)
+    assert set(got) == set(ref)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < 1e-12, name
