@@ -51,19 +51,22 @@ def _lora(model: nn.Module, **config: Any) -> nn.Module:
     return peft.get_peft_model(model, cfg).eval()
 
 
-def _qlora(tmp: str) -> nn.Module:
+def _qlora() -> nn.Module:
+    import tempfile
+
     import peft
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, attn_implementation="eager")  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp)
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                             bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        tmp, quantization_config=quant, device_map="cpu", dtype=torch.float32
-    )
+    with tempfile.TemporaryDirectory() as tmp:  # from_pretrained reads it fully
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp)
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            tmp, quantization_config=quant, device_map="cpu", dtype=torch.float32
+        )
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return _lora(model, target_modules=["q_proj", "v_proj"])
 
@@ -84,7 +87,7 @@ def variants() -> dict[str, Callable[[], nn.Module]]:
         target_modules=["q_proj"],
         target_parameters=["mlp.experts.down_proj"],
     )
-    rows["llama+qlora"] = lambda: _qlora(__import__("tempfile").mkdtemp())
+    rows["llama+qlora"] = _qlora
     return rows
 
 
