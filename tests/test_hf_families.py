@@ -249,3 +249,20 @@ def test_registered_norm_with_bias_is_exact(monkeypatch) -> None:
     assert set(got) == set(ref)
     for name in ref:
         assert rel_err(got[name], ref[name]) < 1e-12, name
+
+
+def test_a_model_loaded_with_from_pretrained_is_covered_the_same(tmp_path) -> None:
+    """Gemma saved and reloaded: the norms and the scaled embedding (its non-persistent
+    ``embed_scale`` buffer is rebuilt on loading) are recognised, and the capture is exact."""
+    import transformers
+
+    build("gemma", torch.float64).save_pretrained(tmp_path / "gemma")
+    model = transformers.GemmaForCausalLM.from_pretrained(tmp_path / "gemma", dtype=torch.float64)
+    model.eval()
+    ids = torch.randint(1, 37, (2, 6))
+    hm, got, warned = capture_all(model, ids)
+    assert warned == [] and hm.coverage().fraction == 1.0
+    assert {s.name: s for s in hm.layers}["model.embed_tokens"].module_kwargs["output_scale"] == 4.0
+    ref = per_sample_loop_grads(model, causal_sum_loss, ids)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < tolerance(model, name, 1e-12), name
