@@ -24,6 +24,7 @@ from dattri_llm.gradient.store.format import (
     SHARD_METADATA_KEY,
     decode_json,
     decode_schema,
+    read_meta,
 )
 from dattri_llm.gradient.store.index import IndexEntry, check_sequence, parse_index
 from dattri_llm.gradient.store.lifecycle import MODES, prepare_store
@@ -35,6 +36,7 @@ from dattri_llm.gradient.store.partition import (
     discover_partitions,
 )
 from dattri_llm.gradient.store.repair import RepairReport, repair_partition
+from dattri_llm.gradient.store.sample_index import read_partition, uses_binary_index
 from dattri_llm.gradient.store.shard import (
     check_header_matches,
     merge_schema_facts,
@@ -141,6 +143,8 @@ class GradientStorageManager(SampleLookup):
         self._known: tuple[Path, tuple[list[IndexEntry], int]] | None = None  # at our close
         self._entries: list[tuple[_Partition, IndexEntry]] = []
         self._order: list[int] | None = None
+        self._ordered_list: list[tuple[_Partition, IndexEntry]] = []
+        self._by_hash_built = False
         self._by_hash: dict[str, list[tuple[int, int]]] = {}
         self._headers: dict[tuple[int, str], dict] = {}
         self._verified: set[Path] = set()
@@ -166,8 +170,11 @@ class GradientStorageManager(SampleLookup):
                     entries += [(part, e) for e in self._own]
                     continue
                 path = part.directory / INDEX_FILE
-                found, _, torn = parse_index(path)
-                check_sequence(found, path)
+                if uses_binary_index(read_meta(part.directory)):
+                    found, torn = read_partition(part.directory)
+                else:  # a version-1 partition: the JSONL index alone
+                    found, _, torn = parse_index(path)
+                    check_sequence(found, path)
                 check_unindexed(part, found, torn)
                 entries += [(part, e) for e in found]
             if not self.allow_duplicate_records:
@@ -194,12 +201,22 @@ class GradientStorageManager(SampleLookup):
                         self._entries[i][1]["seq"],
                     ),
                 )
+                self._by_hash_built = False
+                self._ordered_list = [self._entries[i] for i in self._order]
+            return self._ordered_list  # shared: callers read it (O(1) per call, not O(records))
+
+    def _hash_map(self) -> dict[str, list[tuple[int, int]]]:
+        """``{sample hash: [(record, row), ...]}`` in store order (built on first use)."""
+        ordered = self._ordered()
+        with self._lock:
+            if not self._by_hash_built:
                 by_hash: dict[str, list[tuple[int, int]]] = {}
-                for pos, i in enumerate(self._order):
-                    for row, h in enumerate(self._entries[i][1]["hashes"]):
+                for pos, (_, entry) in enumerate(ordered):
+                    for row, h in enumerate(entry["hashes"]):
                         by_hash.setdefault(h, []).append((pos, row))
                 self._by_hash = by_hash
-            return [self._entries[i] for i in self._order]
+                self._by_hash_built = True
+            return self._by_hash
 
     # ---- writing --------------------------------------------------------------------------------
     def _ensure_writer(self) -> PartitionWriter:
@@ -361,8 +378,7 @@ class GradientStorageManager(SampleLookup):
 
     def sample_hashes(self) -> list[str]:
         """Distinct sample identities in order of first occurrence (store order)."""
-        self._ordered()
-        return list(self._by_hash)
+        return list(self._hash_map())
 
     def _header(self, part: _Partition, entry: IndexEntry) -> dict:
         key = (part.rank, entry["schema"])

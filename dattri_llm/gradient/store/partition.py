@@ -153,17 +153,31 @@ def check_duplicate_records(entries: list[tuple[Partition, IndexEntry]]) -> None
     """
     if len({id(part) for part, _ in entries}) < 2:
         return  # one partition: a repeated record is a step that really saw it twice
-    seen: dict[tuple, tuple[Partition, IndexEntry]] = {}
+    # group by the fields an index row holds first: a record's ids are compared (and, from a
+    # binary index, decoded) only where two partitions hold records of equal size and CRC-32
+    cheap: dict[tuple, list[tuple[Partition, IndexEntry]]] = {}
     for part, e in entries:
-        key = (e["step"], e["checkpoint"], e["crc32"], e["bytes"], tuple(e["hashes"]))
-        other = seen.setdefault(key, (part, e))
-        if other[0] is not part:
-            first = other[0].directory / other[1]["shard"]
-            raise StoreFormatError(
-                f"{part.directory / e['shard']} is a byte-identical copy of {first} (same step "
-                f"{e['step']}, samples and CRC-32) in another partition: every score of its "
-                f"{e['n']} sample(s) would count twice. Remove the copied partition. (If two "
-                "ranks really computed the same batch, e.g. a dataset smaller than the world "
-                "size padded by DistributedSampler, open the store with "
-                "GradientStorageManager(save_dir, allow_duplicate_records=True).)"
-            )
+        cheap.setdefault((e["step"], e["checkpoint"], e["crc32"], e["bytes"]), []).append((part, e))
+    seen: dict[tuple, tuple[Partition, IndexEntry]] = {}
+    for group in cheap.values():
+        if len({id(p) for p, _ in group}) < 2:
+            continue
+        for part, e in group:
+            _check_copy(seen, part, e)
+
+
+def _check_copy(
+    seen: dict[tuple, tuple[Partition, IndexEntry]], part: Partition, e: IndexEntry
+) -> None:
+    key = (e["step"], e["checkpoint"], e["crc32"], e["bytes"], tuple(e["hashes"]))
+    other = seen.setdefault(key, (part, e))
+    if other[0] is not part:
+        first = other[0].directory / other[1]["shard"]
+        raise StoreFormatError(
+            f"{part.directory / e['shard']} is a byte-identical copy of {first} (same step "
+            f"{e['step']}, samples and CRC-32) in another partition: every score of its "
+            f"{e['n']} sample(s) would count twice. Remove the copied partition. (If two "
+            "ranks really computed the same batch, e.g. a dataset smaller than the world "
+            "size padded by DistributedSampler, open the store with "
+            "GradientStorageManager(save_dir, allow_duplicate_records=True).)"
+        )
