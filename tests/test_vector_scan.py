@@ -244,3 +244,35 @@ def test_reader_blocks_are_contiguous_and_exact(tmp_path):
     assert [n for n, _ in got] == [10, 10]
     assert torch.equal(torch.cat([g for _, g in got]), tr)
     assert all(b.layers["fc1"].is_contiguous() for b in reader.blocks([0]))
+
+
+def test_gradient_index_reads_through_the_block_reader(tmp_path, monkeypatch):
+    pytest.importorskip("faiss")
+    from dattri_llm.attribution.index import GradientIndex
+
+    tr, te = randn(30, 8), randn(4, 9)
+    write(
+        tmp_path / "train",
+        [
+            (s, 0, tr[s * 6 : s * 6 + 6], [f"t{j}" for j in range(s * 6, s * 6 + 6)])
+            for s in range(5)
+        ],
+    )
+    write(tmp_path / "test", [(0, 0, te, [f"q{j}" for j in range(4)])])
+
+    calls = []
+    real = GradientStorageManager.load_record
+
+    def counted(self, *a, **k):
+        calls.append(a)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(GradientStorageManager, "load_record", counted)
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric="cosine")
+    assert len(calls) <= 1  # the first record's widths; the vectors come in blocks
+    monkeypatch.undo()
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=4)
+    top = got.top_k(4)
+    want = brute(tr, te, True)
+    for j in range(4):
+        assert top.proponent_hashes[j] == [f"t{i}" for i in want[:, j].argsort(descending=True)[:4]]

@@ -29,7 +29,7 @@ from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized
 from dattri_llm.gradient.store.vector_reader import (
     VectorBlockReader,
     VectorLayer,
-    vector_layers,
+    store_vector_layers,
 )
 
 if TYPE_CHECKING:
@@ -56,25 +56,7 @@ def vector_units(units: RecordSource | None) -> list[VectorLayer] | None:
         return None
     if any(u.rows is not None for u in units.units):
         return None
-    store = units.store
-    ordered = store._ordered()
-    seen: dict[tuple[int, str], list[VectorLayer] | None] = {}
-    first: list[VectorLayer] | None = None
-    for u in units.units:
-        part, entry = ordered[u.index]
-        key = (part.rank, entry["schema"])
-        if key not in seen:
-            layers = vector_layers(store._header(part, entry)["layers"], units.layers)
-            if layers is None:
-                return None
-            if first is None:
-                first = layers
-            elif [(v.name, v.layer_type, v.module_kwargs) for v in layers] != [
-                (v.name, v.layer_type, v.module_kwargs) for v in first
-            ]:
-                return None  # the general loop reports what differs
-            seen[key] = layers
-    return first
+    return store_vector_layers(units.store, [u.index for u in units.units], units.layers)
 
 
 def block_rows(layers: list[VectorLayer], units: RecordSource, args: Any, num_cols: int) -> int:

@@ -36,7 +36,13 @@ from dattri_llm.gradient.store.format import (
 )
 from dattri_llm.gradient.store.shard import _capture_dtype, check_header_matches
 
-__all__ = ["VectorLayer", "VectorBlock", "VectorBlockReader", "vector_layers"]
+__all__ = [
+    "VectorLayer",
+    "VectorBlock",
+    "VectorBlockReader",
+    "vector_layers",
+    "store_vector_layers",
+]
 
 #: safetensors dtype names -> torch dtypes (the floating ones a gradient can be stored in).
 _DTYPES = {
@@ -77,6 +83,36 @@ def vector_layers(schema: Sequence[dict], layers: Sequence[str] | None) -> list[
             return None
         out.append(VectorLayer(name, i, spec["layer_type"], decode_json(spec["module_kwargs"])))
     return out
+
+
+def store_vector_layers(
+    store: Any, records: Sequence[int], layers: Sequence[str] | None
+) -> list[VectorLayer] | None:
+    """:func:`vector_layers` over every distinct schema of the chosen records of a store.
+
+    Returns:
+        The layers when they are plain materialized tensors of the same type and
+        hyper-parameters in every schema, else ``None`` (the general reader's case).
+    """
+    ordered = store._ordered()
+    seen: set[tuple[int, str]] = set()
+    first: list[VectorLayer] | None = None
+    for pos in records:
+        part, entry = ordered[pos]
+        key = (part.rank, entry["schema"])
+        if key in seen:
+            continue
+        seen.add(key)
+        found = vector_layers(store._header(part, entry)["layers"], layers)
+        if found is None:
+            return None
+        if first is None:
+            first = found
+        elif [(v.name, v.layer_type, v.module_kwargs) for v in found] != [
+            (v.name, v.layer_type, v.module_kwargs) for v in first
+        ]:
+            return None
+    return first
 
 
 @dataclass
