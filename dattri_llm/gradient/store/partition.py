@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -108,7 +109,7 @@ def shard_files(directory: Path) -> list[str]:
     )
 
 
-def check_unindexed(part: Partition, entries: list[IndexEntry], torn: bool) -> list[str]:
+def check_unindexed(part: Partition, entries: Sequence[IndexEntry], torn: bool) -> list[str]:
     """Check that the index accounts for every shard of a partition.
 
     A killed writer can leave exactly one shard without its index line: the next one in
@@ -122,8 +123,15 @@ def check_unindexed(part: Partition, entries: list[IndexEntry], torn: bool) -> l
     Raises:
         StoreFormatError: naming the index and the shards it does not account for.
     """
-    listed = {e["shard"] for e in entries}
-    orphans = [s for s in shard_files(part.directory) if s not in listed]
+    # entries hold seq 0..len-1 in order (checked before), so shard i is listed iff i < len
+    count = len(entries)
+    width = len(shard_name(0))
+    # (shard_files gives "shards/<name>.safetensors": the listed ones are 9 digits < count)
+    orphans = [
+        s
+        for s in shard_files(part.directory)
+        if len(s) != width or not (s[7:16].isascii() and s[7:16].isdigit()) or int(s[7:16]) >= count
+    ]
     if not orphans:
         return []
     index = part.directory / INDEX_FILE

@@ -54,6 +54,8 @@ __all__ = [
     "line_spans",
     "write_binary_index",
     "read_partition",
+    "PartitionEntries",
+    "entry_column",
     "journal_crc",
     "uses_binary_index",
 ]
@@ -449,6 +451,44 @@ class LazyEntry(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
 
+class PartitionEntries(Sequence):
+    """A version-2 partition's entries: lazy ones for the rows, then the journal's tail lines.
+
+    An entry object is made only when it is asked for; :meth:`column` gives a field of every
+    entry as an array without making any.
+    """
+
+    def __init__(self, index: BinaryIndex, journal: Path, tail: list[IndexEntry]) -> None:
+        self.index = index
+        self.tail = tail
+        self._journal = _Journal(journal)
+
+    def __len__(self) -> int:
+        return self.index.num_records + len(self.tail)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        rows = self.index.num_records
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return LazyEntry(self.index, i, self._journal) if i < rows else self.tail[i - rows]
+
+    def column(self, name: str) -> np.ndarray:
+        """Field ``name`` (one of ``LazyEntry``'s row fields) of every entry, as int64."""
+        tail = np.asarray([e[name] for e in self.tail], dtype=np.int64)
+        return np.concatenate([np.asarray(self.index.column(name), dtype=np.int64), tail])
+
+
+def entry_column(entries: Sequence[Mapping[str, Any]], name: str) -> np.ndarray:
+    """Field ``name`` of every entry as an int64 array (without entry objects where possible)."""
+    if isinstance(entries, PartitionEntries):
+        return entries.column(name)
+    return np.asarray([e[name] for e in entries], dtype=np.int64)
+
+
 def journal_crc(path: Path, end: int) -> int:
     """CRC-32 of the first ``end`` bytes of a file, read in chunks (no mapping kept)."""
     crc, left = 0, end
@@ -464,7 +504,7 @@ def journal_crc(path: Path, end: int) -> int:
     return crc
 
 
-def read_partition(directory: Path, warn: bool = True) -> tuple[list[IndexEntry], bool]:
+def read_partition(directory: Path, warn: bool = True) -> tuple[Sequence[IndexEntry], bool]:
     """A version-2 partition's entries: from its binary index where it matches the journal.
 
     The rows are used when the journal's bytes they cover have the CRC-32 the writer recorded;
@@ -496,16 +536,15 @@ def read_partition(directory: Path, warn: bool = True) -> tuple[list[IndexEntry]
         found, _, torn = parse_index(journal, warn)
         check_sequence(found, journal)
         return found, torn
-    entries: list[IndexEntry] = list(index.entries(journal))
-    torn = False
+    torn, found = False, []
     if size > end:  # lines the rows do not cover yet
         with open(journal, "rb") as f:
             f.seek(end)
             data = f.read()
-        found, torn = _parse_tail(journal, data, len(entries), warn)
-        entries += found
-        if found:  # rare (a crash between line and row): the full sequence check
-            check_sequence(entries, journal)
+        found, torn = _parse_tail(journal, data, index.num_records, warn)
+    entries = PartitionEntries(index, journal, found)
+    if found:  # rare (a crash between line and row): the full sequence check
+        check_sequence(list(entries), journal)
     return entries, torn
 
 
