@@ -86,6 +86,8 @@ def _shared_keys(sources: list[tuple[_Partition, Sequence[IndexEntry]]]) -> bool
     Only then can a partition be a copy of another (``check_duplicate_records`` then compares
     the records' samples); found from the index columns, without entry objects.
     """
+    if sum(1 for _, src in sources if len(src)) < 2:
+        return False
     seen: dict[tuple[int, ...], int] = {}
     for k, (_, src) in enumerate(sources):
         cols = [entry_column(src, f).tolist() for f in ("step", "checkpoint", "crc32", "bytes")]

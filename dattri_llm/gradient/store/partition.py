@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 _RANK_DIR = re.compile(r"rank_(0|[1-9][0-9]*)")
+_ALL_SHARDS = re.compile(r"(?:shards/[0-9]{9}\.safetensors)*")
 _REPAIR_HINT = (
     "Run GradientStorageManager.repair(save_dir) to rebuild the index from the shards (they "
     "carry their own headers)."
@@ -123,15 +124,24 @@ def check_unindexed(part: Partition, entries: Sequence[IndexEntry], torn: bool) 
     Raises:
         StoreFormatError: naming the index and the shards it does not account for.
     """
-    # entries hold seq 0..len-1 in order (checked before), so shard i is listed iff i < len
+    # entries hold seq 0..len-1 in order (checked before), so shard i is listed iff i < count
     count = len(entries)
-    width = len(shard_name(0))
-    # (shard_files gives "shards/<name>.safetensors": the listed ones are 9 digits < count)
-    orphans = [
-        s
-        for s in shard_files(part.directory)
-        if len(s) != width or not (s[7:16].isascii() and s[7:16].isdigit()) or int(s[7:16]) >= count
-    ]
+    files = shard_files(part.directory)  # sorted "shards/<name>.safetensors"
+    if len(files) in (count, count + 1) and _ALL_SHARDS.fullmatch("".join(files)):
+        # distinct sorted 9-digit names, the count-th of them shard count-1: exactly 0..count-1
+        if count == 0 or files[count - 1] == shard_name(count - 1):
+            orphans = files[count:]
+        else:
+            orphans = [f for f in files if int(f[7:16]) >= count]
+    else:
+        width = len(shard_name(0))
+        orphans = [
+            s
+            for s in files
+            if len(s) != width
+            or not (s[7:16].isascii() and s[7:16].isdigit())
+            or int(s[7:16]) >= count
+        ]
     if not orphans:
         return []
     index = part.directory / INDEX_FILE
