@@ -276,3 +276,24 @@ def test_gradient_index_reads_through_the_block_reader(tmp_path, monkeypatch):
     want = brute(tr, te, True)
     for j in range(4):
         assert top.proponent_hashes[j] == [f"t{i}" for i in want[:, j].argsort(descending=True)[:4]]
+
+
+def test_a_corrupted_shard_stops_scoring_through_the_read_ahead_thread(tmp_path):
+    tr = randn(40, 11)
+    write(
+        tmp_path / "train",
+        [
+            (s, 0, tr[s * 8 : s * 8 + 8], [f"t{j}" for j in range(s * 8, s * 8 + 8)])
+            for s in range(5)
+        ],
+    )
+    write(tmp_path / "test", [(0, 0, randn(2, 12), ["a", "b"])])
+    shard = GradientStorageManager(tmp_path / "train").records()[3].path
+    data = bytearray(shard.read_bytes())
+    data[-9] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreFormatError, match="CRC-32") as e:
+        TracInAttributor(args(tmp_path)).attribute_from_cache(
+            tmp_path / "train", tmp_path / "test", top_k=3
+        )
+    assert str(shard) in str(e.value)

@@ -29,6 +29,7 @@ from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized
 from dattri_llm.gradient.store.vector_reader import (
     VectorBlockReader,
     VectorLayer,
+    read_ahead,
     store_vector_layers,
 )
 
@@ -42,8 +43,12 @@ __all__ = ["ENABLED", "vector_units", "run_vector_scan", "block_rows"]
 
 #: Use the fast path where it applies (``False``: always the general loop).
 ENABLED = True
-#: Bytes of train vectors per block (all layers, in the scoring dtype).
-_BLOCK_BYTES = 64 * 2**20
+#: Read the next blocks on a thread while a block is scored (file reads, CRC-32 and the
+#: products release the GIL); ``False``: read and score in turn.
+READ_AHEAD = True
+#: Bytes of train vectors per block (all layers, counted at 8 bytes a number); three blocks'
+#: buffers are held (one scored, one queued, one being read).
+_BLOCK_BYTES = 32 * 2**20
 
 
 def vector_units(units: RecordSource | None) -> list[VectorLayer] | None:
@@ -86,10 +91,11 @@ def run_vector_scan(
 
     loop = ScoreLoop(att, tests, num_cols, acc)  # its pairing rule and error
     rows = block_rows(layers, units, att.args, num_cols)
-    reader = VectorBlockReader(units.store, layers, units.dtype, rows)
+    reader = VectorBlockReader(units.store, layers, units.dtype, rows, slots=3)
     names = {v.name for v in layers}
     checked: set[int] = set()
-    for block in reader.blocks([u.index for u in units.units]):
+    blocks = reader.blocks([u.index for u in units.units])
+    for block in read_ahead(blocks) if READ_AHEAD else blocks:
         ckpt = block.checkpoints[0]
         grad = Gradient(
             {

@@ -360,11 +360,6 @@ class BinaryIndex:
             raise self._bad(self.samples_path, f"the ids of record seq {i} fail their CRC-32")
         return [blob[j : j + ID_BYTES].hex() for j in range(0, len(blob), ID_BYTES)]
 
-    def entries(self, journal: Path) -> list[LazyEntry]:
-        """One lazy entry per row (the line of each is parsed on first use)."""
-        reader = _Journal(journal)
-        return [LazyEntry(self, i, reader) for i in range(self.num_records)]
-
 
 class _Journal:
     """Reads single lines of ``index.jsonl`` by offset (the file opened on demand)."""
@@ -381,7 +376,7 @@ class _Journal:
 class LazyEntry(Mapping):
     """An index entry backed by a ``records.bin`` row; its journal line is parsed on demand."""
 
-    __slots__ = ("_index", "_i", "_journal", "_line")
+    __slots__ = ("_index", "_i", "_journal", "_line", "_hashes")
     _ROW_KEYS = ("seq", "step", "checkpoint", "n", "bytes", "crc32")
 
     def __init__(self, index: BinaryIndex, i: int, journal: _Journal) -> None:
@@ -389,6 +384,7 @@ class LazyEntry(Mapping):
         self._i = i
         self._journal = journal
         self._line: dict | None = None
+        self._hashes: list[str] | None = None
 
     def _row(self, name: str) -> int:
         return int(self._index.rows[self._i, _F[name]])
@@ -426,9 +422,10 @@ class LazyEntry(Mapping):
         if key == "shard":
             return shard_name(self._i)
         if key == "hashes":
-            held = self._index.hashes(self._i)
-            if held is not None:
-                return held
+            if self._hashes is None:
+                self._hashes = self._index.hashes(self._i)
+            if self._hashes is not None:
+                return self._hashes
         return self._parsed()[key]
 
     def __iter__(self) -> Iterator[str]:

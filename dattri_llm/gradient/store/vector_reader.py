@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ import torch
 from dattri_llm.gradient.store.format import (
     SHARD_METADATA_KEY,
     StoreFormatError,
+    check_header,
     decode_json,
     decode_schema,
 )
@@ -42,6 +45,7 @@ __all__ = [
     "VectorBlockReader",
     "vector_layers",
     "store_vector_layers",
+    "read_ahead",
 ]
 
 #: safetensors dtype names -> torch dtypes (the floating ones a gradient can be stored in).
@@ -162,6 +166,8 @@ class VectorBlockReader:
         dtype: Cast the blocks to this dtype (``None``: as the general reader, the capture
             dtype of a record stored in a narrower one).
         block_rows: Rows per block (a larger record is one block of its own).
+        slots: Sets of buffers used in turn: a block stays valid while the next ``slots - 1``
+            are read (3 lets a thread read ahead, see :func:`read_ahead`).
     """
 
     def __init__(
@@ -170,20 +176,24 @@ class VectorBlockReader:
         layers: Sequence[VectorLayer],
         dtype: torch.dtype | None = None,
         block_rows: int = 8192,
+        slots: int = 1,
     ) -> None:
         self.store = store
         self.layers = list(layers)
         self.dtype = dtype
         self.block_rows = max(1, int(block_rows))
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.slots = max(1, int(slots))
+        self._slot = 0
+        self._buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
         self._widths: dict[str, int] = {}
         self._scratch = bytearray(_SCRATCH)
+        self._schemas: dict[str, list] = {}  # schema digest -> its validated layers
         self.bytes_read = 0
 
     # ---- buffers --------------------------------------------------------------------------------
     def _buffer(self, name: str, dtype: torch.dtype, row0: int, rows: int, width: int):
         """The layer's buffer with room for ``rows`` rows (the first ``row0`` kept)."""
-        key = (name, dtype)
+        key = (name, dtype, self._slot)
         buf = self._buffers.get(key)
         if buf is None or buf.shape[0] < rows or buf.shape[1] != width:
             new = torch.empty(max(rows, self.block_rows), width, dtype=dtype)
@@ -193,6 +203,23 @@ class VectorBlockReader:
         return buf
 
     # ---- one shard ------------------------------------------------------------------------------
+    def _header(self, raw: str | None, entry: dict, path: Path) -> dict:
+        """The shard's checked header (its layer schema validated once per distinct schema)."""
+        known = self._schemas.get(entry["schema"])
+        if known is not None and raw is not None:
+            try:
+                header = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise StoreFormatError(f"shard {path} has a corrupted header: {e}") from None
+            if isinstance(header, dict) and header.get("layers") == known:
+                check_header({**header, "layers": []}, path)  # step, hashes, metadata, ...
+                check_header_matches(header, entry, path, fingerprint=entry["schema"])
+                return header
+        header = decode_schema(raw, path)
+        check_header_matches(header, entry, path)
+        self._schemas[entry["schema"]] = header["layers"]
+        return header
+
     def _read_shard(
         self,
         part: Any,
@@ -236,8 +263,7 @@ class VectorBlockReader:
                 metadata = table.pop("__metadata__", None) or {}
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
-            header = decode_schema(metadata.get(SHARD_METADATA_KEY), path)
-            check_header_matches(header, entry, path)
+            header = self._header(metadata.get(SHARD_METADATA_KEY), entry, path)
             capture_dtype = _capture_dtype(header, path)
             if row0 and capture_dtype != capture:
                 raise _Mixed(stored, -1)
@@ -365,12 +391,62 @@ class VectorBlockReader:
             yield self._finish(block, state)
 
     def _finish(self, block: VectorBlock, state: dict) -> VectorBlock:
+        """The block's views of the current slot's buffers; the next block uses the next slot."""
+        out = self._views(block, state)
+        self._slot = (self._slot + 1) % self.slots
+        return out
+
+    def _views(self, block: VectorBlock, state: dict) -> VectorBlock:
         rows, stored = state["rows"], state["stored"]
         out_dtype = self.dtype if self.dtype is not None else state["capture"]
         for layer in self.layers:
-            view = self._buffers[(layer.name, stored)][:rows]
+            view = self._buffers[(layer.name, stored, self._slot)][:rows]
             block.layers[layer.name] = view if out_dtype in (None, stored) else view.to(out_dtype)
         return block
+
+
+def read_ahead(blocks: Iterator[VectorBlock], depth: int = 1) -> Iterator[VectorBlock]:
+    """Yield ``blocks`` while a thread reads the next ones.
+
+    File reads and CRC-32 release the GIL, so they overlap the consumer's products. Give it a
+    reader with ``slots >= depth + 2``: one block being used, ``depth`` queued, one being read.
+    An error of the reader is raised in the consumer.
+    """
+    done = object()
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for block in blocks:
+                if not put(block):
+                    return
+            put(done)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            put(e)
+
+    thread = threading.Thread(target=produce, name="dattri-vector-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 class _Mixed(Exception):
