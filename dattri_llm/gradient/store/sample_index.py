@@ -283,6 +283,7 @@ class BinaryIndex:
             if count
             else np.zeros((0, len(FIELDS)), dtype=np.int64)
         )
+        rows = np.asarray(rows)  # a plain view of the mapping (memmap indexing is slow)
         self._check_rows(rows)
         self.rows = rows
         need = int(rows[-1, _F["row0"]] + rows[-1, _F["n"]]) if count else 0
@@ -294,7 +295,8 @@ class BinaryIndex:
             if f.read(8) != SAMPLES_MAGIC:
                 raise self._bad(spath, "not a sample index (bad header)")
         if need:
-            self.ids = np.memmap(spath, dtype=np.uint8, mode="r", offset=HEADER, shape=(need, 32))
+            ids = np.memmap(spath, dtype=np.uint8, mode="r", offset=HEADER, shape=(need, 32))
+            self.ids = np.asarray(ids)
 
     def _check_rows(self, rows: np.ndarray) -> None:
         if not len(rows):

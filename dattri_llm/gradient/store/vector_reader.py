@@ -212,7 +212,7 @@ class VectorBlockReader:
             except json.JSONDecodeError as e:
                 raise StoreFormatError(f"shard {path} has a corrupted header: {e}") from None
             if isinstance(header, dict) and header.get("layers") == known:
-                check_header({**header, "layers": []}, path)  # step, hashes, metadata, ...
+                _check_fields(header, path)
                 check_header_matches(header, entry, path, fingerprint=entry["schema"])
                 return header
         header = decode_schema(raw, path)
@@ -447,6 +447,23 @@ def read_ahead(blocks: Iterator[VectorBlock], depth: int = 1) -> Iterator[Vector
     finally:
         stop.set()
         thread.join()
+
+
+def _check_fields(header: dict, path: Path) -> None:
+    """``check_header`` for a header whose layers were checked before (an equal schema).
+
+    The items of ``hashes`` are not type-checked here: ``check_header_matches`` then requires
+    them equal to the index line's, which are strings.
+    """
+    ok = all(
+        isinstance(header.get(k), int) and not isinstance(header.get(k), bool)
+        for k in ("step", "checkpoint")
+    ) and isinstance(header.get("hashes"), list)
+    ok = ok and all(
+        isinstance(header[k], dict) for k in ("metadata", "extra", "storage") if k in header
+    )
+    if not ok:
+        check_header(header, path)  # raises, naming the field
 
 
 class _Mixed(Exception):
