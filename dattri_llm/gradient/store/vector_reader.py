@@ -4,8 +4,9 @@ A projected store (``dense`` / ``mask`` / ``sparse`` projections, ``logra`` writ
 projected gradient, any materialized layer) holds, per record and layer, one ``(n, d)`` tensor.
 Scoring such a store is a matrix product, so the reader's job is to hand the score loop large
 contiguous ``(rows, d)`` blocks at the speed of a sequential read. :class:`VectorBlockReader`
-reads each shard's tensors with ``readinto`` straight into preallocated per-layer buffers
-(one ``(capacity, d)`` tensor per layer, reused block after block): no ``Gradient`` per record,
+reads each shard's tensors with one scatter read (``os.preadv``) straight into preallocated
+per-layer buffers (one ``(capacity, d)`` tensor per layer and buffer slot, reused block after
+block): no ``Gradient`` per record,
 no per-row Python object, one copy from the page cache.
 
 The checks are those of the general reader (``shard.py``), on the same bytes: the shard's size
@@ -55,8 +56,6 @@ _DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-#: Bytes read per ``readinto`` call of a skipped tensor (CRC-32 over layers not selected).
-_SCRATCH = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -148,15 +147,6 @@ class VectorBlock:
         return len(self.hashes)
 
 
-def _read_exact(f: Any, view: memoryview, path: Path) -> None:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise StoreFormatError(f"shard {path} is truncated: it ended while a tensor was read.")
-        got += n
-
-
 class VectorBlockReader:
     """Read chosen records of a vector store as contiguous per-layer blocks.
 
@@ -186,7 +176,7 @@ class VectorBlockReader:
         self._slot = 0
         self._buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
         self._widths: dict[str, int] = {}
-        self._scratch = bytearray(_SCRATCH)
+        self._scratch: dict[int, bytearray] = {}
         self._schemas: dict[str, list] = {}  # schema digest -> its validated layers
         self.bytes_read = 0
 
@@ -201,6 +191,13 @@ class VectorBlockReader:
                 new[:row0] = buf[:row0]
             self._buffers[key] = buf = new
         return buf
+
+    def _spare(self, slot: int, nbytes: int) -> memoryview:
+        """Scratch bytes for a tensor that is read but not kept (one buffer per position)."""
+        buf = self._scratch.get(slot)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch[slot] = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     # ---- one shard ------------------------------------------------------------------------------
     def _header(self, raw: str | None, entry: dict, path: Path) -> dict:
@@ -302,6 +299,7 @@ class VectorBlockReader:
                 spans.append((int(offsets[0]), int(offsets[1]), key))
             spans.sort()
             pos = 0
+            views: list[memoryview] = []  # the data region in file order, read in one preadv
             for begin, end, key in spans:
                 if begin != pos or end < begin or data0 + end > size:
                     raise StoreFormatError(
@@ -316,20 +314,18 @@ class VectorBlockReader:
                         raise StoreFormatError(
                             f"shard {path} is corrupted: tensor {key!r} holds {end - begin} bytes."
                         )
-                    view = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-                    f.seek(data0 + begin)
-                    _read_exact(f, view, path)
-                    if check_crc:
-                        crc = zlib.crc32(view, crc)
-                elif check_crc:
-                    f.seek(data0 + begin)
-                    left = end - begin
-                    while left:
-                        chunk = memoryview(self._scratch)[: min(left, _SCRATCH)]
-                        _read_exact(f, chunk, path)
-                        crc = zlib.crc32(chunk, crc)
-                        left -= len(chunk)
+                    views.append(memoryview(rows.view(torch.uint8).numpy()).cast("B"))
+                elif end > begin:  # a layer not selected: read too (CRC-32, one read)
+                    views.append(self._spare(len(views), end - begin))
                 pos = end
+            got = os.preadv(f.fileno(), views, data0) if views else 0
+            if got != pos:
+                raise StoreFormatError(
+                    f"shard {path} is truncated: it ended while its tensors were read."
+                )
+            if check_crc:
+                for view in views:
+                    crc = zlib.crc32(view, crc)
             if data0 + pos != size:
                 raise StoreFormatError(
                     f"shard {path} is corrupted: {size - data0 - pos} stray bytes."
