@@ -49,7 +49,7 @@ def write(path: Path, steps: range = range(4), mode: str = "create") -> None:
                 if s == 2
                 else [digest(10 * s + j) for j in range(3)]
             )
-            store.write(record(s, ids, ckpt=s % 2, meta={"lr": 0.1 * s}))
+            store.write(record(s, ids, ckpt=s % 2, meta={"lr": 0.1 * s} if s % 2 else None))
 
 
 def journal(path: Path) -> list[dict]:
@@ -80,6 +80,14 @@ def test_rows_and_ids_equal_the_journal(tmp_path):
         store = GradientStorageManager(tmp_path)
     assert view(store) == want  # the lazy entries read as the journal's
     assert store.num_samples == 12 and store.available_checkpoints() == [0, 1]
+    fresh = GradientStorageManager(tmp_path)._ordered()  # entries whose lines are not parsed
+    for (_, e), w in zip(fresh, want):
+        assert e["schema"] == w["schema"] and e.get("metadata") == w.get("metadata")
+        assert e.get("extra") is None and "extra" not in w
+        if "metadata" in w:
+            assert e._line is not None  # the row sends this field to the line
+        else:
+            assert e._line is None  # answered from the row alone
     assert store.locations(want[3]["hashes"][1])[0].row == 1
     assert store.load_record(2).hashes == ["user-2-0", "user-2-1", "user-2-2"]
 

@@ -80,6 +80,8 @@ FIELDS = (
     "ids",
     "ids_crc",
     "journal_crc",
+    "schema",
+    "extras",
     "check",
 )
 WIDTH = 8 * len(FIELDS)
@@ -128,9 +130,23 @@ def _row(
         int(ids is not None),
         zlib.crc32(blob),
         journal_crc,
+        *_schema_and_extras(entry),
         0,
     ]
     return fields, blob
+
+
+#: ``extras`` bits: the line holds ``metadata`` / ``extra``; its schema is not a 16-hex digest.
+_HAS_METADATA, _HAS_EXTRA, _SCHEMA_IN_LINE = 1, 2, 4
+_HEX16 = frozenset("0123456789abcdef")
+
+
+def _schema_and_extras(entry: Mapping[str, Any]) -> tuple[int, int]:
+    schema = entry["schema"]
+    flags = _HAS_METADATA * ("metadata" in entry) + _HAS_EXTRA * ("extra" in entry)
+    if len(schema) == 16 and set(schema) <= _HEX16:
+        return int.from_bytes(bytes.fromhex(schema), "little", signed=True), flags
+    return 0, flags | _SCHEMA_IN_LINE
 
 
 def _pack(rows: list[list[int]]) -> np.ndarray:
@@ -309,6 +325,7 @@ class BinaryIndex:
             ((col["n"] >= 0) & (col["bytes"] >= 0) & (col["line_len"] > 0), "a negative size"),
             ((col["crc32"] >= 0) & (col["crc32"] < 2**32), "'crc32' is not a CRC-32"),
             (np.isin(col["ids"], (0, 1)), "'ids' is neither 0 nor 1"),
+            ((col["extras"] >= 0) & (col["extras"] < 8), "'extras' is not a flag set"),
         ]
         starts = np.concatenate([[0], np.cumsum(col["n"])[:-1]])
         checks.append((col["row0"] == starts, "its row0 does not follow the rows before it"))
@@ -407,6 +424,9 @@ class LazyEntry(Mapping):
                 )
             entry = _check_entry(entry, self._journal.path, self._i + 1)
             diff = [k for k in self._ROW_KEYS if entry[k] != self._row(k)]
+            schema, extras = _schema_and_extras(entry)
+            if (schema, extras) != (self._row("schema"), self._row("extras")):
+                diff.append("schema / metadata / extra")
             held = self._index.hashes(self._i)
             if held is not None and held != entry["hashes"]:
                 diff.append("hashes")
@@ -418,9 +438,24 @@ class LazyEntry(Mapping):
             self._line = entry
         return self._line
 
+    def _extras(self, key: str) -> bool | None:
+        """Whether the line holds ``key`` when the row says so (``None``: parse the line)."""
+        flags = self._row("extras")
+        if key == "metadata":
+            return bool(flags & _HAS_METADATA)
+        if key == "extra":
+            return bool(flags & _HAS_EXTRA)
+        return None
+
     def __getitem__(self, key: str) -> Any:
         if key in self._ROW_KEYS:
             return self._row(key)
+        if key == "schema" and self._line is None:
+            flags = self._row("extras")
+            if not flags & _SCHEMA_IN_LINE:
+                return self._row("schema").to_bytes(8, "little", signed=True).hex()
+        if self._line is None and self._extras(key) is False:
+            raise KeyError(key)  # the row says the line has no such field
         if key == "shard":
             return shard_name(self._i)
         if key == "hashes":
@@ -438,8 +473,10 @@ class LazyEntry(Mapping):
 
     def get(self, key: str, default: Any = None) -> Any:
         """As ``dict.get`` (optional fields come from the journal line)."""
-        if key in self._ROW_KEYS or key in ("shard", "hashes"):
+        if key in self._ROW_KEYS or key in ("shard", "hashes", "schema"):
             return self[key]
+        if self._line is None and self._extras(key) is False:
+            return default
         return self._parsed().get(key, default)
 
     def __eq__(self, other: object) -> bool:
