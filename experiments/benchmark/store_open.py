@@ -5,7 +5,7 @@ Writes a synthetic store of ``--n`` samples through ``GradientStorageManager`` (
 tensor, so the shards' size does not matter), then opens it in fresh processes, each reporting
 the wall time of ``GradientStorageManager(path)`` + ``len`` + ``num_samples`` +
 ``available_checkpoints()``, the resident memory it added (``VmRSS`` after minus before, the
-imports done; the store kept open) and the process's peak (``ru_maxrss``, imports included):
+imports done; the store kept open) and the process's peak (``VmHWM``, imports included):
 
 * ``binary`` — a version-2 partition (``records.bin`` / ``samples.bin``, memory-mapped);
 * ``jsonl`` — the same store read through its JSONL journal, as a version-1 store is;
@@ -59,13 +59,13 @@ def build(path: Path, n: int, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def rss_kb() -> int:
-    """Resident set size of this process now (``VmRSS``), in KiB."""
+def rss_kb(field: str = "VmRSS:") -> int:
+    """A ``/proc/self/status`` size of this process (default: resident now), in KiB."""
     with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1])
-    return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def child(path: str, mode: str) -> None:
@@ -85,7 +85,7 @@ def child(path: str, mode: str) -> None:
         hit = store.locations(hashlib.sha256(b"12345").hexdigest())
         extra = {"lookup_s": time.perf_counter() - t1, "found": len(hit)}
     after = rss_kb()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = rss_kb("VmHWM:")  # this image's peak (ru_maxrss would count the parent's, at fork)
     out = {"wall": wall, "rss_mb": (after - before) / 1024, "peak_mb": peak / 1024}
     print(json.dumps({**out, "facts": facts, **extra}))
 
