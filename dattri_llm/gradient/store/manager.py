@@ -37,11 +37,8 @@ from dattri_llm.gradient.store.partition import (
     discover_partitions,
 )
 from dattri_llm.gradient.store.repair import RepairReport, repair_partition
-from dattri_llm.gradient.store.sample_index import (
-    entry_column,
-    read_partition,
-    uses_binary_index,
-)
+from dattri_llm.gradient.store.sample_entries import entry_column, read_partition
+from dattri_llm.gradient.store.sample_index import uses_binary_index
 from dattri_llm.gradient.store.shard import (
     check_header_matches,
     merge_schema_facts,
