@@ -230,6 +230,9 @@ class DVEmbAttributor(TrajectoryAttributor):
         method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
             queries; no embeddings kept).
         compute_dtype: Raise the propagation's precision.
+        normalized_grad: TrackStar's unit normalization of both sides: each sample's
+            embedding summed over its occurrences and each query divided by its norm (see
+            :class:`TrajectoryAttributor`).
     """
 
     default_optimizer = "sgd"
@@ -248,9 +251,15 @@ class DVEmbAttributor(TrajectoryAttributor):
         loss_reduction: str | None = None,
         method: str = "forward",
         compute_dtype: torch.dtype | None = None,
+        normalized_grad: bool = False,
     ) -> None:
         super().__init__(
-            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+            args,
+            task,
+            loss_reduction=loss_reduction,
+            compute_dtype=compute_dtype,
+            method=method,
+            normalized_grad=normalized_grad,
         )
         if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
             raise ValueError(
