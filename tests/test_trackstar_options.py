@@ -176,6 +176,8 @@ def test_second_moment_from_dynamics_and_optimizer_and_its_scores(tmp_path):
     assert rel(cos.attribute_from_cache(tr_dir, te_dir).query(train, test), ref_cos) < 1e-10
     live = TracInAttributor(a, task=AttributionTask(loss_fn, model), second_moment=from_dyn)
     assert rel(live.attribute(train, test, hook_config=CONFIG).query(train, test), ref_dot) < 1e-10
+    with pytest.raises(ValueError, match="attribution_granularity='sample'"):
+        live.attribute(train, test, hook_config=CONFIG, attribution_granularity="token")
     # non-vacuous: the correction changes the scores
     raw = TracInAttributor(a).attribute_from_cache(tr_dir, te_dir).query(train, test)
     assert rel(raw, ref_dot) > 1e-2

@@ -142,6 +142,7 @@ class TracInAttributor(BaseAttributor):
             normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
             **kwargs: As :meth:`BaseAttributor.attribute`.
         """
+        self._check_granularity(attribution_granularity)
         with self._per_call(normalized_grad, "attribute"):
             return super().attribute(
                 train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
@@ -190,12 +191,20 @@ class TracInAttributor(BaseAttributor):
             normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
             **kwargs: As :meth:`BaseAttributor.attribute_sources`.
         """
+        self._check_granularity(attribution_granularity)
         with self._per_call(normalized_grad, "attribute_sources"):
             return super().attribute_sources(
                 train_source, test_source, attribution_granularity, **kwargs
             )
 
     # ---- scoring hooks ---------------------------------------------------------------------
+    def _check_granularity(self, granularity: str) -> None:
+        if granularity == "token" and self.second_moment is not None:
+            raise ValueError(
+                "TracInAttributor(second_moment=...) scores the corrected gradients, which are "
+                "materialized (no token axis): use attribution_granularity='sample'."
+            )
+
     def _normalize(self, gradient: Gradient) -> Gradient:
         norms = ops.grad_norm_sq(gradient, mode=self.mode).clamp_min(0).sqrt()
         inv = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
