@@ -89,6 +89,40 @@ def row(no_v: bool = False, own_push: bool = False, normalized: bool = False) ->
     return fn
 
 
+def trackstar(normalized: bool, second_moment: bool) -> Any:
+    """Grad-Dot / Grad-Cos at the final weights on the recording's mask-2048 coordinates, with
+    or without TrackStar's ``1/sqrt(v + eps)`` (the run's last ``exp_avg_sq``, eps 1e-8)."""
+
+    def fn(ctx: Context) -> Any:
+        from dattri_llm import (
+            HookManagerConfig,
+            ProjectionConfig,
+            SecondMoment,
+            TracInAttributor,
+        )
+        from experiments.benchmark.quality.methods.ours import _score, _task
+        from experiments.benchmark.quality.methods.trajectory import _note, recording
+
+        name, proj = RECORDING
+        config = HookManagerConfig(
+            capture_style="materialized", projection=ProjectionConfig(**proj)
+        )
+        rec = recording(ctx, name, config)
+        sm = SecondMoment.from_dynamics(rec["trajectory"]) if second_moment else None
+        with tempfile.TemporaryDirectory() as tmp:
+            att = TracInAttributor(
+                _args(tmp),
+                task=_task(ctx, [ctx.final]),
+                normalized_grad=normalized,
+                second_moment=sm,
+            )
+            scores = _score(ctx, att, hook_config=config)
+        ctx.extra["last_note"] = _note(rec)
+        return scores
+
+    return fn
+
+
 def methods() -> list[Method]:
     """The diagnosis rows (gpt2, AdamW runs)."""
     base = "AdamW-influence mask-2048"
@@ -117,5 +151,19 @@ def methods() -> list[Method]:
             "dattri_llm",
             row(normalized=True),
             "forward sweep; cosine of each sample's summed displacement with each query",
+        ),
+        Method("Grad-Dot mask-2048", "dattri_llm", trackstar(False, False), "final weights"),
+        Method("Grad-Cos mask-2048", "dattri_llm", trackstar(True, False), "final weights"),
+        Method(
+            "Grad-Dot mask-2048 + second moment",
+            "dattri_llm",
+            trackstar(False, True),
+            "TrackStar's 1/sqrt(v + eps) from the run's last exp_avg_sq (SecondMoment)",
+        ),
+        Method(
+            "Grad-Cos mask-2048 + second moment (TrackStar, R = I)",
+            "dattri_llm",
+            trackstar(True, True),
+            "TrackStar's 1/sqrt(v + eps), then unit norm",
         ),
     ]
