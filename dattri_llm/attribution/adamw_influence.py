@@ -95,6 +95,11 @@ def check_dynamics_layout(
 class AdamWInfluenceAttributor(TrajectoryAttributor):
     """Influence of each training sample unrolled through the recorded Adam / AdamW run.
 
+    Regime: the first-order effect of removing one sample from *this* run (small removals; the
+    quality benchmark's trajectory-specific LOO). For half-data LDS, where each half is
+    retrained with its own batch order, a final-weights influence function (EK-FAC) ranks
+    better; see docs/benchmarks/quality.md ("Issue 24").
+
     Args:
         args: Run options.
         task: For the live path.

@@ -212,6 +212,10 @@ class DataValueEmbeddings:
 class DVEmbAttributor(TrajectoryAttributor):
     """Data value embeddings for an SGD run (positive score = the sample helped the query).
 
+    Regime: the first-order effect of removing one sample from *this* SGD run (small removals).
+    On an Adam run it is the wrong model (it warns; use AdamW-influence or LESS); see
+    docs/benchmarks/quality.md ("Issue 24").
+
     Args:
         args: Run options.
         task: For the live path.
