@@ -31,6 +31,9 @@ from experiments.benchmark.quality.methods import Context, Method
 from experiments.benchmark.quality.methods.ours import _args
 
 RECORDING = ("mask-2048", {"style": "mask", "proj_dim": 2048, "seed": 0})
+#: The smaller recording of the quality benchmark's ``AdamW-influence mask-256`` row: the
+#: forward sweep (memory and work ∝ samples) of the unit-normalized row fits it.
+SMALL = ("mask-256", {"style": "mask", "proj_dim": 256, "seed": 0})
 
 
 def _variant(no_v: bool, own_push: bool) -> Any:
@@ -51,14 +54,16 @@ def _variant(no_v: bool, own_push: bool) -> Any:
     return Variant
 
 
-def row(no_v: bool = False, own_push: bool = False, normalized: bool = False) -> Any:
-    """AdamW-influence on the mask-2048 recording with the named change(s)."""
+def row(
+    no_v: bool = False, own_push: bool = False, normalized: bool = False, recording_=RECORDING
+) -> Any:
+    """AdamW-influence on a mask recording (default mask-2048) with the named change(s)."""
 
     def fn(ctx: Context) -> Any:
         from dattri_llm import HookManagerConfig, OptimizerDynamics, ProjectionConfig
         from experiments.benchmark.quality.methods.trajectory import _note, chunked, recording
 
-        name, proj = RECORDING
+        name, proj = recording_
         config = HookManagerConfig(
             capture_style="materialized", projection=ProjectionConfig(**proj)
         )
@@ -150,6 +155,12 @@ def methods() -> list[Method]:
             f"{base} unit-normalized (normalized_grad=True)",
             "dattri_llm",
             row(normalized=True),
+            "forward sweep; cosine of each sample's summed displacement with each query",
+        ),
+        Method(
+            "AdamW-influence mask-256 unit-normalized (normalized_grad=True)",
+            "dattri_llm",
+            row(normalized=True, recording_=SMALL),
             "forward sweep; cosine of each sample's summed displacement with each query",
         ),
         Method("Grad-Dot mask-2048", "dattri_llm", trackstar(False, False), "final weights"),
