@@ -91,7 +91,9 @@ def score(name: str, root: str, out: str, top_k: int | None) -> AttributionScore
             a, loss_reduction="sum", method="forward" if name == "adamw_fwd" else "adjoint"
         )
         return att.attribute_from_cache(train, query, dynamics=dyn, top_k=top_k)
-    att = DVEmbAttributor(a, loss_reduction="sum", learning_rate=[2e-3, 1.5e-3, 1.5e-3, 1e-3])
+    att = DVEmbAttributor(
+        a, loss_reduction="sum", learning_rate=[2e-3, 1.5e-3, 1.5e-3, 1e-3], method="forward"
+    )
     return att.attribute_from_cache(train, query, top_k=top_k)
 
 
