@@ -333,7 +333,7 @@ class HookManager:
                 target, new_out = grad_target(out)
                 replaced = new_out is not out
                 out = new_out
-            a = rule.capture_input(module, args, out, kw)
+            a, ctx = rule.capture_forward(module, args, out, kw, self._batch_size)
             if self.projection is not None:  # logra: the raw activation is never kept
                 a = self.projection.project_input(spec, a)
             order = self._forward_order
@@ -341,11 +341,11 @@ class HookManager:
             for cb in self.callbacks:
                 cb.on_forward(spec.name, module, a)
             if target is out:
-                out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad))
+                out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad, ctx))
             else:  # the base of a view: its gradient, in the output's shape
                 shape = out.shape
                 target.register_hook(
-                    lambda grad: self._on_output_grad(spec, order, a, grad.reshape(shape))
+                    lambda grad: self._on_output_grad(spec, order, a, grad.reshape(shape), ctx)
                 )
             if not replaced:
                 return None
@@ -356,12 +356,12 @@ class HookManager:
         return hook
 
     def _on_output_grad(
-        self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor
+        self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor, ctx: Any = None
     ) -> None:
         if not self._active:
             return
         rule, kw = spec.rule, spec.module_kwargs
-        g = rule.capture_output_grad(grad.detach(), kw)
+        g = rule.context_output_grad(grad.detach(), kw, ctx)
         if hasattr(rule, "finalize"):
             g = rule.finalize(a, g, kw)
         if g.dtype != a.dtype and a.is_floating_point():
