@@ -116,7 +116,9 @@ def test_every_parameter_exact_vs_one_sample_backward(family: str) -> None:
         hm, (record,) = capture(model, x)
     got = captured_by_parameter(hm, record.gradient, model)
     ref = per_sample_loop_grads(model, loss_fn, x)
-    experts = [n for n in ref if n.endswith(("gate_up_proj", "down_proj", "_bias")) and ".experts." in n]
+    experts = [
+        n for n in ref if n.endswith(("gate_up_proj", "down_proj", "_bias")) and ".experts." in n
+    ]
     assert experts and all(n in got for n in experts), sorted(set(ref) - set(got))
     routers = [n for n in ref if ".gate.weight" in n or ".router." in n]
     assert routers and all(n in got for n in routers)

@@ -260,7 +260,10 @@ class MoEExpertsRule(LayerRule):
         base = {k: kw[k] for k in ("num_experts", "family", "transposed", "bias")}
         h, k2, i = kw["hidden"], kw["gate_up_out"], kw["intermediate"]
         return [
-            ("gate_up_proj", {**base, "param": "gate_up_proj", "in_features": h, "out_features": k2}),
+            (
+                "gate_up_proj",
+                {**base, "param": "gate_up_proj", "in_features": h, "out_features": k2},
+            ),
             ("down_proj", {**base, "param": "down_proj", "in_features": i, "out_features": h}),
         ]
 
