@@ -354,3 +354,39 @@ def test_materialized_and_auto_capture_equal_factorized() -> None:
         for name in _expert_layers(fact):
             want = fact.gradient.layers[name].materialize().data
             assert rel_err(rec.gradient.layers[name].materialize().data, want) < TOL
+
+
+@pytest.mark.parametrize("storage_dtype", [None, "bfloat16"])
+def test_store_round_trip_keeps_expert_slots(tmp_path, storage_dtype) -> None:
+    """Written factorised (expert indices in the factor) and read back; bf16 holds E exactly."""
+    from dattri_llm import GradientStorageManager, OffloadCallback
+
+    model = build("mixtral").float()
+    x = torch.randint(0, V, (3, 5))
+    cap = CaptureCallback()
+    store = GradientStorageManager(tmp_path / "store")
+    off = OffloadCallback(file_manager=store, keep_token_factors=True, storage_dtype=storage_dtype)
+    hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cap, off])
+    with hm.collect(deregister_on_exit=True):
+        loss_fn(model, x).backward()
+    record = cap.pop()
+    back = GradientStorageManager(tmp_path / "store").load_record(0)
+    for name in _expert_layers(record):
+        mem, disk = record.gradient.layers[name], back.gradient.layers[name]
+        assert disk.layer_type == "moe.experts" and disk.a.shape == mem.a.shape
+        assert torch.equal(split_expert_factor(disk.a, disk.module_kwargs)[1], mem.a[..., -1].long())
+        want = mem.materialize().data
+        tol = 1e-6 if storage_dtype is None else 2e-2  # bf16 keeps 8 bits of each factor
+        assert rel_err(disk.materialize().data, want) < tol
+
+
+def test_expert_index_column_is_checked() -> None:
+    rule = get_rule("moe.experts")
+    kw = {"num_experts": 4, "param": "down_proj", "in_features": 3, "out_features": 2}
+    a = torch.zeros(1, 2, 4)
+    a[0, 1, -1] = 4.0  # expert 4 of 4
+    with pytest.raises(ValueError, match="expert-index column"):
+        rule.materialize(a, torch.zeros(1, 2, 2), kw)
+    a[0, 1, -1] = 1.5
+    with pytest.raises(ValueError, match="expert-index column"):
+        rule.norm_sq(a, torch.zeros(1, 2, 2), kw)
