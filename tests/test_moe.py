@@ -374,7 +374,9 @@ def test_store_round_trip_keeps_expert_slots(tmp_path, storage_dtype) -> None:
     for name in _expert_layers(record):
         mem, disk = record.gradient.layers[name], back.gradient.layers[name]
         assert disk.layer_type == "moe.experts" and disk.a.shape == mem.a.shape
-        assert torch.equal(split_expert_factor(disk.a, disk.module_kwargs)[1], mem.a[..., -1].long())
+        assert torch.equal(
+            split_expert_factor(disk.a, disk.module_kwargs)[1], mem.a[..., -1].long()
+        )
         want = mem.materialize().data
         tol = 1e-6 if storage_dtype is None else 2e-2  # bf16 keeps 8 bits of each factor
         assert rel_err(disk.materialize().data, want) < tol
@@ -390,3 +392,39 @@ def test_expert_index_column_is_checked() -> None:
     a[0, 1, -1] = 1.5
     with pytest.raises(ValueError, match="expert-index column"):
         rule.norm_sq(a, torch.zeros(1, 2, 2), kw)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_tracin_on_a_moe_model_vs_brute_force(tmp_path, normalized: bool) -> None:
+    """Grad-Dot / Grad-Cos through the score engine, against dot products of loop gradients."""
+    from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor
+
+    model = build("mixtral", seed=5)
+    for n, p in model.named_parameters():  # the norms are another rule's: leave them out
+        p.requires_grad_("norm" not in n)
+    gen = torch.Generator().manual_seed(0)
+    train = [{"input_ids": torch.randint(0, V, (5,), generator=gen)} for _ in range(5)]
+    test = [{"input_ids": torch.randint(0, V, (5,), generator=gen)} for _ in range(2)]
+
+    def task_loss(m, batch):
+        return loss_fn(m, batch["input_ids"])
+
+    args = AttributionArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        show_progress=False,
+        per_device_train_batch_size=3,
+        per_device_eval_batch_size=2,
+    )
+    att = TracInAttributor(args, task=AttributionTask(task_loss, model), normalized_grad=normalized)
+    score = att.attribute(train, test).query(train, test)
+
+    def rows(ds):
+        x = torch.stack([d["input_ids"] for d in ds])
+        grads = per_sample_loop_grads(model, loss_fn, x)
+        return torch.cat([g.reshape(len(ds), -1) for g in grads.values()], 1)
+
+    gt, ge = rows(train), rows(test)
+    if normalized:
+        gt, ge = gt / gt.norm(dim=1, keepdim=True), ge / ge.norm(dim=1, keepdim=True)
+    assert rel_err(score, gt @ ge.T) < 1e-10
