@@ -428,3 +428,14 @@ def test_tracin_on_a_moe_model_vs_brute_force(tmp_path, normalized: bool) -> Non
     if normalized:
         gt, ge = gt / gt.norm(dim=1, keepdim=True), ge / ge.norm(dim=1, keepdim=True)
     assert rel_err(score, gt @ ge.T) < 1e-10
+
+
+def test_block_called_on_sub_batches_is_refused() -> None:
+    """Rows of a sub-batch call cannot be given to samples: refused, never mis-assigned."""
+    model = build("mixtral")
+    mlp = model.model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda h: torch.cat([forward(h[:2]), forward(h[2:])])
+    x = torch.randint(0, V, (4, 4))  # 2 x 4 rows per call: a multiple of the batch size 4
+    with pytest.raises(RuntimeError, match="cannot be given to samples"):
+        capture(model, x)

@@ -52,7 +52,7 @@ from dattri_llm.gradient.hooks.config import (
 from dattri_llm.gradient.hooks.coverage import bypass_message, coverage_message, term_magnitude
 from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
-from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
+from dattri_llm.gradient.hooks.inputs import batch_shape, model_inputs, sample_ids
 from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 
@@ -333,7 +333,8 @@ class HookManager:
                 target, new_out = grad_target(out)
                 replaced = new_out is not out
                 out = new_out
-            a, ctx = rule.capture_forward(module, args, out, kw, self._batch_size)
+            batch = batch_shape(self._inputs, self._batch_size)
+            a, ctx = rule.capture_forward(module, args, out, kw, batch)
             if self.projection is not None:  # logra: the raw activation is never kept
                 a = self.projection.project_input(spec, a)
             order = self._forward_order

@@ -87,13 +87,18 @@ class LayerRule:
         raise NotImplementedError
 
     def capture_forward(
-        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict, batch_size: int | None
+        self,
+        module: nn.Module,
+        args: tuple,
+        output: torch.Tensor,
+        kw: dict,
+        batch: tuple[int | None, int | None],
     ) -> tuple[torch.Tensor, Any]:
         """The forward hook's ``(a, context)``; ``context`` reaches :meth:`context_output_grad`.
 
         Layers whose output gradient alone does not give ``g`` (fused experts: routing, the
-        rows of each sample) carry what the backward needs in ``context``. ``batch_size`` is
-        the model's batch (``None`` when its inputs were not seen).
+        rows of each sample) carry what the backward needs in ``context``. ``batch`` is the
+        model's ``(batch size, tokens per sample)``, each ``None`` when unknown.
         """
         return self.capture_input(module, args, output, kw), None
 

@@ -99,22 +99,34 @@ def flat_token_layer_types(modules: dict[str, nn.Module]) -> dict[str, str]:
     return out
 
 
-def _rows_to_samples(x: torch.Tensor, batch_size: int | None, what: str) -> torch.Tensor:
-    """``(B*T, 1, W)`` flattened rows -> ``(B, T, W)`` (batch-major, as the MoE blocks flatten)."""
-    if batch_size is None:
+def _rows_to_samples(
+    x: torch.Tensor, batch: tuple[int | None, int | None], what: str
+) -> torch.Tensor:
+    """``(B*T, 1, W)`` flattened rows -> ``(B, T, W)`` (batch-major, as the MoE blocks flatten).
+
+    Raises:
+        RuntimeError: the batch size is unknown, or the rows are not the whole batch's tokens
+            (a block called on sub-batches would otherwise give rows to the wrong samples).
+    """
+    b, tokens = batch
+    if b is None:
         raise RuntimeError(
             f"{what} sees the batch's tokens flattened into rows, so the model's batch size is "
             "needed to give each sample its rows: call the model itself inside collect() (the "
             "manager reads the batch size from its inputs)."
         )
-    if x.shape[0] == batch_size:
-        return x
     n = x.shape[0] * x.shape[1]
-    if n % batch_size:
+    if x.shape[0] == b and (tokens is None or n == b * tokens):
+        return x
+    if n % b or (tokens is not None and n != b * tokens):
         raise RuntimeError(
-            f"{what} saw {n} token rows, not a multiple of the model's batch size {batch_size}."
+            f"{what} saw {n} token rows, while the model's batch has {b} samples"
+            + (f" x {tokens} tokens" if tokens is not None else "")
+            + ": its rows cannot be given to samples (a block called on sub-batches, or on "
+            "other tokens than the batch's, is not supported). Exclude it "
+            "(HookManagerConfig(exclude=[...]))."
         )
-    return x.reshape(batch_size, n // batch_size, *x.shape[2:])
+    return x.reshape(b, n // b, *x.shape[2:])
 
 
 class TokenLinearRule(LinearRule):
@@ -144,10 +156,15 @@ class TokenLinearRule(LinearRule):
         }
 
     def capture_forward(
-        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict, batch_size: int | None
+        self,
+        module: nn.Module,
+        args: tuple,
+        output: torch.Tensor,
+        kw: dict,
+        batch: tuple[int | None, int | None],
     ) -> tuple[torch.Tensor, Any]:
         a = self.capture_input(module, args, output, kw)
-        return _rows_to_samples(a, batch_size, f"{type(module).__name__}"), batch_size
+        return _rows_to_samples(a, batch, type(module).__name__), batch
 
     def context_output_grad(self, grad: torch.Tensor, kw: dict, context: Any) -> torch.Tensor:
         return _rows_to_samples(self.capture_output_grad(grad, kw), context, "moe.token_linear")
@@ -321,7 +338,12 @@ class MoEExpertsRule(LayerRule):
         return y + b[e].detach() if isinstance(b, torch.Tensor) else y
 
     def capture_forward(
-        self, module: nn.Module, args: tuple, output: torch.Tensor, kw: dict, batch_size: int | None
+        self,
+        module: nn.Module,
+        args: tuple,
+        output: torch.Tensor,
+        kw: dict,
+        batch: tuple[int | None, int | None],
     ) -> tuple[torch.Tensor, Any]:
         if len(args) < 3:
             raise RuntimeError(
@@ -330,9 +352,7 @@ class MoEExpertsRule(LayerRule):
             )
         x, idx, w = args[0].detach(), args[1].detach(), args[2].detach()
         n, top_k = x.shape[0], idx.shape[-1]
-        b = batch_size
-        if b is None or n % b:
-            _rows_to_samples(x.reshape(n, 1, -1), b, kw["family"])  # raises
+        b = _rows_to_samples(x.reshape(n, 1, -1), batch, kw["family"]).shape[0]  # checks rows
         e_all = idx.reshape(-1).long()
         valid = (e_all >= 0) & (e_all < int(kw["num_experts"]))
         tok = torch.arange(n, device=x.device).repeat_interleave(top_k)
