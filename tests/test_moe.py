@@ -471,3 +471,22 @@ def test_kfac_attributor_diagonal_on_expert_layers_vs_brute_force(tmp_path) -> N
         fisher = gt.pow(2).mean(0)  # (1/N) sum_n m_n^2, per parameter entry
         score = score + (gt / (fisher + lam)) @ ge.T
     assert rel_err(got, score) < 1e-8
+
+
+def test_frozen_expert_weight_leaves_its_layer_out() -> None:
+    """A frozen ``gate_up_proj`` is left out; its bias, ``down_proj`` and the router stay exact."""
+    model = build("gpt_oss", seed=7)
+    for layer in model.model.layers:
+        layer.mlp.experts.gate_up_proj.requires_grad_(False)
+    x = torch.randint(0, V, (2, 5))
+    hm, (record,) = capture(model, x)
+    # gpt-oss' gate_up bias still trains: the layer captures it alone
+    params = hm.layer_parameters()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert list(params) == ["gate_up_proj_bias"]
+    got = captured_by_parameter(hm, record.gradient, model)
+    assert not [n for n in got if n.endswith("gate_up_proj")]
+    ref = per_sample_loop_grads(model, loss_fn, x)
+    assert "model.layers.0.mlp.experts.down_proj" in got
+    for name in got:
+        assert rel_err(got[name], ref[name]) < TOL, name
+    hm.remove()

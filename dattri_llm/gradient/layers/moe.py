@@ -337,6 +337,33 @@ class MoEExpertsRule(LayerRule):
         b = getattr(module, f"{name}_bias", None)
         return y + b[e].detach() if isinstance(b, torch.Tensor) else y
 
+    def _gate_up(
+        self,
+        module: nn.Module,
+        args: tuple,
+        x: torch.Tensor,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        e_all: torch.Tensor,
+        kw: dict,
+    ) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
+        """Per-expert slot groups and the recomputed ``gate_up`` rows of one forward call.
+
+        Both layers of a module hook the same call: the second reuses the first's result
+        (same module, same input tensors at the same version), then drops it.
+        """
+        key = (id(module), id(args[0]), args[0]._version, id(args[1]), id(args[2]))
+        cached, self._recent = getattr(self, "_recent", None), None
+        if cached is not None and cached[0] == key:
+            return cached[2], cached[3]
+        groups = _per_expert(e_all[pos])
+        gu = x.new_zeros(pos.numel(), module.gate_up_proj.shape[2 if kw["transposed"] else 1])
+        for ex, rows in groups:
+            gu[rows] = self._linear(module, "gate_up_proj", x[tok[pos[rows]]], ex, kw)
+        # the objects themselves are held so that their ids cannot be reused meanwhile
+        self._recent = (key, (module, *args[:3]), groups, gu)
+        return groups, gu
+
     def capture_forward(
         self,
         module: nn.Module,
@@ -357,10 +384,7 @@ class MoEExpertsRule(LayerRule):
         valid = (e_all >= 0) & (e_all < int(kw["num_experts"]))
         tok = torch.arange(n, device=x.device).repeat_interleave(top_k)
         pos = valid.nonzero().squeeze(1)
-        groups = _per_expert(e_all[pos])
-        gu = x.new_zeros(pos.numel(), module.gate_up_proj.shape[2 if kw["transposed"] else 1])
-        for ex, rows in groups:
-            gu[rows] = self._linear(module, "gate_up_proj", x[tok[pos[rows]]], ex, kw)
+        groups, gu = self._gate_up(module, args, x, tok, pos, e_all, kw)
         if kw["param"] == "gate_up_proj":
             feat = x[tok[pos]]
         else:
