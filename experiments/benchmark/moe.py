@@ -6,7 +6,9 @@ measures in one run, interleaved:
 
 * a plain training step (zero grads, forward, loss, backward);
 * the same step under ``HookManager(HookManagerConfig(linear_io=REGISTER_ALL))`` +
-  ``CaptureCallback`` in each capture style, and the bytes each keeps per step;
+  ``CaptureCallback`` in each capture style (the manager built untimed, without the one-time
+  first-step coverage check), the factorized first step with that check, and the bytes each
+  keeps per step;
 * the fraction of the trainable parameters ``REGISTER_ALL`` captures, with this checkout and
   (``--before REV``) with the package as it was at git revision ``REV`` (extracted with
   ``git archive`` into a temporary directory and run in a child process).
@@ -153,20 +155,27 @@ def main() -> None:
 
         variants = [Variant("plain", plain)]
         kept: dict[str, int] = {}
-        for style in ("factorized", "materialized", "auto"):
+        cases = [(st, st, False) for st in ("factorized", "materialized", "auto")]
+        cases.append(("factorized, first step (coverage check)", "factorized", True))
+        for label, style, check in cases:
             cb = CaptureCallback()
+            box: dict[str, HookManager] = {}
+            config = HookManagerConfig(
+                linear_io=REGISTER_ALL, capture_style=style, check_coverage=check
+            )
 
-            def step(model=model, style=style, cb=cb, kept=kept) -> None:
-                hm = HookManager(
-                    model,
-                    HookManagerConfig(linear_io=REGISTER_ALL, capture_style=style),
-                    callbacks=[cb],
-                )
-                with hm.collect(deregister_on_exit=True):
+            def setup(model=model, config=config, cb=cb, box=box) -> None:
+                box["hm"] = HookManager(model, config, callbacks=[cb])
+
+            def step(model=model, box=box) -> None:
+                with box["hm"].collect():
                     plain(model)
-                kept[style] = cb.pop().gradient.nbytes
 
-            variants.append(Variant(style, step))
+            def teardown(label=label, cb=cb, box=box, kept=kept) -> None:
+                box.pop("hm").remove()
+                kept[label] = cb.pop().gradient.nbytes
+
+            variants.append(Variant(label, step, setup=setup, teardown=teardown))
         t = time_interleaved(variants, rounds, warmup=1)
         for v in variants:
             rows.append(

@@ -429,12 +429,22 @@ class MoEExpertsRule(LayerRule):
     # ---- maths -------------------------------------------------------------------------------
     def materialize(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         feat, ids = split_expert_factor(a, kw)
-        e, k = int(kw["num_experts"]), g.shape[-1]
-        out = g.new_zeros(a.shape[0], e, k, feat.shape[-1])
-        for ex in torch.unique(ids).tolist():
-            gm = g * (ids == ex).unsqueeze(-1).to(g.dtype)
-            out[:, ex] = torch.bmm(gm.transpose(1, 2), feat)
-        return out.reshape(a.shape[0], -1)
+        b, s = ids.shape
+        e, k, d = int(kw["num_experts"]), g.shape[-1], feat.shape[-1]
+        out = g.new_zeros(b, e, k, d)
+        ff, gf = feat.reshape(b * s, d), g.reshape(b * s, k)
+        for ex, rows in _per_expert(ids):
+            # the expert's slots of each sample, packed to the longest sample's count: one
+            # (B, count, .) GEMM, no work on the other experts' slots
+            sample = torch.div(rows, s, rounding_mode="floor")
+            counts = torch.bincount(sample, minlength=b)
+            first = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(rows.numel(), device=rows.device) - first[sample]
+            width = int(counts.max())
+            fa, ga = ff.new_zeros(b, width, d), gf.new_zeros(b, width, k)
+            fa[sample, slot], ga[sample, slot] = ff[rows], gf[rows]
+            out[:, ex] = torch.bmm(ga.transpose(1, 2), fa)
+        return out.reshape(b, -1)
 
     def materialize_per_token(self, a: torch.Tensor, g: torch.Tensor, kw: dict) -> torch.Tensor:
         feat, ids = split_expert_factor(a, kw)
