@@ -38,7 +38,7 @@ Expert modules of any other class are refused by name (never captured wrongly).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -232,7 +232,6 @@ class MoEExpertsRule(LayerRule):
     layer_type = "moe.experts"
     module_types = ()  # matched by class name: transformers is never imported here
     projection_styles = ("logra", "dense", "mask", "sparse")
-    _PARAMS: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")
 
     # ---- reading the module ------------------------------------------------------------------
     def module_kwargs(self, module: nn.Module) -> dict:
