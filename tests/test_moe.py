@@ -490,3 +490,27 @@ def test_frozen_expert_weight_leaves_its_layer_out() -> None:
     for name in got:
         assert rel_err(got[name], ref[name]) < TOL, name
     hm.remove()
+
+
+def test_preconditioned_capture_adamw_vs_optimizer_maths() -> None:
+    """LESS-style capture: each sample's AdamW update direction, expert blocks included."""
+    from tests.trajectory_reference import explicit_directions
+
+    model = build("mixtral", seed=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    warm = torch.randint(0, V, (2, 5))
+    loss_fn(model, warm).backward()
+    opt.step()
+    opt.zero_grad()
+    x = torch.randint(0, V, (3, 5))
+    cb = CaptureCallback()
+    hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), [cb], optimizer=opt)
+    with hm.collect():
+        loss_fn(model, x).backward()
+    got = captured_by_parameter(hm, cb.pop().gradient, model)
+    model.zero_grad(set_to_none=True)
+    want = explicit_directions(model, opt, per_sample_loop_grads(model, loss_fn, x))
+    assert any(".experts." in n for n in got)
+    for name in got:
+        assert rel_err(got[name], want[name]) < 1e-9, name
+    hm.remove()
