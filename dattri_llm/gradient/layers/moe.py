@@ -192,9 +192,31 @@ def split_expert_factor(a: torch.Tensor, kw: dict) -> tuple[torch.Tensor, torch.
 
 
 def _per_expert(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """``[(expert, flat positions)]`` of the slots of each expert present."""
+    """``[(expert, flat positions)]`` of the slots of each expert present (ascending)."""
     flat = ids.reshape(-1)
-    return [(int(e), (flat == e).nonzero().squeeze(1)) for e in torch.unique(flat).tolist()]
+    if not flat.numel():
+        return []
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat).tolist()
+    parts = order.split(counts)
+    return [(e, parts[e]) for e, c in enumerate(counts) if c]
+
+
+def _expert_map(
+    groups: list[tuple[int, torch.Tensor]], x: torch.Tensor, fn: Any, width: int
+) -> torch.Tensor:
+    """``out[rows] = fn(x[rows], e)`` for each expert's rows: one gather, one scatter."""
+    if not groups:
+        return x.new_zeros(0, width)
+    order = torch.cat([rows for _, rows in groups])
+    xs = x[order]
+    outs, start = [], 0
+    for e, rows in groups:
+        outs.append(fn(xs[start : start + rows.numel()], e))
+        start += rows.numel()
+    out = x.new_empty(x.shape[0], width)
+    out[order] = torch.cat(outs)
+    return out
 
 
 def expert_covariances(
@@ -356,9 +378,13 @@ class MoEExpertsRule(LayerRule):
         if cached is not None and cached[0] == key:
             return cached[2], cached[3]
         groups = _per_expert(e_all[pos])
-        gu = x.new_zeros(pos.numel(), module.gate_up_proj.shape[2 if kw["transposed"] else 1])
-        for ex, rows in groups:
-            gu[rows] = self._linear(module, "gate_up_proj", x[tok[pos[rows]]], ex, kw)
+        width = module.gate_up_proj.shape[2 if kw["transposed"] else 1]
+        gu = _expert_map(
+            groups,
+            x[tok[pos]],
+            lambda rows, ex: self._linear(module, "gate_up_proj", rows, ex, kw),
+            width,
+        )
         # the objects themselves are held so that their ids cannot be reused meanwhile
         self._recent = (key, (module, *args[:3]), groups, gu)
         return groups, gu
@@ -414,10 +440,13 @@ class MoEExpertsRule(LayerRule):
         dy = dy[c["rows"]] * c["weight"].to(dy.dtype).unsqueeze(-1)  # d loss / d down output
         if kw["param"] == "gate_up_proj":
             module, transposed = c["module"], kw.get("transposed")
-            dh = dy.new_zeros(dy.shape[0], int(module.down_proj.shape[2 if not transposed else 1]))
-            for ex, rows in c["groups"]:
+
+            def back(rows: torch.Tensor, ex: int) -> torch.Tensor:
                 wd = module.down_proj[ex].detach()
-                dh[rows] = dy[rows] @ (wd.T if transposed else wd)
+                return rows @ (wd.T if transposed else wd)
+
+            width = int(module.down_proj.shape[2 if not transposed else 1])
+            dh = _expert_map(c["groups"], dy, back, width)
             with torch.enable_grad():
                 gu = c["gate_up"].detach().requires_grad_(True)
                 (dy,) = torch.autograd.grad(module._apply_gate(gu), gu, dh)
