@@ -4,8 +4,8 @@ Each family is built from a small config (random weights, eval mode). The per-sa
 of every captured parameter is compared with one ``backward()`` per sample in float64; the
 known norm classes (``LlamaRMSNorm``, Gemma's ``(1 + weight)`` norm, OLMo-2's, ...) and Gemma's
 scaled embedding are recognised by class name (``gradient/layers/hf_classes.py``). MoE models
-run in float32 (their expert kernels refuse float64) and their fused experts and routers stay
-uncaptured until branch ``moe`` lands.
+run in float32 here (transformers' grouped expert kernels refuse float64); their fused experts
+and routers are captured by ``gradient/layers/moe.py`` (float64 checks: ``tests/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -85,22 +85,16 @@ def test_dense_family_captures_every_parameter_exactly(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_family_non_expert_parameters_exact(family: str) -> None:
-    """float32; the fused experts and routers are the only parameters left out (branch moe).
-
-    Qwen2-MoE's shared expert sees flattened ``(B*T, H)`` tokens, which today's capture refuses
-    at the step (per-sample rows are lost): excluded here, handled by branch moe.
-    """
+def test_moe_family_captures_every_parameter_exactly(family: str) -> None:
+    """float32 (transformers' grouped expert kernels refuse float64; tests/test_moe.py checks
+    the experts in float64 with the eager kernels): experts, routers, shared experts and the
+    RMS norms all captured under ``REGISTER_ALL`` alone, with no warning."""
     model = build(family, torch.float32)
     ids = torch.randint(1, 37, (2, 6))
-    exclude = (r".*\.shared_expert(_gate|\..*)",) if family == "qwen2_moe" else ()
-    hm, got, warned = capture_all(model, ids, exclude)
+    hm, got, warned = capture_all(model, ids)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing = {n for n in trainable - set(got) if ".shared_expert" not in n}
-    assert missing and all(".mlp.experts." in n or ".mlp.gate." in n for n in missing), missing
-    assert len(warned) == 1 and "REGISTER_ALL captures no per-sample gradient" in warned[0]
-    assert "RMSNorm)" not in warned[0]  # no norm class among the uncaptured
-    assert set(hm.coverage().left_out) - missing <= {n for n in trainable if "shared_expert" in n}
+    assert set(got) == trainable and not warned, (trainable - set(got), warned)
+    assert hm.coverage().fraction == 1.0 and not hm.coverage().left_out
     ref = per_sample_loop_grads(model, causal_sum_loss, ids)
     for name in got:
         assert rel_err(got[name], ref[name]) < 1e-4, name
@@ -179,15 +173,16 @@ def test_gemma_scaled_embedding_records_its_scale() -> None:
 
 
 def test_coverage_counts_logs_is_stored_and_inspected(tmp_path, caplog, capsys) -> None:
-    """Mixtral: the fused experts and routers are what is left out (until branch moe)."""
+    """Mixtral with its expert blocks and routers excluded: they are what is left out."""
     model = build("mixtral", torch.float32)
     params = dict(model.named_parameters())
     left = [n for n in params if ".mlp.experts." in n or ".mlp.gate." in n]
     total = sum(p.numel() for p in params.values())
     store = GradientStorageManager(tmp_path / "store")
+    config = HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r".*\.mlp\.(experts|gate)"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the uncaptured-parameter warning, tested above
-        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+        hm = HookManager(model, config, callbacks=[OffloadCallback(file_manager=store)])
     cov = hm.coverage()
     assert cov.total == total and list(cov.left_out) == left
     assert cov.captured == total - sum(params[n].numel() for n in left)

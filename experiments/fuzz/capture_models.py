@@ -7,10 +7,12 @@ an LM head tied to the input embedding, with or without their own biases), froze
 activations, dead branches and every supported layer type (``nn.Linear``, HF ``Conv1D``,
 ``nn.Conv1d/2d``, ``nn.ConvTranspose1d``, ``nn.Embedding`` with and without ``padding_idx`` and
 un-batched position ids, ``nn.LayerNorm`` with and without bias, ``nn.RMSNorm``, an RMS norm with
-a bias relabelled as ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d``), in float32 or
-float64. :func:`check_case` captures it under every capture style and compares the per-parameter
-per-sample gradients and the routed inner products (every routing mode) with one backward pass
-per sample of the same model (compared in float64).
+a bias relabelled as ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm1d``), and for about
+30 % of the seeds a transformers fused-expert block (Mixtral or gpt-oss experts + router, drawn
+from a generator of its own so the other seeds' models stay as they were), in float32 or
+float64. :func:`check_case` captures it under every capture style and compares the
+per-parameter per-sample gradients and the routed inner products (every routing mode) with one
+backward pass per sample of the same model (compared in float64).
 
 Used by ``tests/test_capture_fuzz.py`` (a fixed seed set) and ``capture_fuzz.py`` (many seeds).
 """
@@ -162,6 +164,57 @@ class BiasedRMSNorm(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return x * self.weight + self.bias
+
+
+class MoEBlock(nn.Module):
+    """A transformers fused-expert block (router + experts on the flattened tokens) + residual."""
+
+    def __init__(self, d: int, family: str, experts: int, top_k: int, inter: int) -> None:
+        super().__init__()
+        import transformers
+
+        if family == "gpt_oss":
+            from transformers.models.gpt_oss import modeling_gpt_oss as mod
+
+            cfg = transformers.GptOssConfig(
+                hidden_size=d, intermediate_size=inter, num_local_experts=experts
+            )
+            cfg.num_experts_per_tok = top_k
+            self.router, self.experts = mod.GptOssTopKRouter(cfg), mod.GptOssExperts(cfg)
+        else:
+            from transformers.models.mixtral import modeling_mixtral as mod
+
+            cfg = transformers.MixtralConfig(
+                hidden_size=d,
+                intermediate_size=inter,
+                num_local_experts=experts,
+                num_experts_per_tok=top_k,
+            )
+            self.router, self.experts = mod.MixtralTopKRouter(cfg), mod.MixtralExperts(cfg)
+        cfg._experts_implementation = "eager"
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, 0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        _, weights, idx = self.router(flat)
+        return h + self.experts(flat, idx, weights).reshape(h.shape)
+
+
+def _maybe_moe(seed: int, width: int, features: set[str]) -> nn.Module | None:
+    """A fused-expert block for some seeds (own generator: other seeds' models are unchanged)."""
+    rng = random.Random(~seed)
+    if rng.random() >= 0.3:
+        return None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # pragma: no cover - the capture core runs without transformers
+        return None
+    family = rng.choice(["mixtral", "gpt_oss"])
+    experts = rng.randint(2, 4)
+    features.add(f"moe:{family}")
+    return MoEBlock(width, family, experts, rng.randint(1, min(2, experts)), rng.randint(2, 4))
 
 
 class Net(nn.Module):
@@ -387,6 +440,9 @@ def random_case(seed: int, dtype: torch.dtype | None = None) -> Case:
         b.features.add("tied LM head" + (" with bias" if head.bias is not None else ""))
     else:
         head = nn.Linear(width, vocab if vocab is not None and b.flip(0.5) else 3, bias=b.flip(0.7))
+    moe = _maybe_moe(seed, width, b.features)
+    if moe is not None:
+        body.append(moe)  # after the head is built: earlier torch draws are unchanged
     model = Net(body, head, emb, pos, pos_batched)
     _freeze_some(model, rng, b.features)
     model = model.to(dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from dattri_llm.gradient.hooks.coverage import uncaptured_warning
 from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
+from dattri_llm.gradient.layers.moe import flat_token_layer_types
 
 __all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "as_config", "resolve_layers"]
 
@@ -330,9 +331,13 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
                     f"candidates: {_candidates(n, names)}"
                 )
 
+    implied = flat_token_layer_types(modules)  # linears a known MoE block feeds flat tokens
+
     def rule_of(name: str) -> LayerRule | None:
         if name in config.layer_types:
             return get_rule(config.layer_types[name])
+        if name in implied:
+            return get_rule(implied[name])
         return rule_for_module(modules[name])
 
     frozen_ok = config.include_frozen
@@ -383,13 +388,15 @@ def resolve_layers(model: nn.Module, config: HookManagerConfig) -> list[LayerSpe
         kw = {**kw, **dict(config.module_kwargs.get(n, {}))}
         how = "all" if linear_sel is REGISTER_ALL else "regex"
         how = "exact" if n in config.hook_types else how
-        kw = _trainable_kwargs(rule, kw, module, n, config, how)
-        if kw is None:
-            if how != "all":
-                left_out.add(n)  # warned about by name already
-            continue
-        _finalize_kwargs(rule, kw, n)
-        specs.append(LayerSpec(n, module, kind, rule, kw))
+        for suffix, sub_kw in rule.sublayers(kw):  # one layer per parameter of fused experts
+            sub = f"{n}.{suffix}" if suffix else n
+            sub_kw = _trainable_kwargs(rule, sub_kw, module, sub, config, how)
+            if sub_kw is None:
+                if how != "all":
+                    left_out.add(n)  # warned about by name already
+                continue
+            _finalize_kwargs(rule, sub_kw, sub)
+            specs.append(LayerSpec(sub, module, kind, rule, sub_kw))
     if not specs:
         raise ValueError(_empty_selection_message(model, eligible))
     register_all = linear_sel is REGISTER_ALL

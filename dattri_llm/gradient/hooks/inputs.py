@@ -16,7 +16,7 @@ import torch
 
 from dattri_llm.utils.hashing import hash_batch
 
-__all__ = ["model_inputs", "sample_ids"]
+__all__ = ["model_inputs", "sample_ids", "batch_shape"]
 
 
 def model_inputs(
@@ -92,3 +92,16 @@ def _keys_for(keys: Sequence[str] | None, batched: dict) -> list[str] | None:
         return None
     present = [k for k in keys if k in batched]
     return present or None
+
+
+def batch_shape(fields: dict | None, batch_size: int | None) -> tuple[int | None, int | None]:
+    """``(batch size, tokens per sample)`` of the model's batch.
+
+    Tokens are read from ``input_ids`` or ``inputs_embeds`` only (``None`` otherwise: a layer
+    fed flattened rows is then not checked against them).
+    """
+    for key in ("input_ids", "inputs_embeds"):
+        x = (fields or {}).get(key)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return batch_size, int(x.shape[1])
+    return batch_size, None

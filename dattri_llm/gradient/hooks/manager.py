@@ -52,7 +52,7 @@ from dattri_llm.gradient.hooks.config import (
 )
 from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
-from dattri_llm.gradient.hooks.inputs import model_inputs, sample_ids
+from dattri_llm.gradient.hooks.inputs import batch_shape, model_inputs, sample_ids
 from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 
@@ -339,7 +339,8 @@ class HookManager:
                 target, new_out = grad_target(out)
                 replaced = new_out is not out
                 out = new_out
-            a = rule.capture_input(module, args, out, kw)
+            batch = batch_shape(self._inputs, self._batch_size)
+            a, ctx = rule.capture_forward(module, args, out, kw, batch)
             if self.projection is not None:  # logra: the raw activation is never kept
                 a = self.projection.project_input(spec, a)
             order = self._forward_order
@@ -347,11 +348,11 @@ class HookManager:
             for cb in self.callbacks:
                 cb.on_forward(spec.name, module, a)
             if target is out:
-                out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad))
+                out.register_hook(lambda grad: self._on_output_grad(spec, order, a, grad, ctx))
             else:  # the base of a view: its gradient, in the output's shape
                 shape = out.shape
                 target.register_hook(
-                    lambda grad: self._on_output_grad(spec, order, a, grad.reshape(shape))
+                    lambda grad: self._on_output_grad(spec, order, a, grad.reshape(shape), ctx)
                 )
             if not replaced:
                 return None
@@ -362,12 +363,12 @@ class HookManager:
         return hook
 
     def _on_output_grad(
-        self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor
+        self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor, ctx: Any = None
     ) -> None:
         if not self._active:
             return
         rule, kw = spec.rule, spec.module_kwargs
-        g = rule.capture_output_grad(grad.detach(), kw)
+        g = rule.context_output_grad(grad.detach(), kw, ctx)
         if hasattr(rule, "finalize"):
             g = rule.finalize(a, g, kw)
         if g.dtype != a.dtype and a.is_floating_point():

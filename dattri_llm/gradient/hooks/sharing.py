@@ -159,11 +159,11 @@ def plan_sharing(model: nn.Module, specs: Sequence[LayerSpec], mode: str) -> Sha
 
 def _partly_hooked(model: nn.Module, specs: Sequence[LayerSpec], plan: SharingPlan) -> None:
     """Find captured parameters that a trainable, unhooked module also holds."""
-    hooked = {s.name for s in specs}
+    hooked = {id(s.module) for s in specs}  # a module may be several layers (fused experts)
     dp = is_data_parallel(model)
     for raw_name, module in model.named_modules():
         name = canonical_name(raw_name, dp)
-        if name in hooked:
+        if id(module) in hooked:
             continue
         for pname, p in module.named_parameters(recurse=False):
             entry = plan.params.get(id(p))

@@ -14,6 +14,12 @@ from dattri_llm.gradient.layers.conv_transpose import ConvTransposeRule
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
 from dattri_llm.gradient.layers.hf_classes import hf_norm_form
 from dattri_llm.gradient.layers.linear import HFConv1DRule, LinearRule
+from dattri_llm.gradient.layers.moe import (
+    KNOWN_ROUTERS,
+    MoEExpertsRule,
+    TokenLinearRule,
+    looks_like_experts,
+)
 from dattri_llm.gradient.layers.norm import (
     GroupNormRule,
     InstanceNormRule,
@@ -59,6 +65,8 @@ register_rule(LayerNormRule(), ("LayerNorm",))
 register_rule(RMSNormRule(), ("RMSNorm",))
 register_rule(GroupNormRule(), ("GroupNorm",))
 register_rule(InstanceNormRule(), ("nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d"))
+register_rule(MoEExpertsRule())
+register_rule(TokenLinearRule())
 register_rule(ProjectedOuterProductRule())
 register_rule(ProjectedDenseRule())
 register_rule(ProjectedMaskRule())
@@ -92,10 +100,15 @@ def rule_for_module(module: nn.Module) -> LayerRule | None:
     :mod:`~dattri_llm.gradient.layers.hf_classes` are recognised by name.
     """
     cls = type(module)
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
-        return _RULES[HFConv1DRule.layer_type]
+    if cls.__module__.startswith("transformers"):
+        if cls.__name__ == "Conv1D":
+            return _RULES[HFConv1DRule.layer_type]
+        if cls.__name__ in KNOWN_ROUTERS:
+            return _RULES[TokenLinearRule.layer_type]
     if hf_norm_form(module) is not None:
         return _RULES[RMSNormRule.layer_type]
+    if looks_like_experts(module):  # an unknown layout is refused by name in module_kwargs
+        return _RULES[MoEExpertsRule.layer_type]
     for rule in _RULES.values():
         if rule.module_types and isinstance(module, rule.module_types):
             return rule

@@ -86,6 +86,35 @@ class LayerRule:
         """Turn the gradient of the module output into the ``g`` factor ``(B, T, K)``."""
         raise NotImplementedError
 
+    def capture_forward(
+        self,
+        module: nn.Module,
+        args: tuple,
+        output: torch.Tensor,
+        kw: dict,
+        batch: tuple[int | None, int | None],
+    ) -> tuple[torch.Tensor, Any]:
+        """The forward hook's ``(a, context)``; ``context`` reaches :meth:`context_output_grad`.
+
+        Layers whose output gradient alone does not give ``g`` (fused experts: routing, the
+        rows of each sample) carry what the backward needs in ``context``. ``batch`` is the
+        model's ``(batch size, tokens per sample)``, each ``None`` when unknown.
+        """
+        return self.capture_input(module, args, output, kw), None
+
+    def context_output_grad(self, grad: torch.Tensor, kw: dict, context: Any) -> torch.Tensor:
+        """The ``g`` factor from the output gradient and the forward's ``context``."""
+        return self.capture_output_grad(grad, kw)
+
+    def sublayers(self, kw: dict) -> list[tuple[str, dict]]:
+        """``[(name suffix, kwargs)]``: the layers one module is captured as (default: itself).
+
+        A module whose parameters see different inputs (a fused expert module's
+        ``gate_up_proj`` and ``down_proj``) becomes one layer per parameter,
+        ``"<module>.<suffix>"``.
+        """
+        return [("", kw)]
+
     # ---- shapes ----------------------------------------------------------------------------
     def matrix_shape(self, kw: dict) -> tuple[int, int]:
         """``(K, D)`` of the matrix form (``P = K * D``)."""

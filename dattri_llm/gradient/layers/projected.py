@@ -32,6 +32,7 @@ from torch import nn
 
 from dattri_llm.gradient.layers.base import LayerRule, OuterProductRule
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
+from dattri_llm.gradient.layers.moe import MoEExpertsRule, split_expert_factor
 from dattri_llm.gradient.layers.norm import _ElementwiseAffineRule
 
 __all__ = [
@@ -129,7 +130,9 @@ class ProjectedSparseRule(ProjectedVectorRule):
 # ---- logra: which factor is the row / column side of each layer family ------------------------
 def logra_supported(rule: LayerRule) -> bool:
     """Whether the ``"logra"`` factor projection is implemented for the rule's layers."""
-    return "logra" in rule.projection_styles and isinstance(rule, (OuterProductRule, EmbeddingRule))
+    return "logra" in rule.projection_styles and isinstance(
+        rule, (OuterProductRule, EmbeddingRule, MoEExpertsRule)
+    )
 
 
 def logra_projects_input_in_forward(rule: LayerRule) -> bool:
@@ -169,7 +172,24 @@ def logra_project_factors(
     if isinstance(rule, OuterProductRule):
         a_p = a if a_projected else logra_project_input(rule, a, col)
         return a_p, g @ row.to(dtype=g.dtype)
+    if isinstance(rule, MoEExpertsRule):
+        # M = [M_0; ...; M_{E-1}] stacked (E*K, D): R^T M C = sum_e R_e^T M_e C, R_e the rows of
+        # R for expert e, so each slot's g meets its own expert's block of R
+        return _logra_experts(a, g, row.to(dtype=g.dtype), col.to(dtype=g.dtype))
     raise ValueError(f"'logra' projection is not implemented for layer type {rule.layer_type!r}.")
+
+
+def _logra_experts(
+    a: torch.Tensor, g: torch.Tensor, row: torch.Tensor, col: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(feat C, g R_{e})`` of a fused-expert layer's slots (``moe.experts`` factors)."""
+    k = g.shape[-1]
+    feat, ids = split_expert_factor(a, {"num_experts": row.shape[0] // k})
+    g_p = g.new_zeros(*g.shape[:2], row.shape[1])
+    for e in torch.unique(ids).tolist():
+        hit = ids == e
+        g_p[hit] = g[hit] @ row[e * k : (e + 1) * k]
+    return feat @ col, g_p
 
 
 # ---- logra: how proj_dim splits between the two sides -------------------------------------------

@@ -1,0 +1,199 @@
+"""Mixture-of-experts capture (issue 23, item 1): overhead beside a dense model, and coverage.
+
+Builds from configs (random weights, CPU, float32) a small Mixtral and a dense Llama of the
+same *active* size (the Llama's MLP is as wide as the two experts a token runs through), and
+measures in one run, interleaved:
+
+* a plain training step (zero grads, forward, loss, backward);
+* the same step under ``HookManager(HookManagerConfig(linear_io=REGISTER_ALL))`` +
+  ``CaptureCallback`` in each capture style (the manager built untimed, without the one-time
+  first-step coverage check), the factorized first step with that check, and the bytes each
+  keeps per step;
+* the fraction of the trainable parameters ``REGISTER_ALL`` captures, with this checkout and
+  (``--before REV``) with the package as it was at git revision ``REV`` (extracted with
+  ``git archive`` into a temporary directory and run in a child process).
+
+Usage::
+
+    python experiments/benchmark/moe.py                  # ~5 min on 1 thread
+    python experiments/benchmark/moe.py --quick          # small shapes (~1 min)
+    python experiments/benchmark/moe.py --before 8f3f2ba # + coverage before this change
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from utils.env import ensure_env  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, 2 rounds")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    p.add_argument("--before", default=None, help="git revision to measure coverage before")
+    p.add_argument("--coverage-only", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if __name__ == "__main__" and not ARGS.coverage_only:
+    ensure_env()
+    sys.path.insert(0, REPO)  # this checkout's dattri_llm (the child of --before sets its own)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {  # hidden, layers, heads, experts, expert width, seq, batch
+    "full": dict(h=256, layers=4, heads=4, experts=8, inter=512, seq=128, batch=8),
+    "quick": dict(h=64, layers=2, heads=2, experts=4, inter=128, seq=32, batch=4),
+}
+
+
+def build(kind: str, s: dict) -> torch.nn.Module:
+    import transformers
+
+    common = dict(
+        vocab_size=1000,
+        hidden_size=s["h"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        max_position_embeddings=s["seq"],
+    )
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(
+            intermediate_size=s["inter"],
+            num_local_experts=s["experts"],
+            num_experts_per_tok=2,
+            **common,
+        )
+    else:  # dense, same active MLP width: two experts' worth
+        cfg = transformers.LlamaConfig(intermediate_size=2 * s["inter"], **common)
+    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def coverage(model: torch.nn.Module) -> float:
+    """Fraction of the trainable parameters (by count) that ``REGISTER_ALL`` captures."""
+    import warnings
+
+    from dattri_llm import REGISTER_ALL, HookManager, HookManagerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL))
+    captured = {id(p) for layer in hm.layer_parameters().values() for p in layer.values()}
+    hm.remove()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() for p in trainable if id(p) in captured) / sum(
+        p.numel() for p in trainable
+    )
+
+
+def coverage_before(rev: str, shape: str) -> dict[str, float]:
+    """Coverage with the package as at ``rev`` (child process, ``git archive`` copy)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", REPO, "archive", rev, "dattri_llm"], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        env = {**os.environ, "PYTHONPATH": tmp, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, os.path.abspath(__file__), "--coverage-only"]
+        cmd += ["--quick"] if shape == "quick" else []
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tmp)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    shape = "quick" if ARGS.quick else "full"
+    s = SHAPES[shape]
+    if ARGS.coverage_only:
+        print(json.dumps({k: coverage(build(k, s)) for k in ("mixtral", "llama")}))
+        return
+    from utils.env import header
+    from utils.table import fmt_bytes, fmt_s, fmt_x, md_table
+    from utils.timing import Variant, paired_ratio, time_interleaved
+
+    from dattri_llm import REGISTER_ALL, CaptureCallback, HookManager, HookManagerConfig
+
+    rounds = ARGS.rounds or (2 if ARGS.quick else 5)
+    print(header("MoE capture overhead and coverage", {"shape": json.dumps(s)}))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 1000, (s["batch"], s["seq"]), generator=gen)
+    rows, cov_rows = [], []
+    before = coverage_before(ARGS.before, shape) if ARGS.before else {}
+    for kind in ("mixtral", "llama"):
+        model = build(kind, s)
+        n_params = sum(p.numel() for p in model.parameters())
+        cov_rows.append(
+            [
+                kind,
+                f"{n_params / 1e6:.2f} M",
+                f"{100 * before[kind]:.1f} %" if kind in before else "—",
+                f"{100 * coverage(model):.1f} %",
+            ]
+        )
+
+        def plain(model=model) -> None:
+            model.zero_grad(set_to_none=True)
+            loss_of(model, x).backward()
+
+        variants = [Variant("plain", plain)]
+        kept: dict[str, int] = {}
+        cases = [(st, st, False) for st in ("factorized", "materialized", "auto")]
+        cases.append(("factorized, first step (coverage check)", "factorized", True))
+        for label, style, check in cases:
+            cb = CaptureCallback()
+            box: dict[str, HookManager] = {}
+            config = HookManagerConfig(
+                linear_io=REGISTER_ALL, capture_style=style, check_coverage=check
+            )
+
+            def setup(model=model, config=config, cb=cb, box=box) -> None:
+                box["hm"] = HookManager(model, config, callbacks=[cb])
+
+            def step(model=model, box=box) -> None:
+                with box["hm"].collect():
+                    plain(model)
+
+            def teardown(label=label, cb=cb, box=box, kept=kept) -> None:
+                box.pop("hm").remove()
+                kept[label] = cb.pop().gradient.nbytes
+
+            variants.append(Variant(label, step, setup=setup, teardown=teardown))
+        t = time_interleaved(variants, rounds, warmup=1)
+        for v in variants:
+            rows.append(
+                [
+                    kind,
+                    v.name,
+                    fmt_s(t[v.name].median),
+                    fmt_s(t[v.name].cpu_median),
+                    "1.00x" if v.name == "plain" else fmt_x(paired_ratio(t[v.name], t["plain"])),
+                    "" if v.name == "plain" else fmt_x(paired_ratio(t[v.name], t["plain"], True)),
+                    fmt_bytes(kept.get(v.name)),
+                ]
+            )
+    print(md_table(["model", "trainable params", "REGISTER_ALL before", "now"], cov_rows))
+    print()
+    heads = ["model", "step", "wall", "CPU", "wall / plain", "CPU / plain", "kept per step"]
+    print(md_table(heads, rows))
+
+
+if __name__ == "__main__":
+    main()
