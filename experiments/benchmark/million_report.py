@@ -134,12 +134,15 @@ def gindex_table(phases: list[dict]) -> str:
                 for k, v in r["params"].items()
                 if k in ("nlist", "nprobe", "M", "efConstruction", "efSearch")
             )
-            rows.append([r["kind"], params or "—", f"{r['n']:,}", f"{r['build_s']:.1f} s",
-                         _mb(r["index_bytes"]), f"{r['search_ms_per_query']:.2f}",
+            rows.append([r["kind"], params or "—", f"{r['n']:,}",
+                         f"{r['build_s']:.1f} s ({r.get('build_cpu_s', float('nan')):.1f} s)",
+                         _mb(r["index_bytes"]),
+                         f"{r['search_ms_per_query']:.2f} "
+                         f"({r.get('search_cpu_ms_per_query', float('nan')):.2f})",
                          f"{r['recall_vs_flat']:.3f}"])  # fmt: skip
         rows.append(["(phase peak RSS)", "", "", "", "", "", _mb(p["result"]["peak_rss_bytes"])])
-    return md_table(["kind", "parameters", "N", "`build()`", "index dir", "`search()` ms / query",
-                     "recall@10 vs flat"], rows)  # fmt: skip
+    return md_table(["kind", "parameters", "N", "`build()` wall (CPU)", "index dir",
+                     "`search()` ms / query wall (CPU)", "recall@10 vs flat"], rows)  # fmt: skip
 
 
 def bergson_table(path: str | None) -> str:
