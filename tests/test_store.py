@@ -276,7 +276,9 @@ def test_no_file_is_a_pickle_and_meta_is_versioned(tmp_path, f64):
         head = p.read_bytes()[:8]
         assert not head.startswith(b"\x80"), p  # pickle protocol >= 2
         assert not head.startswith(b"PK\x03\x04"), p  # torch.save zip archive
-        assert p.suffix in (".safetensors", ".json", ".jsonl", ".lock"), p
+        assert p.suffix in (".safetensors", ".json", ".jsonl", ".lock", ".bin"), p
+        if p.suffix == ".bin":  # the binary index: fixed-width integers behind our own magic
+            assert p.name in ("records.bin", "samples.bin") and head in (b"DTLREC02", b"DTLSMP02")
         if p.suffix == ".safetensors":
             n = int.from_bytes(head, "little")
             assert json.loads(p.read_bytes()[8 : 8 + n])["__metadata__"]["dattri_llm"]

@@ -32,6 +32,7 @@ from dattri_llm import (
     TracInAttributor,
 )
 from dattri_llm.gradient import Factorized, Materialized, Shared
+from dattri_llm.gradient.store import FORMAT_VERSION
 
 V, E = 11, 4
 
@@ -148,7 +149,7 @@ def test_default_store_keeps_the_smaller_form_of_every_layer(tmp_path):
         storage = json.loads(f.metadata()["dattri_llm"])["storage"]
     assert storage["layers"]["fc"] == "dense" and storage["capture_dtype"] == "float32"
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
-    assert meta["version"] == 1 and meta["storage"]["compact"] is True
+    assert meta["version"] == FORMAT_VERSION and meta["storage"]["compact"] is True
 
 
 def test_logra_default_store_is_the_projected_gradient(tmp_path):

@@ -32,6 +32,7 @@ from dattri_llm.attribution.engine.resume import ScoreCheckpoint, checkpoint_for
 from dattri_llm.attribution.engine.scoring import ScoreLoop, final_result, progress_bar
 from dattri_llm.attribution.engine.sinks import FullSink, TopKSink, check_top_k
 from dattri_llm.attribution.engine.units import row_counts, units_of
+from dattri_llm.attribution.engine.vector_scan import run_vector_scan, vector_units
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
@@ -112,6 +113,9 @@ class BaseAttributor:
     #: Whether :meth:`fit` is collective under ``torch.distributed`` (every rank must then
     #: hold train records of every checkpoint).
     collective_fit: bool = False
+    #: Score ``top_k`` over a vector store with the block reader (``engine/vector_scan.py``):
+    #: for attributors whose ``prepare_train`` / ``score_block`` act row by row.
+    vector_scan: bool = False
 
     def __init__(
         self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
@@ -434,13 +438,37 @@ class BaseAttributor:
             start = checkpoint.resume(sink) if checkpoint is not None else 0
             done = sum(u.num_rows for u in units.units[:start])
             bar = progress_bar(show, units.num_samples, "scoring", initial=done)
-            loop.run_units(units, checkpoint, bar, start)
+            vectors = self._vector_layers(units, k, attribution_granularity)
+            if vectors is not None and checkpoint is None:
+                run_vector_scan(self, units, vectors, tests, len(columns), acc, bar)
+            else:
+                loop.run_units(units, checkpoint, bar, start)
         if bar is not None:
             bar.close()
         out = self._result(sink, list(columns), k, row_keys(units) if split else None, split)
         if checkpoint is not None:
             checkpoint.finish()
         return out
+
+    def _vector_layers(self, units: Any, k: int | None, granularity: str) -> Any:
+        """The layers of the vector fast path (``engine/vector_scan.py``), or ``None``.
+
+        It runs for ``top_k`` over a store whose selected layers are fixed-size vectors, for an
+        attributor that opts in (``vector_scan = True``) and keeps the base class's per-block
+        rules (pairing by checkpoint, block weight 1, no block check); not with ``resumable``.
+        """
+        cls = type(self)
+        if (
+            k is None
+            or granularity != "sample"
+            or not cls.vector_scan
+            or self.args.resumable
+            or cls.pairing_key is not BaseAttributor.pairing_key
+            or cls.block_weight is not BaseAttributor.block_weight
+            or cls.check_block is not BaseAttributor.check_block
+        ):
+            return None
+        return vector_units(units)
 
     def _collate(self, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
         """``collate_fn``, or the padding collate ``args.dataloader_collate="pad"`` asks for."""

@@ -47,6 +47,8 @@ class TracInAttributor(BaseAttributor):
         mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
     """
 
+    vector_scan = True
+
     def __init__(
         self,
         args: AttributionArguments | None = None,

@@ -196,6 +196,7 @@ class TopKSink:
         # hash -> [partial (M,), rows left, step, ckpt, (step, ckpt) seen]
         self.pending: dict[str, list[Any]] = {}
         self._dup_warned = False
+        self._single = all(n == 1 for n in counts.values())
 
     # ---- streaming ----
     def add(
@@ -208,6 +209,17 @@ class TopKSink:
     ) -> None:
         """Rank score rows ``(b, M)``; a sample's rows are summed before it is ranked."""
         scores = scores.detach().to("cpu")
+        if self._single and not self.pending and self.counts.keys() >= set(hashes):
+            # every sample has one row (one checkpoint, one epoch): rank the rows as they are,
+            # with no Python work per row
+            first = len(self.ids)
+            self.ids += [str(h) for h in hashes]
+            self.row_step += [int(s) for s in steps]
+            self.row_ckpt += [int(c) for c in checkpoints]
+            self.num_train += len(hashes)
+            if len(hashes):
+                self._merge(scores, torch.arange(first, first + len(hashes)))
+            return
         direct: list[int] = []
         done: list[tuple[str, torch.Tensor, int, int]] = []
         for i, h in enumerate(hashes):

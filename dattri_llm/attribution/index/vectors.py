@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
+from dattri_llm.gradient.store.vector_reader import VectorBlockReader, store_vector_layers
 
 __all__ = [
     "NotVectorError",
@@ -170,10 +171,7 @@ def train_parts(
     total = sum(len(rec.hashes) for _, _, rec in rows)
     done = 0
     warned = False
-    where = f"store {store.save_dir}"
-    for index, part, rec in rows:
-        g = store.load_record(index, layers=layers, dtype=dtype).gradient
-        vec = _prepare(block_vectors(g, layers, where), metric)
+    for _, part, rec, vec in _record_vectors(store, rows, layers, metric, dtype):
         w = float(weight(rec.checkpoint))
         if w != 1.0:
             vec = vec * w
@@ -226,6 +224,43 @@ def train_parts(
         yield part, done, total, None
     assert not pending, "every sample's rows were counted from the index"
     yield "", total, total, parts
+
+
+#: Rows per block of the block reader (float64 after preparation: 64 MiB at 2048 numbers).
+BLOCK_ROWS = 4096
+
+
+def _record_vectors(
+    store: Any,
+    rows: list[tuple[int, str, Any]],
+    layers: Sequence[str],
+    metric: str,
+    dtype: torch.dtype | None,
+) -> Iterator[tuple[int, str, Any, torch.Tensor]]:
+    """``(record index, part, RecordInfo, its prepared (n, D) float64 rows)`` per record.
+
+    A store whose layers are plain materialized tensors is read in contiguous blocks by the
+    store's :class:`~dattri_llm.gradient.store.vector_reader.VectorBlockReader` (the reader of
+    ``top_k`` scoring); any other (tied layers summed over their sites) one record at a time.
+    """
+    where = f"store {store.save_dir}"
+    positions = [i for i, _, _ in rows]
+    vlayers = store_vector_layers(store, positions, layers) if positions else None
+    if vlayers is None:
+        for index, part, rec in rows:
+            g = store.load_record(index, layers=layers, dtype=dtype).gradient
+            yield index, part, rec, _prepare(block_vectors(g, layers, where), metric)
+        return
+    by_pos = {i: (part, rec) for i, part, rec in rows}
+    reader = VectorBlockReader(store, vlayers, dtype, BLOCK_ROWS)
+    for block in reader.blocks(positions):
+        vec = _prepare(torch.cat([block.layers[v.name] for v in vlayers], dim=1), metric)
+        r0 = 0
+        for pos in block.records:
+            part, rec = by_pos[pos]
+            n = len(rec.hashes)
+            yield pos, part, rec, vec[r0 : r0 + n]
+            r0 += n
 
 
 def query_vectors(

@@ -50,8 +50,9 @@ __all__ = [
 
 #: The format name written into ``meta.json``; readers refuse anything else.
 FORMAT_NAME = "dattri_llm.gradient_store"
-#: The format version this code writes and the newest it reads.
-FORMAT_VERSION = 1
+#: The format version this code writes and the newest it reads (1: the JSONL index only; 2: with
+#: the binary record and sample index, ``sample_index.py``).
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 INDEX_FILE = "index.jsonl"
 SHARD_DIR = "shards"

@@ -241,14 +241,17 @@ class IndexAppender:
         if path.exists() and path.stat().st_size != valid_bytes:
             os.truncate(path, valid_bytes)
         self._file = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._pos = valid_bytes
 
-    def append(self, entry: IndexEntry) -> None:
-        """Write one entry as a line and make it durable."""
+    def append(self, entry: IndexEntry) -> tuple[int, bytes]:
+        """Write one entry as a line and make it durable; return ``(its offset, the line)``."""
         line = json.dumps(entry, separators=(",", ":"), allow_nan=False).encode() + b"\n"
         self._file.write(line)
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
+        off, self._pos = self._pos, self._pos + len(line)
+        return off, line
 
     def close(self) -> None:
         """Close the file (idempotent)."""

@@ -1,7 +1,7 @@
 """Finding samples in a gradient store by identity: locations, lookups, one sample's rows.
 
 :class:`SampleLookup` is mixed into :class:`~dattri_llm.GradientStorageManager`; it reads the
-manager's ordered index (``_ordered()``, the hash -> ``(record, row)`` map ``_by_hash``) and its
+manager's ordered index (``_ordered()``, the hash -> ``(record, row)`` map ``_hash_map()``) and its
 record loader (``_load``).
 """
 
@@ -33,7 +33,11 @@ class SampleLocation(NamedTuple):
 class SampleLookup:
     """Lookup by sample identity (see the module docstring for what it reads)."""
 
-    _by_hash: dict[str, list[tuple[int, int]]]
+    def _hash_map(self) -> dict[str, list[tuple[int, int]]]:
+        raise NotImplementedError
+
+    def _ordered(self) -> list:
+        raise NotImplementedError
 
     def _key(
         self, key: str | Mapping[str, Any] | torch.Tensor, hash_keys: Sequence[str] | None = None
@@ -44,7 +48,7 @@ class SampleLookup:
         """Every (record, step, row) at which a sample occurs, in store order (O(1) lookup)."""
         ordered = self._ordered()
         out = []
-        for pos, row in self._by_hash.get(sample_hash, []):
+        for pos, row in self._hash_map().get(sample_hash, []):
             part, e = ordered[pos]
             out.append(
                 SampleLocation(
@@ -67,8 +71,7 @@ class SampleLookup:
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
-        self._ordered()
-        return key in self._by_hash
+        return key in self._hash_map()
 
     def load_sample_steps(
         self,

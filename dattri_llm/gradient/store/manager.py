@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from dattri_llm.gradient.compat import CaptureFacts
@@ -24,6 +25,7 @@ from dattri_llm.gradient.store.format import (
     SHARD_METADATA_KEY,
     decode_json,
     decode_schema,
+    read_meta,
 )
 from dattri_llm.gradient.store.index import IndexEntry, check_sequence, parse_index
 from dattri_llm.gradient.store.lifecycle import MODES, prepare_store
@@ -35,6 +37,11 @@ from dattri_llm.gradient.store.partition import (
     discover_partitions,
 )
 from dattri_llm.gradient.store.repair import RepairReport, repair_partition
+from dattri_llm.gradient.store.sample_index import (
+    entry_column,
+    read_partition,
+    uses_binary_index,
+)
 from dattri_llm.gradient.store.shard import (
     check_header_matches,
     merge_schema_facts,
@@ -71,6 +78,23 @@ class RecordInfo(NamedTuple):
 def _metadata(entry: IndexEntry) -> dict:
     """A record's metadata (see ``GradientRecord.metadata``), decoded from its index line."""
     return decode_json(entry.get("metadata", {}))
+
+
+def _shared_keys(sources: list[tuple[_Partition, Sequence[IndexEntry]]]) -> bool:
+    """Whether two partitions hold records of equal step, checkpoint, size and CRC-32.
+
+    Only then can a partition be a copy of another (``check_duplicate_records`` then compares
+    the records' samples); found from the index columns, without entry objects.
+    """
+    if sum(1 for _, src in sources if len(src)) < 2:
+        return False
+    seen: dict[tuple[int, ...], int] = {}
+    for k, (_, src) in enumerate(sources):
+        cols = [entry_column(src, f).tolist() for f in ("step", "checkpoint", "crc32", "bytes")]
+        for key in set(zip(*cols)):
+            if seen.setdefault(key, k) != k:
+                return True
+    return False
 
 
 class GradientStorageManager(SampleLookup):
@@ -139,8 +163,12 @@ class GradientStorageManager(SampleLookup):
         self._opened = False  # a writer was opened once: later ones append to our records
         self._own: list[IndexEntry] = []  # the durable records of our open writer's partition
         self._known: tuple[Path, tuple[list[IndexEntry], int]] | None = None  # at our close
-        self._entries: list[tuple[_Partition, IndexEntry]] = []
+        self._sources: list[tuple[_Partition, Sequence[IndexEntry]]] = []
+        self._extra: list[tuple[_Partition, IndexEntry]] = []  # durable since the refresh
+        self._flat: list[tuple[_Partition, IndexEntry]] | None = None
         self._order: list[int] | None = None
+        self._ordered_list: list[tuple[_Partition, IndexEntry]] = []
+        self._by_hash_built = False
         self._by_hash: dict[str, list[tuple[int, int]]] = {}
         self._headers: dict[tuple[int, str], dict] = {}
         self._verified: set[Path] = set()
@@ -158,48 +186,77 @@ class GradientStorageManager(SampleLookup):
                 no index line accounts for, or the same record in two partitions.
         """
         with self._lock:
-            entries = []
+            sources: list[tuple[_Partition, Sequence[IndexEntry]]] = []
             writing = self._writer is not None and not self._writer.closed
             own = self._writer_part.directory if writing and self._writer_part else None
             for part in discover_partitions(self.save_dir):
                 if part.directory == own:  # our writer's records (in flight ones excluded)
-                    entries += [(part, e) for e in self._own]
+                    sources.append((part, list(self._own)))
                     continue
                 path = part.directory / INDEX_FILE
-                found, _, torn = parse_index(path)
-                check_sequence(found, path)
+                if uses_binary_index(read_meta(part.directory)):
+                    found, torn = read_partition(part.directory)
+                else:  # a version-1 partition: the JSONL index alone
+                    found, _, torn = parse_index(path)
+                    check_sequence(found, path)
                 check_unindexed(part, found, torn)
-                entries += [(part, e) for e in found]
-            if not self.allow_duplicate_records:
-                check_duplicate_records(entries)
-            self._entries = entries
+                sources.append((part, found))
+            if not self.allow_duplicate_records and _shared_keys(sources):
+                check_duplicate_records([(p, e) for p, src in sources for e in src])
+            self._sources = sources
+            self._extra = []
+            self._flat = None
             self._order = None
+
+    @property
+    def _entries(self) -> list[tuple[_Partition, IndexEntry]]:
+        """Every ``(partition, entry)`` (entry objects made on first use, not on opening)."""
+        with self._lock:
+            if self._flat is None:
+                self._flat = [(p, e) for p, src in self._sources for e in src] + self._extra
+            return self._flat
+
+    def _column(self, name: str) -> np.ndarray:
+        """A field of every entry (partition order), without making entry objects."""
+        cols = [entry_column(src, name) for _, src in self._sources]
+        cols.append(np.asarray([e[name] for _, e in self._extra], dtype=np.int64))
+        return np.concatenate(cols)
 
     def _on_durable(self, entry: IndexEntry) -> None:
         assert self._writer_part is not None
         with self._lock:
             self._own.append(entry)
-            self._entries.append((self._writer_part, entry))
+            self._extra.append((self._writer_part, entry))
+            if self._flat is not None:
+                self._flat.append((self._writer_part, entry))
             self._order = None
 
     def _ordered(self) -> list[tuple[_Partition, IndexEntry]]:
         with self._lock:
             if self._order is None:
-                self._order = sorted(
-                    range(len(self._entries)),
-                    key=lambda i: (
-                        self._entries[i][0].rank,
-                        self._entries[i][0].directory != self.save_dir,
-                        self._entries[i][1]["step"],
-                        self._entries[i][1]["seq"],
-                    ),
-                )
+                entries = self._entries
+                parts = [p for p, src in self._sources for _ in range(len(src))]
+                parts += [p for p, _ in self._extra]
+                rank = np.asarray([p.rank for p in parts], dtype=np.int64)
+                flat = np.asarray([p.directory != self.save_dir for p in parts], dtype=bool)
+                keys = (self._column("seq"), self._column("step"), flat, rank)
+                self._order = np.lexsort(keys).tolist() if entries else []
+                self._by_hash_built = False
+                self._ordered_list = [entries[i] for i in self._order]
+            return self._ordered_list  # shared: callers read it (O(1) per call, not O(records))
+
+    def _hash_map(self) -> dict[str, list[tuple[int, int]]]:
+        """``{sample hash: [(record, row), ...]}`` in store order (built on first use)."""
+        ordered = self._ordered()
+        with self._lock:
+            if not self._by_hash_built:
                 by_hash: dict[str, list[tuple[int, int]]] = {}
-                for pos, i in enumerate(self._order):
-                    for row, h in enumerate(self._entries[i][1]["hashes"]):
+                for pos, (_, entry) in enumerate(ordered):
+                    for row, h in enumerate(entry["hashes"]):
                         by_hash.setdefault(h, []).append((pos, row))
                 self._by_hash = by_hash
-            return [self._entries[i] for i in self._order]
+                self._by_hash_built = True
+            return self._by_hash
 
     # ---- writing --------------------------------------------------------------------------------
     def _ensure_writer(self) -> PartitionWriter:
@@ -302,7 +359,7 @@ class GradientStorageManager(SampleLookup):
 
     # ---- metadata -------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(src) for _, src in self._sources) + len(self._extra)
 
     def __repr__(self) -> str:
         return (
@@ -313,12 +370,13 @@ class GradientStorageManager(SampleLookup):
     @property
     def num_samples(self) -> int:
         """Total rows over all records (a sample seen at several steps counts each time)."""
-        return sum(e["n"] for _, e in self._entries)
+        return int(self._column("n").sum())
 
     @property
     def ranks(self) -> list[int]:
         """Ranks of the partitions holding records."""
-        return sorted({p.rank for p, _ in self._entries})
+        held = [(p, src) for p, src in self._sources if len(src)] + self._extra[:1]
+        return sorted({p.rank for p, _ in held})
 
     def records(self) -> list[RecordInfo]:
         """Every record's location and identity, in store order."""
@@ -336,11 +394,11 @@ class GradientStorageManager(SampleLookup):
 
     def available_steps(self) -> list[int]:
         """The distinct steps in the store, ascending."""
-        return sorted({e["step"] for _, e in self._entries})
+        return [int(v) for v in np.unique(self._column("step"))]
 
     def available_checkpoints(self) -> list[int]:
         """The distinct checkpoint labels in the store, ascending."""
-        return sorted({e["checkpoint"] for _, e in self._entries})
+        return [int(v) for v in np.unique(self._column("checkpoint"))]
 
     def check_checkpoints(self, checkpoints: Sequence[int] | None) -> set[int] | None:
         """Validate a checkpoint filter against the store (``None``: no filter).
@@ -361,8 +419,7 @@ class GradientStorageManager(SampleLookup):
 
     def sample_hashes(self) -> list[str]:
         """Distinct sample identities in order of first occurrence (store order)."""
-        self._ordered()
-        return list(self._by_hash)
+        return list(self._hash_map())
 
     def _header(self, part: _Partition, entry: IndexEntry) -> dict:
         key = (part.rank, entry["schema"])
@@ -403,11 +460,8 @@ class GradientStorageManager(SampleLookup):
         """
         if self.mode == "overwrite" and not self._opened:
             return {}
-        out: dict[int, int] = {}
-        for _, e in self._entries:
-            c = e["checkpoint"]
-            out[c] = max(out.get(c, e["step"]), e["step"])
-        return out
+        ckpt, step = self._column("checkpoint"), self._column("step")
+        return {int(c): int(step[ckpt == c].max()) for c in np.unique(ckpt)}
 
     def capture_facts(self, layers: Sequence[str] | None = None) -> CaptureFacts:
         """What the store's gradients were captured as (layers, projection, dtype, metadata).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _RANK_DIR = re.compile(r"rank_(0|[1-9][0-9]*)")
+_ALL_SHARDS = re.compile(r"(?:shards/[0-9]{9}\.safetensors)*")
 _REPAIR_HINT = (
     "Run GradientStorageManager.repair(save_dir) to rebuild the index from the shards (they "
     "carry their own headers)."
@@ -108,7 +110,7 @@ def shard_files(directory: Path) -> list[str]:
     )
 
 
-def check_unindexed(part: Partition, entries: list[IndexEntry], torn: bool) -> list[str]:
+def check_unindexed(part: Partition, entries: Sequence[IndexEntry], torn: bool) -> list[str]:
     """Check that the index accounts for every shard of a partition.
 
     A killed writer can leave exactly one shard without its index line: the next one in
@@ -122,8 +124,24 @@ def check_unindexed(part: Partition, entries: list[IndexEntry], torn: bool) -> l
     Raises:
         StoreFormatError: naming the index and the shards it does not account for.
     """
-    listed = {e["shard"] for e in entries}
-    orphans = [s for s in shard_files(part.directory) if s not in listed]
+    # entries hold seq 0..len-1 in order (checked before), so shard i is listed iff i < count
+    count = len(entries)
+    files = shard_files(part.directory)  # sorted "shards/<name>.safetensors"
+    if len(files) in (count, count + 1) and _ALL_SHARDS.fullmatch("".join(files)):
+        # distinct sorted 9-digit names, the count-th of them shard count-1: exactly 0..count-1
+        if count == 0 or files[count - 1] == shard_name(count - 1):
+            orphans = files[count:]
+        else:
+            orphans = [f for f in files if int(f[7:16]) >= count]
+    else:
+        width = len(shard_name(0))
+        orphans = [
+            s
+            for s in files
+            if len(s) != width
+            or not (s[7:16].isascii() and s[7:16].isdigit())
+            or int(s[7:16]) >= count
+        ]
     if not orphans:
         return []
     index = part.directory / INDEX_FILE
@@ -153,17 +171,31 @@ def check_duplicate_records(entries: list[tuple[Partition, IndexEntry]]) -> None
     """
     if len({id(part) for part, _ in entries}) < 2:
         return  # one partition: a repeated record is a step that really saw it twice
-    seen: dict[tuple, tuple[Partition, IndexEntry]] = {}
+    # group by the fields an index row holds first: a record's ids are compared (and, from a
+    # binary index, decoded) only where two partitions hold records of equal size and CRC-32
+    cheap: dict[tuple, list[tuple[Partition, IndexEntry]]] = {}
     for part, e in entries:
-        key = (e["step"], e["checkpoint"], e["crc32"], e["bytes"], tuple(e["hashes"]))
-        other = seen.setdefault(key, (part, e))
-        if other[0] is not part:
-            first = other[0].directory / other[1]["shard"]
-            raise StoreFormatError(
-                f"{part.directory / e['shard']} is a byte-identical copy of {first} (same step "
-                f"{e['step']}, samples and CRC-32) in another partition: every score of its "
-                f"{e['n']} sample(s) would count twice. Remove the copied partition. (If two "
-                "ranks really computed the same batch, e.g. a dataset smaller than the world "
-                "size padded by DistributedSampler, open the store with "
-                "GradientStorageManager(save_dir, allow_duplicate_records=True).)"
-            )
+        cheap.setdefault((e["step"], e["checkpoint"], e["crc32"], e["bytes"]), []).append((part, e))
+    seen: dict[tuple, tuple[Partition, IndexEntry]] = {}
+    for group in cheap.values():
+        if len({id(p) for p, _ in group}) < 2:
+            continue
+        for part, e in group:
+            _check_copy(seen, part, e)
+
+
+def _check_copy(
+    seen: dict[tuple, tuple[Partition, IndexEntry]], part: Partition, e: IndexEntry
+) -> None:
+    key = (e["step"], e["checkpoint"], e["crc32"], e["bytes"], tuple(e["hashes"]))
+    other = seen.setdefault(key, (part, e))
+    if other[0] is not part:
+        first = other[0].directory / other[1]["shard"]
+        raise StoreFormatError(
+            f"{part.directory / e['shard']} is a byte-identical copy of {first} (same step "
+            f"{e['step']}, samples and CRC-32) in another partition: every score of its "
+            f"{e['n']} sample(s) would count twice. Remove the copied partition. (If two "
+            "ranks really computed the same batch, e.g. a dataset smaller than the world "
+            "size padded by DistributedSampler, open the store with "
+            "GradientStorageManager(save_dir, allow_duplicate_records=True).)"
+        )

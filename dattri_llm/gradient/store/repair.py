@@ -26,10 +26,16 @@ from dattri_llm.gradient.store.format import (
     SHARD_METADATA_KEY,
     StoreFormatError,
     decode_schema,
+    read_meta,
     tensor_keys,
 )
 from dattri_llm.gradient.store.index import IndexEntry, entry_for, parse_lines, shard_name
 from dattri_llm.gradient.store.partition import Partition, shard_files
+from dattri_llm.gradient.store.sample_index import (
+    RECORDS_FILE,
+    uses_binary_index,
+    write_binary_index,
+)
 from dattri_llm.gradient.store.writer import file_crc32, live_writer, lock_partition
 
 __all__ = ["RepairReport", "repair_partition"]
@@ -183,14 +189,18 @@ def _rewrite(directory: Path, kept: list[tuple[str, IndexEntry]], old: list[Inde
         entry["seq"], entry["shard"] = seq, shard_name(seq)
         lines.append(json.dumps(entry, separators=(",", ":"), allow_nan=False) + "\n")
     unchanged = [e for _, e in kept] == old and all(rel == e["shard"] for rel, e in kept)
-    if unchanged:
-        return
-    tmp = directory / f".{INDEX_FILE}.repair.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    for rel, entry in kept:  # ascending seq: a target name is never a shard still to move
-        if rel != entry["shard"]:
-            os.replace(directory / rel, directory / entry["shard"])
-    os.replace(tmp, directory / INDEX_FILE)
+    binary = uses_binary_index(read_meta(directory))
+    if not unchanged:
+        tmp = directory / f".{INDEX_FILE}.repair.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        if binary:  # stale rows must not outlive the old journal: removed until rebuilt below
+            (directory / RECORDS_FILE).unlink(missing_ok=True)
+        for rel, entry in kept:  # ascending seq: a target name is never a shard still to move
+            if rel != entry["shard"]:
+                os.replace(directory / rel, directory / entry["shard"])
+        os.replace(tmp, directory / INDEX_FILE)
+    if binary:  # rebuilt from the journal just written (always: it may be the damaged part)
+        write_binary_index(directory, [e for _, e in kept], "".join(lines).encode())

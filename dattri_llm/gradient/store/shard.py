@@ -72,12 +72,17 @@ def open_shard(
 _SHARED_FIELDS = ("step", "checkpoint", "hashes", "metadata", "extra")
 
 
-def check_header_matches(header: dict, entry: IndexEntry, path: Path) -> None:
-    """Refuse a shard whose header disagrees with its index line on any field both hold."""
+def check_header_matches(
+    header: dict, entry: IndexEntry, path: Path, fingerprint: str | None = None
+) -> None:
+    """Refuse a shard whose header disagrees with its index line on any field both hold.
+
+    ``fingerprint``: the header's schema digest when the caller already computed it.
+    """
     diff = [k for k in _SHARED_FIELDS if header.get(k) != entry.get(k)]
     if len(header["hashes"]) != entry["n"]:
         diff.append("n")
-    if schema_fingerprint(header["layers"]) != entry["schema"]:
+    if (fingerprint or schema_fingerprint(header["layers"])) != entry["schema"]:
         diff.append("schema")
     if diff:
         shown = "; ".join(

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -36,10 +37,17 @@ from dattri_llm.gradient.store.format import (
     SHARD_DIR,
     SHARD_METADATA_KEY,
     encode_record,
+    read_meta,
     write_meta,
 )
 from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
 from dattri_llm.gradient.store.partition import Partition, check_unindexed
+from dattri_llm.gradient.store.sample_index import (
+    BinaryAppender,
+    BinaryIndex,
+    line_spans,
+    uses_binary_index,
+)
 
 try:  # advisory lock against two writers on one partition (POSIX only)
     import fcntl
@@ -148,6 +156,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_binary(
+    directory: Path, entries: list[IndexEntry], valid: int, clear: bool, fsync: bool
+) -> BinaryAppender:
+    """The binary index appender of a version-2 partition, caught up with its journal.
+
+    Rows the journal backs (same fields, same journal bytes by CRC-32) are kept; the rows of
+    records the journal lists beyond them (a writer killed between its line and its row, an
+    index deleted) are appended; a binary index that does not match the journal is rebuilt
+    from it.
+    """
+    index = BinaryIndex(directory, warn=False)
+    with open(directory / INDEX_FILE, "a+b") as f:
+        f.seek(0)
+        data = f.read(valid)
+    rows = 0 if clear else index.num_records
+    if rows and (
+        rows > len(entries)
+        or zlib.crc32(data[: index.journal_end]) != index.journal_crc
+        or any(
+            not np.array_equal(index.column(k), [e[k] for e in entries[:rows]])
+            for k in ("seq", "step", "checkpoint", "n", "bytes", "crc32")
+        )
+    ):
+        rows = 0  # stale: rebuilt from the journal below
+    index.keep(rows)
+    appender = BinaryAppender(directory, index, zlib.crc32(data[: index.journal_end]), fsync)
+    for entry, (off, length) in zip(entries[rows:], line_spans(data)[rows:]):
+        appender.append(entry, off, data[off : off + length])
+    return appender
+
+
 class PartitionWriter:
     """Appends records to one partition directory.
 
@@ -213,6 +252,11 @@ class PartitionWriter:
                 check_unindexed(Partition(0, directory), entries, torn=True)
             self._cleanup({e["shard"] for e in entries}, quiet=clear)
             self._index = IndexAppender(directory / INDEX_FILE, valid, fsync=fsync)
+            self._binary = (
+                open_binary(directory, entries, valid, clear, fsync)
+                if uses_binary_index(read_meta(directory))
+                else None
+            )
         except BaseException:
             if self._lock_file is not None:
                 self._lock_file.close()
@@ -314,7 +358,9 @@ class PartitionWriter:
         meta = {SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)}
         _, crc, size = write_shard(self.shard_dir, seq, tensors, self.fsync, meta)
         entry = entry_for(seq, header, size, crc)
-        self._index.append(entry)
+        off, line = self._index.append(entry)
+        if self._binary is not None:
+            self._binary.append(entry, off, line)
         self._on_durable(entry)
 
     def _run(self) -> None:
@@ -364,6 +410,8 @@ class PartitionWriter:
                 self._thread.join()
                 atexit.unregister(self._atexit)
             self._index.close()
+            if self._binary is not None:
+                self._binary.close()
             if self._lock_file is not None:
                 self._lock_file.close()
             with _LIVE_LOCK:

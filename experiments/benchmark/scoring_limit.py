@@ -1,0 +1,244 @@
+"""``top_k`` scoring of a projected store against the machine's limit (issue 25, item 4).
+
+Builds a projected store of ``N`` samples (``--layers`` materialized layers of ``--dim /
+--layers`` numbers each, written by ``GradientStorageManager`` in records of ``--batch`` rows,
+float32 or ``--storage bfloat16``) and ``--queries`` test samples, then measures, in this run:
+
+* **matmul limit** — one plain ``torch.mm`` of an ``(N, dim)`` matrix already in memory by the
+  ``(dim, M)`` queries (same shape and dtype as the scoring; above ``--resident`` bytes the
+  product runs over one resident slab re-used until ``N`` rows are done);
+* **read limit** — a sequential read of the store's shard files (the same bytes) from the page
+  cache (read once to warm it, then timed; ``readinto`` one reused buffer);
+* **top_k scoring** — ``TracInAttributor.attribute_from_cache(train, test, top_k=k)`` in a
+  fresh process (its peak resident memory is its own), with the vector fast path and, with
+  ``--general``, with the general score loop (``vector_scan.ENABLED = False``);
+
+and reports the limit (the slower of the two), the scoring time and its ratio to the limit.
+
+    OMP_NUM_THREADS=1 python experiments/benchmark/scoring_limit.py             # 100k x 2048
+    OMP_NUM_THREADS=1 python experiments/benchmark/scoring_limit.py --n 1000000 --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+from utils.env import header  # noqa: E402
+from utils.table import md_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def log(msg: str) -> None:
+    print(f"[scoring_limit] {msg}", file=sys.stderr, flush=True)
+
+
+def hwm_mb() -> float:
+    """Peak resident memory of this process image (``VmHWM``: reset by exec, unlike
+    ``ru_maxrss``, which would count the parent's pages copied at fork)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- the stores ---------------------------------------------------------------------------------
+def write_store(
+    path: Path, n: int, dim: int, layers: int, batch: int, storage: str, seed: int, prefix: str
+) -> None:
+    from dattri_llm import GradientStorageManager
+    from dattri_llm.gradient import Gradient, GradientRecord, Materialized
+
+    width = dim // layers
+    kw = {"_d": width, "proj_dim": width, "seed": 0, "source_layer_type": "nn.Linear"}
+    gen = torch.Generator().manual_seed(seed)
+    sdtype = getattr(torch, storage)
+    store_meta = None
+    if sdtype != torch.float32:
+        store_meta = {"dtype": storage, "capture_dtype": "float32", "layers": {}}
+    with GradientStorageManager(path, fsync=False) as store:
+        for step, lo in enumerate(range(0, n, batch)):
+            b = min(batch, n - lo)
+            grads = {
+                f"layer{i}": Materialized(
+                    torch.randn(b, width, generator=gen).to(sdtype), "projected.dense", kw
+                )
+                for i in range(layers)
+            }
+            ids = [hashlib.sha256(f"{prefix}{j}".encode()).hexdigest() for j in range(lo, lo + b)]
+            store.write(GradientRecord(step, ids, Gradient(grads)), storage=store_meta)
+
+
+def store_bytes(path: Path) -> tuple[list[Path], int]:
+    files = sorted((path / "shards").glob("*.safetensors"))
+    return files, sum(f.stat().st_size for f in files)
+
+
+# ---- the limits ---------------------------------------------------------------------------------
+def read_limit(files: list[Path]) -> tuple[float, float]:
+    """``(wall, CPU)`` seconds to read every file sequentially from the page cache (2nd pass)."""
+    buf = bytearray(max(f.stat().st_size for f in files))
+    view = memoryview(buf)
+    times = []
+    for _ in range(2):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                got = 0
+                while True:
+                    k = fh.readinto(view[got:])
+                    if not k:
+                        break
+                    got += k
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+    return times[-1]
+
+
+def matmul_limit(n: int, dim: int, m: int, resident: int) -> tuple[float, float]:
+    """``(wall, CPU)`` seconds of ``X @ Q.T`` over ``n`` float32 rows in memory (best of 2)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = min(n, max(1, resident // (dim * 4)))
+    x = torch.randn(rows, dim, generator=gen)
+    q = torch.randn(m, dim, generator=gen)
+    best = (float("inf"), float("inf"))
+    for _ in range(2):
+        t0, c0 = time.perf_counter(), time.process_time()
+        done = 0
+        while done < n:
+            r = min(rows, n - done)
+            torch.mm(x[:r], q.T)
+            done += r
+        best = min(best, (time.perf_counter() - t0, time.process_time() - c0))
+    return best
+
+
+# ---- scoring (in a fresh process) ---------------------------------------------------------------
+def score_child(train: str, test: str, k: int, fast: bool) -> None:
+    from dattri_llm import AttributionArguments, TracInAttributor
+    from dattri_llm.attribution.engine import vector_scan
+
+    vector_scan.ENABLED = fast
+    args = AttributionArguments(use_cpu=True, show_progress=False, output_dir=None)
+    t0, c0 = time.perf_counter(), time.process_time()
+    score = TracInAttributor(args).attribute_from_cache(train, test, top_k=k)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    top = score.top_k(k)
+    digest = hashlib.sha256(json.dumps(top.proponent_hashes).encode()).hexdigest()[:12]
+    print(json.dumps({"wall": wall, "cpu": cpu, "peak_mb": hwm_mb(), "top": digest}))
+
+
+def score(train: Path, test: Path, k: int, fast: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(train), str(test), str(k), str(int(fast))]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--queries", type=int, default=100)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--storage", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--resident", type=int, default=2**31, help="bytes of the in-memory matrix")
+    p.add_argument("--general", action="store_true", help="also time the general score loop")
+    p.add_argument("--dir", default=None, help="where the stores go (kept; default: a temp dir)")
+    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if a.child:
+        train, test, k, fast = a.child
+        score_child(train, test, int(k), bool(int(fast)))
+        return
+    root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="scoring_limit_"))
+    tag = f"{a.n}x{a.dim}x{a.layers}b{a.batch}_{a.storage}"
+    train, test = root / f"train_{tag}", root / f"test_{a.queries}x{a.dim}x{a.layers}"
+    t0 = time.perf_counter()
+    for path, n, seed, prefix in ((train, a.n, 0, "t"), (test, a.queries, 1, "q")):
+        if not (path / "meta.json").exists():
+            storage = a.storage if path == train else "float32"
+            write_store(path, n, a.dim, a.layers, a.batch, storage, seed, prefix)
+    log(f"stores ready in {time.perf_counter() - t0:.1f} s under {root}")
+    results = {}
+    for fast in (True, False):  # first: the parent holds no large matrix yet
+        if fast or a.general:
+            results[fast] = score(train, test, a.k, fast)
+            log(f"{'fast' if fast else 'general'}: {results[fast]}")
+    files, nbytes = store_bytes(train)
+    t_read = read_limit(files)
+    log(f"read limit: {nbytes / 2**20:.0f} MiB in {t_read}")
+    t_mm = matmul_limit(a.n, a.dim, a.queries, a.resident)
+    log(f"matmul limit: {t_mm}")
+    limit = (max(t_read[0], t_mm[0]), max(t_read[1], t_mm[1]))
+    rows = [
+        [
+            "matmul limit (torch.mm, in memory)",
+            f"{t_mm[0]:.3f}",
+            f"{t_mm[1]:.3f}",
+            f"{a.n / t_mm[0]:,.0f}",
+            "",
+            "",
+        ],
+        [
+            "read limit (page cache)",
+            f"{t_read[0]:.3f}",
+            f"{t_read[1]:.3f}",
+            f"{a.n / t_read[0]:,.0f}",
+            f"{nbytes / t_read[0] / 2**30:.2f} GiB/s",
+            "",
+        ],
+    ]
+    for fast, r in results.items():
+        name = "top_k, vector fast path" if fast else "top_k, general loop"
+        ratio = f"{limit[0] / r['wall']:.2f} (CPU {limit[1] / r['cpu']:.2f})"
+        rows.append(
+            [
+                name,
+                f"{r['wall']:.3f}",
+                f"{r['cpu']:.3f}",
+                f"{a.n / r['wall']:,.0f}",
+                ratio,
+                f"{r['peak_mb']:.0f} MB",
+            ]
+        )
+    if len(results) == 2:
+        assert results[True]["top"] == results[False]["top"], "the two paths ranked differently"
+    table = md_table(
+        ["what", "wall s", "CPU s", "samples/s (wall)", "limit / time (wall, CPU)", "peak RSS"],
+        rows,
+    )
+    title = (
+        f"scoring at the limit: {a.n} samples x {a.dim} numbers ({a.layers} layers, "
+        f"{a.storage}, records of {a.batch}), {a.queries} queries, top_k={a.k}"
+    )
+    text = header(title, {"store": f"{nbytes / 2**20:.0f} MiB"}) + "\n" + table + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+    if not a.dir:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
