@@ -38,6 +38,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# this checkout's dattri_llm, not whichever one is installed
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from utils.env import BENCH_DIR, ensure_env  # noqa: E402
 
@@ -101,8 +103,9 @@ def phase_capture(a) -> dict:
             loss_of(model, ids).backward()
         return m / (time.perf_counter() - t0), m / (time.process_time() - c0)
 
-    plain(a.batch)  # warm-up
-    plain_before = plain(min(a.plain, n))
+    if not a.test_only:
+        plain(a.batch)  # warm-up
+        plain_before = plain(min(a.plain, n))
     config = HookManagerConfig(
         linear_io=[LAYERS],
         projection=ProjectionConfig(a.style, 256, seed=0),
@@ -130,6 +133,9 @@ def phase_capture(a) -> dict:
         store.close()
         return time.perf_counter() - t0, time.process_time() - c0, done
 
+    if a.test_only:  # only the query store (for a store captured earlier)
+        capture(a.store + "_test", queries, len(queries))
+        return {"test_only": True}
     wall, cpu, n = capture(a.store, windows, n)
     plain_after = plain(min(a.plain, n))
     a.until = None
@@ -182,6 +188,17 @@ def phase_score(a) -> dict:
         os.unlink(done)
     limit = _child(a, "limit", beside=True) if not a.sequential else None
     args = AttributionArguments(output_dir=a.scratch, use_cpu=True, show_progress=False)
+    try:  # the contiguous-block fast path (store-scale branch); both paths are measured
+        from dattri_llm.attribution.engine import vector_scan
+    except ImportError:
+        vector_scan = None
+    general = None
+    if vector_scan is not None:
+        vector_scan.ENABLED = False
+        t0, c0 = time.perf_counter(), time.process_time()
+        g = TracInAttributor(args).attribute_from_cache(a.store, a.store + "_test", top_k=K)
+        general = (time.perf_counter() - t0, time.process_time() - c0, g.top_k(K))
+        vector_scan.ENABLED = True
     t0, c0 = time.perf_counter(), time.process_time()
     s = TracInAttributor(args).attribute_from_cache(a.store, a.store + "_test", top_k=K)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -189,7 +206,14 @@ def phase_score(a) -> dict:
     with open(os.path.join(a.scratch, "score_topk.json"), "w") as f:
         json.dump({"test": top.test_hashes, "proponents": top.proponent_hashes}, f)
     out = {"score_s": wall, "score_cpu_s": cpu, "score_sps": s.num_train / wall,
-           "score_sps_cpu": s.num_train / cpu, "n": s.num_train, "queries": s.num_test}  # fmt: skip
+           "score_sps_cpu": s.num_train / cpu, "n": s.num_train, "queries": s.num_test,
+           "fast_path": vector_scan is not None}  # fmt: skip
+    if general is not None:
+        out["general_path"] = {
+            "score_s": general[0], "score_cpu_s": general[1],
+            "score_sps": s.num_train / general[0], "score_sps_cpu": s.num_train / general[1],
+            "same_top10": general[2].proponent_hashes == top.proponent_hashes,
+        }  # fmt: skip
     if limit is not None:
         res = {**_collect(limit), "ran_beside_score": True}
         if "failed" not in res:
@@ -515,10 +539,9 @@ def driver(a) -> None:
         r = run_phase(a, phase, **common, **over)
         res["phases"].append({"phase": phase, **over, "result": r})
         save()
-        if phase == "capture" and over["store"] != main and not a.keep:
+        if phase == "capture" and "bfloat16" in over["store"] and not a.keep:
             shutil.rmtree(over["store"] + "_test", ignore_errors=True)
-            if phase == "capture" and "bfloat16" in over["store"]:
-                shutil.rmtree(over["store"], ignore_errors=True)
+            shutil.rmtree(over["store"], ignore_errors=True)
     log(f"all done: {path}.json")
 
 
@@ -561,6 +584,7 @@ def main() -> None:
     ap.add_argument("--data-dir")
     ap.add_argument("--job", help="faiss_job: metric:flat | metric:pq<m>")
     ap.add_argument("--beside", action="store_true", help="limit: running beside score")
+    ap.add_argument("--test-only", action="store_true", help="capture: the query store only")
     ap.add_argument(
         "--sequential",
         action="store_true",

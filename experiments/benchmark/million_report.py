@@ -150,10 +150,12 @@ def bergson_table(path: str | None) -> str:
         return "(bergson not run)"
     with open(path) as f:
         b = json.load(f)
-    w = b["build_wall_s"]
-    rows = [["`bergson build` (marginal)", f"{b['marginal_sps']:.0f} samples/s",
-             f"{b['small']:,} windows: {w[str(b['small'])]:.0f} s; "
-             f"{b['n']:,}: {w[str(b['n'])]:.0f} s",
+    w, c = b["build_wall_s"], b.get("build_cpu_s", {})
+    rows = [["`bergson build` (marginal)",
+             f"{b['marginal_sps']:.0f} / {b.get('marginal_sps_cpu', float('nan')):.0f} samples/s "
+             "(wall / CPU)",
+             f"{b['small']:,} windows: {w[str(b['small'])]:.0f} s ({c.get(str(b['small']), 0):.0f}"
+             f" s CPU); {b['n']:,}: {w[str(b['n'])]:.0f} s ({c.get(str(b['n']), 0):.0f} s CPU)",
              _mb(b["index_bytes"])]]  # fmt: skip
     for r in b["query"]:
         rows.append([f"query, FAISS `{r['index']}` nprobe={r['nprobe']}",
