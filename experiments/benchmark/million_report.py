@@ -49,7 +49,7 @@ def capture_table(phases: list[dict], n_full: int) -> str:
     return md_table(
         ["projection (2048 numbers)", "storage", "N captured", "capture samples/s (wall / CPU)",
          "plain step samples/s (wall / CPU)", "capture / plain (wall / CPU)",
-         "bytes per sample (payload)", "store size", f"at {n_full:,}", "peak RSS"],
+         "bytes per sample (payload)", "store size", f"scaled to {n_full:,}", "peak RSS"],
         rows,
     )  # fmt: skip
 
@@ -66,6 +66,11 @@ def score_table(phases: list[dict]) -> tuple[str, dict]:
         ["`attribute_from_cache(top_k=10)` (exact)",
          f"{s['score_s']:.1f} s / {s['score_cpu_s']:.1f} s",
          f"{s['score_sps']:,.0f} / {s['score_sps_cpu']:,.0f}", _mb(s["peak_rss_bytes"])],
+        *([["the same, general path (`vector_scan.ENABLED = False`, one `load_record` per record)",
+             f"{g['score_s']:.1f} s / {g['score_cpu_s']:.1f} s",
+             f"{g['score_sps']:,.0f} / {g['score_sps_cpu']:,.0f}",
+             "same top-10" if g["same_top10"] else "**top-10 differ**"]]
+           if (g := s.get("general_path")) else []),
         ["torch matmul + top-k, vectors in memory (64k-row blocks)",
          f"{lim['matmul_topk_s']:.1f} s / {lim['matmul_topk_cpu_s']:.1f} s",
          f"{lim['matmul_sps']:,.0f} / {lim['matmul_sps_cpu']:,.0f}", "—"],
@@ -170,6 +175,7 @@ def main() -> None:
     ap.add_argument("--main")
     ap.add_argument("--side")
     ap.add_argument("--bergson")
+    ap.add_argument("--gindex", help="a gindex phase's JSON run on its own")
     ap.add_argument("--n-full", type=int, default=1_000_000)
     a = ap.parse_args()
     main_ph, side_ph = _phases(a.main), _phases(a.side)
@@ -180,6 +186,12 @@ def main() -> None:
         print(f"\nexact per query {facts['exact_ms_per_query']:.1f} ms; score / limit: "
               f"{facts['ratio_wall']:.2f} (wall), {facts['ratio_cpu']:.2f} (CPU)")  # fmt: skip
     print("\n### FAISS sweep\n\n" + faiss_table(main_ph, facts))
+    if a.gindex and os.path.exists(a.gindex):
+        with open(a.gindex) as f:
+            side_ph = [
+                *side_ph,
+                {"phase": "gindex", "result": json.loads(f.read().splitlines()[-1])},
+            ]
     print("\n### `GradientIndex` (public API)\n\n" + gindex_table(side_ph))
     print("\n### bergson\n\n" + bergson_table(a.bergson))
 
