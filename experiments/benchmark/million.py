@@ -13,18 +13,16 @@ each phase's peak resident memory, ``VmHWM``, is its own), one thread, in one in
 3. ``limit``: the same vectors read back (``GradientStorageManager.load_record``) into an
    ``(N, 2048)`` float32 file (the FAISS phase's input); the exact matmul + top-k of the 100
    queries over them timed on 64k-row blocks already in memory (summed: the in-memory matmul
-   limit), and a sequential read of the store's files (second pass: page cache). Also the exact
-   dot and cosine top-10 (recall's reference; dot checked against ``score``'s proponents).
-4. ``faiss``: IVF-Flat (nprobe sweep) and IVF-PQ with an exact re-ranking of a short list read
-   from the memory-mapped vectors, built in 64k-row chunks, for ``--metrics``.
+   limit), a sequential read of the store's files (page cache), the exact dot / cosine top-10s.
+4. ``faiss``: IVF-Flat (nprobe sweep) and IVF-PQ + exact re-ranking of a short list from the
+   memory-mapped vectors, built in 64k-row chunks, one process per job (dot checked vs 2.).
 5. ``gindex``: the public ``GradientIndex.build / open / search`` (flat, ivf, hnsw) on the
    ``logra`` store (``--logra-n`` samples): build time, size, ``search()`` per query, recall.
 
-    OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 1000000
-    python experiments/benchmark/million.py --n 20000 --logra-n 20000 --bf16-n 5000  # check
+    OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 1000000  # --until: a time cap
 
-Stores and the vectors file go to ``--data`` (default ``/work/wt/_data/bench1m``, outside the
-repository); results to ``experiments/benchmark/results/million_<N>.{json,md}``.
+Stores go to ``--data`` (default ``/work/wt/_data/bench1m``, outside the repository); results to
+``experiments/benchmark/results/million_<N><tag>.json``; tables: ``million_report.py``.
 """
 
 from __future__ import annotations
