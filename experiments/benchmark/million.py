@@ -174,11 +174,7 @@ def _collect(proc: subprocess.Popen) -> dict:
 
 
 def phase_score(a) -> dict:
-    """Exact ``top_k`` scoring; the ``limit`` phase runs beside it in its own process.
-
-    On this shared 2-core machine every process gets a share of the cores, so the two
-    independent read-only phases run at once; CPU times are reported next to wall times.
-    """
+    """Exact ``top_k`` (both paths); ``limit`` runs beside it (independent, read-only)."""
     from dattri_llm import AttributionArguments, TracInAttributor
 
     done = os.path.join(a.scratch, "limit_result.json")
@@ -314,8 +310,7 @@ def phase_limit(a) -> dict:
 
 
 def _ivf(faiss, dim: int, nlist: int, pq_m: int | None):
-    quant = faiss.IndexFlatIP(dim)
-    ip = faiss.METRIC_INNER_PRODUCT
+    quant, ip = faiss.IndexFlatIP(dim), faiss.METRIC_INNER_PRODUCT
     if pq_m is None:
         return faiss.IndexIVFFlat(quant, dim, nlist, ip)
     return faiss.IndexIVFPQ(quant, dim, nlist, pq_m, 8, ip)
