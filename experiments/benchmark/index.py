@@ -9,6 +9,10 @@ top-k. The FAISS indexes are built with the library's own constructor
 (``dattri_llm.attribution.index.kinds.make_index``), the one ``GradientIndex.build`` uses.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/index.py --n 100000 --dim 1024
+
+``--real`` runs the 1M real-gradient benchmark instead (``million.py``: a tiny GPT-2 over >= 1M
+real-text windows, projected capture, exact ``top_k``, FAISS sweep, ``GradientIndex``); the
+other arguments go to it, e.g. ``python experiments/benchmark/index.py --real --n 1000000``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -59,6 +64,10 @@ def index_bytes(faiss, index) -> int:
 
 
 def main() -> None:
+    if "--real" in sys.argv[1:]:  # the real-gradient run lives in million.py
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "million.py")
+        rest = [x for x in sys.argv[1:] if x != "--real"]
+        os.execv(sys.executable, [sys.executable, script, *rest])
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--dim", type=int, default=1024)
