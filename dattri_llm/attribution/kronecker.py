@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -43,7 +44,7 @@ from dattri_llm.gradient.sources import (
     as_source,
 )
 
-__all__ = ["KFACAttributor", "EKFACAttributor"]
+__all__ = ["KFACAttributor", "EKFACAttributor", "FisherPreconditioner"]
 
 #: Default damping: this factor of each layer's mean eigenvalue (``relative=True``).
 DEFAULT_DAMPING = 0.1
@@ -313,26 +314,38 @@ class KFACAttributor(BaseAttributor):
         """Keep the preconditioned layers (skipped ones do not enter the score)."""
         return gradient.select_layers(self._fit_for(checkpoint).layer_names)
 
+    def preconditioner(
+        self,
+        damping: float | None = None,
+        relative: bool | None = None,
+        checkpoint: int = 0,
+    ) -> FisherPreconditioner:
+        """The fitted ``(F̂ + λ I)^{-1}`` of one checkpoint, to fold into other query sides.
+
+        Pass it as ``GradientIndex.search(..., preconditioner=...)``: an exact (``flat``)
+        search over the fitted layers then ranks as ``attribute_from_cache(..., top_k=k)``
+        with the same damping.
+
+        Args:
+            damping: ``λ``, as in :meth:`attribute` (``None``: the default, ``0.1 ×`` each
+                layer's mean eigenvalue; never the last call's value).
+            relative: Scale ``damping`` by each layer's mean eigenvalue.
+            checkpoint: The fit's checkpoint label (a single fit serves every label).
+
+        Returns:
+            A :class:`FisherPreconditioner`.
+        """
+        damping, relative = _resolve_damping(damping, relative)
+        return FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
+
     # ---- entry points ----------------------------------------------------------------------
     def _set_damping(self, damping: float | None, relative: bool | None, reset: bool) -> None:
         """Resolve ``(damping, relative)``; a number without ``relative`` is absolute.
 
         With ``reset``, ``None`` means the default, not the last value used.
         """
-        if damping is not None:
-            if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
-                raise ValueError(
-                    f"damping must be a number >= 0 (or None for the default, "
-                    f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
-                )
-            self.damping, self.relative = float(damping), bool(relative)
-        elif relative is False:
-            raise ValueError(
-                "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
-                f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
-            )
-        elif reset or relative:
-            self.damping, self.relative = DEFAULT_DAMPING, True
+        if damping is not None or relative is not None or reset:
+            self.damping, self.relative = _resolve_damping(damping, relative)
 
     def attribute(
         self,
@@ -431,7 +444,54 @@ class EKFACAttributor(KFACAttributor):
     kind: ClassVar[str] = "ekfac"
 
 
+@dataclass(frozen=True)
+class FisherPreconditioner:
+    """A fitted, damped ``(F̂ + λ I)^{-1}`` (K-FAC, EK-FAC or a projected vector's exact Fisher).
+
+    Made by :meth:`KFACAttributor.preconditioner`; calling it on a :class:`Gradient` returns
+    the preconditioned layers (``precondition_gradient``), which is what
+    ``GradientIndex.search(preconditioner=...)`` folds into the query side.
+
+    Attributes:
+        factors: The damping-free fit.
+        damping: ``λ`` (absolute, or a factor of each layer's mean eigenvalue).
+        relative: Whether ``damping`` is relative.
+    """
+
+    factors: KroneckerFactors
+    damping: float
+    relative: bool
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The preconditioned layers (the others are left out of K-FAC scores)."""
+        return self.factors.layer_names
+
+    def precondition_gradient(self, gradient: Gradient) -> Gradient:
+        """``(F̂ + λ I)^{-1} g`` per fitted layer (see ``KroneckerFactors.precondition``)."""
+        return self.factors.precondition(gradient, self.damping, self.relative)
+
+    __call__ = precondition_gradient
+
+
 # ---- helpers ---------------------------------------------------------------------------------
+def _resolve_damping(damping: float | None, relative: bool | None) -> tuple[float, bool]:
+    """``(damping, relative)`` of a call; a number without ``relative`` is absolute."""
+    if damping is not None:
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+            raise ValueError(
+                f"damping must be a number >= 0 (or None for the default, "
+                f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
+            )
+        return float(damping), bool(relative)
+    if relative is False:
+        raise ValueError(
+            "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
+            f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
+        )
+    return DEFAULT_DAMPING, True
+
+
 def _ekfac_pass(
     fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:

@@ -59,7 +59,8 @@ def eigendecompose(
     if not covariances.layers and not covariances.diagonal:
         raise ValueError(
             "no Kronecker-eligible layer was seen: nothing to fit. Hook linear / "
-            "convolution layers (linear_io) for K-FAC."
+            "convolution layers (linear_io) for K-FAC, or capture with a 'dense' / 'sparse' / "
+            "'mask' projection (fitted with its exact Fisher) or a 'logra' one."
         )
     mats: dict[tuple[str, str], torch.Tensor] = {}
     for name, c in covariances.layers.items():
@@ -96,7 +97,8 @@ def eigendecompose(
     skipped = dict(covariances.skipped)
     if skipped and warn_skipped and get_rank() == 0:
         warnings.warn(
-            "K-FAC/EK-FAC applies to linear and convolution layers only; these layers are left "
+            "K-FAC/EK-FAC applies to linear and convolution layers and projected vectors only; "
+            "these layers are left "
             f"out of the preconditioner and of the scores: {skipped}. Pass "
             "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
             "exclude them from the hook config.",

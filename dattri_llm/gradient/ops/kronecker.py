@@ -30,6 +30,9 @@ flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) 
   undamped ``G^{-1} ⊗ A^{-1}`` would be); a preconditioned query is one dense ``(K, D)`` per
   sample, and scoring it against factorised training gradients stays factorised on the train
   side (``rule.dense_per_token``), which is what keeps token granularity exact.
+* **Vector layers** (``rule.exact_fisher``: a ``"dense"`` / ``"sparse"`` / ``"mask"`` projection,
+  matrix form ``(1, P)``): one token with ``a = v``, ``g = 1``, so ``G ⊗ A`` is the exact Fisher
+  ``(1/N) sum_n v_n v_n^T`` and K-FAC and EK-FAC agree; damping as above.
 * **Other layers** (embeddings, norms, ``param_grad``, tied groups with a non-eligible site):
   ``non_kronecker="skip"`` (default) leaves them out of the fit and of the scores, with one
   warning that lists them; ``"diagonal"`` preconditions them with the exact diagonal empirical
@@ -176,17 +179,8 @@ class KroneckerCovariances:
         b = gradient.batch_size
         for name, lg in gradient.layers.items():
             if is_kronecker_layer(lg):
-                if any(isinstance(s, Materialized) for s in _sites(lg)):
-                    raise ValueError(
-                        f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC "
-                        "factors are gone. Capture with capture_style='factorized' and write "
-                        "the store with OffloadCallback(keep_token_factors=True), or "
-                        "accumulate the covariances during capture with "
-                        "KroneckerCovarianceCallback and pass them as fit(covariances=...)."
-                    )
-                self.update_factors(
-                    name, [(s.a, s.g) for s in _sites(lg)], lg.layer_type, lg.module_kwargs, b
-                )
+                pairs = _kronecker_pairs(name, lg)
+                self.update_factors(name, pairs, lg.layer_type, lg.module_kwargs, b)
             elif self.non_kronecker == "diagonal":
                 self._update_diagonal(name, lg, b)
             else:
@@ -518,10 +512,11 @@ def _check_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
         raise ValueError(f"layer {name!r} of type {lg.layer_type} is not Kronecker-eligible.")
     kd = tuple(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
     fit = (eig.q_g.shape[0], eig.q_a.shape[0])
-    if kd != fit:
+    if kd != fit or lg.layer_type != eig.layer_type:
         raise ValueError(
-            f"layer {name!r}: gradient matrix shape {kd} differs from the fit's "
-            f"{fit}; the fit belongs to another model or hook configuration."
+            f"layer {name!r}: the gradients are {lg.layer_type} {kd}, the fit {eig.layer_type} "
+            f"{fit}; the fit belongs to another model, hook configuration or projection (fit "
+            "covariances under the store's HookManagerConfig(projection=...))."
         )
 
 
@@ -549,6 +544,27 @@ def _rotated(
                 part = torch.matmul(q_g.T, m) @ q_a
             total = part if total is None else total + part
         yield total
+
+
+def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(a, g)`` pairs K-FAC accumulates for a layer; a vector layer is ``(v, 1)``.
+
+    A vector layer (``rule.exact_fisher``, matrix form ``(1, P)``) is one "token" per sample
+    with ``a = v`` and ``g = 1``, so ``A`` is its exact Fisher and ``G = 1``.
+    """
+    if get_rule(lg.layer_type).exact_fisher:
+        v = lg.materialize().data
+        return [(v.unsqueeze(1), v.new_ones(v.shape[0], 1, 1))]
+    if any(isinstance(s, Materialized) for s in _sites(lg)):
+        raise ValueError(
+            f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC factors are gone. "
+            "Capture with capture_style='factorized' and write the store with "
+            "OffloadCallback(keep_token_factors=True), or accumulate the covariances during "
+            "capture with KroneckerCovarianceCallback and pass them as fit(covariances=...) "
+            "(a 'dense' / 'sparse' / 'mask' projection is a vector whose exact Fisher is fitted "
+            "from any store)."
+        )
+    return [(s.a, s.g) for s in _sites(lg)]
 
 
 def _as_gradient(item: object) -> Gradient:
