@@ -84,9 +84,19 @@ class ExactHessian:
         if self._layouts is None:
             hm = HookManager(self.model, config=self.hook_config)
             try:
-                self._layouts = layer_layouts(hm)
+                layouts = layer_layouts(hm)
             finally:
                 hm.remove()
+            mixed = [n for n, lay in layouts.items() if lay.dense_projection]
+            if mixed:
+                raise ValueError(
+                    f"ExactHessian: layers {mixed} are captured with a 'dense' / 'sparse' "
+                    "projection, which mixes coordinates: the Hessian restricted to captured "
+                    "coordinates does not exist there. Use no projection or a 'mask' projection "
+                    "(or curvature='empirical_fisher' / 'mc_fisher', which work in the projected "
+                    "space)."
+                )
+            self._layouts = layouts
         return self._layouts
 
     def operator(
