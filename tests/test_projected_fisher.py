@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from dattri_llm import (
-    AttributionArguments,
     CaptureCallback,
     EKFACAttributor,
     GradientStorageManager,
@@ -35,39 +33,20 @@ from dattri_llm import (
     ProjectionConfig,
     TracInAttributor,
 )
+from tests.reference import rel_err as rel
+from tests.test_store_compact import Net, V, args, f64  # noqa: F401  (f64: float64 fixture)
 
-V, E = 11, 4
+pytestmark = pytest.mark.usefixtures("f64")
+
 TOL = 1e-10
 VECTOR_STYLES = ("dense", "sparse", "mask")
-LOGRA_LAYERS = ("emb", "fc", "out")
-
-
-class Net(nn.Module):
-    """Embedding -> Linear -> LayerNorm -> Linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, E)
-        self.fc = nn.Linear(E, 6)
-        self.ln = nn.LayerNorm(6)
-        self.out = nn.Linear(6, 3)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.ln(torch.tanh(self.fc(self.emb(ids))))))
-
-
-@pytest.fixture(autouse=True)
-def f64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+LOGRA_LAYERS = ("emb", "fc", "conv", "out")
 
 
 def config(style: str) -> HookManagerConfig:
     if style == "logra":
         p = ProjectionConfig("logra", proj_dim_in=2, proj_dim_out=3, seed=3)
-        return HookManagerConfig(projection={"emb": p, "fc": p, "ln": None, "out": p})
+        return HookManagerConfig(projection={"emb": p, "fc": p, "ln": None, "conv": p, "out": p})
     return HookManagerConfig(projection=ProjectionConfig(style, proj_dim=5, seed=4))
 
 
@@ -87,14 +66,6 @@ def capture(model, data, path, cfg, extra=(), **offload) -> list:
             (model(x) ** 2).sum().backward()
     hm.remove()
     return cap.records
-
-
-def args(tmp_path) -> AttributionArguments:
-    return AttributionArguments(output_dir=str(tmp_path / "o"), use_cpu=True, show_progress=False)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def vectors(records, name: str) -> torch.Tensor:
@@ -151,6 +122,12 @@ def test_vector_store_kfac_ekfac_is_the_exact_projected_fisher(tmp_path, model, 
     # the fit is one P x P matrix per layer, as the docstring says (G = 1, A = F)
     fit = att.factors[0].layers["fc"]
     assert tuple(fit.q_g.shape) == (1, 1) and tuple(fit.q_a.shape) == (5, 5)
+    # and it survives save / load
+    att.save_factors(tmp_path / "fit")
+    loaded = cls(args(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", damping=1e-3, factors=tmp_path / "fit"
+    )
+    assert rel(loaded.scores, from_cov.scores) <= TOL
 
 
 def test_projected_fisher_is_not_the_diagonal_or_gradient_dot(tmp_path, model):

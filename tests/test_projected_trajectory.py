@@ -16,7 +16,6 @@ from torch import nn
 
 from dattri_llm import (
     AdamWInfluenceAttributor,
-    AttributionArguments,
     CaptureCallback,
     DVEmbAttributor,
     ExactHessian,
@@ -28,17 +27,11 @@ from dattri_llm import (
     ProjectionConfig,
     TrajectorySnapshots,
 )
+from tests.test_store_compact import args
 
 LR = 0.2
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def f64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+F64 = torch.float64
 
 
 def projected(style: str) -> HookManagerConfig:
@@ -54,7 +47,7 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 def train(tmp_path, cfg, adam=False, record=False, name="train"):
     """A short run (same seed, same data every call): store, records, dynamics, model."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     opt = (torch.optim.Adam if adam else torch.optim.SGD)(model.parameters(), lr=LR)
     cap = CaptureCallback(keep_all=True)
     cbs = [cap, OffloadCallback(file_manager=GradientStorageManager(tmp_path / name))]
@@ -64,7 +57,7 @@ def train(tmp_path, cfg, adam=False, record=False, name="train"):
     with hm.collect():
         for t in range(STEPS):
             batch = {
-                "x": torch.randn(4, 4, generator=g),
+                "x": torch.randn(4, 4, generator=g, dtype=F64),
                 "y": torch.randint(0, 3, (4,), generator=g),
             }
             opt.zero_grad()
@@ -83,14 +76,10 @@ def queries(tmp_path, model, cfg) -> list:
     g = torch.Generator().manual_seed(7)
     with hm.collect():
         model.zero_grad()
-        x, y = torch.randn(2, 4, generator=g), torch.randint(0, 3, (2,), generator=g)
+        x, y = torch.randn(2, 4, generator=g, dtype=F64), torch.randint(0, 3, (2,), generator=g)
         loss_fn(model, {"x": x, "y": y}).backward()
     hm.remove()
     return cap.records
-
-
-def args(tmp_path) -> AttributionArguments:
-    return AttributionArguments(output_dir=str(tmp_path / "o"), use_cpu=True, show_progress=False)
 
 
 def rows(record) -> torch.Tensor:
@@ -110,9 +99,10 @@ def test_dvemb_with_a_schedule_is_dvemb_in_the_projected_space(tmp_path, style):
     for t, s_t in enumerate(shares):
         emb = LR * s_t.T  # (P, B): each sample's removal push at step t
         for k in range(t + 1, STEPS):
-            emb = (torch.eye(p) - LR * shares[k].T @ shares[k]) @ emb
+            emb = (torch.eye(p, dtype=F64) - LR * shares[k].T @ shares[k]) @ emb
         want.append((q @ emb).T)
     want = torch.cat(want)
+    assert got.scores.dtype == F64
     assert got.train_steps == [t for t in range(STEPS) for _ in range(4)]
     assert float((got.scores - want).norm() / want.norm()) <= 1e-10
 

@@ -69,6 +69,17 @@ class KFACAttributor(BaseAttributor):
     warning (``non_kronecker="skip"``) or preconditioned by their exact diagonal Fisher
     (``"diagonal"``).
 
+    Projected stores: a ``"logra"`` layer is K-FAC / EK-FAC in the projected space (``A``, ``G``
+    of the projected factors, as LoGra); fitting it from a store needs its factors
+    (``OffloadCallback(keep_token_factors=True)``) or covariances from a
+    ``KroneckerCovarianceCallback`` under the same projection (then a compact store scores),
+    else it is refused naming both. A ``"dense"`` / ``"sparse"`` / ``"mask"`` layer is one
+    vector ``v`` per sample: it gets its **exact** Fisher ``F = (1/N) sum_n v_n v_n^T``
+    (``proj_dim x proj_dim``; K-FAC and EK-FAC coincide; ``non_kronecker`` does not apply), so
+    the score is ``sum_l v_test^T (F_l + λ I)^{-1} v_train`` with ``λ`` as above (relative:
+    times ``tr(F_l) / proj_dim``). :meth:`preconditioner` hands the damped inverse to
+    ``GradientIndex.search(preconditioner=...)``.
+
     Example:
         >>> attributor = KFACAttributor(AttributionArguments(output_dir="scores"), task=task)
         >>> score = attributor.attribute(train_set, test_set)  # 0.1 x mean eigenvalue
@@ -315,25 +326,18 @@ class KFACAttributor(BaseAttributor):
         return gradient.select_layers(self._fit_for(checkpoint).layer_names)
 
     def preconditioner(
-        self,
-        damping: float | None = None,
-        relative: bool | None = None,
-        checkpoint: int = 0,
+        self, damping: float | None = None, relative: bool | None = None, checkpoint: int = 0
     ) -> FisherPreconditioner:
-        """The fitted ``(F̂ + λ I)^{-1}`` of one checkpoint, to fold into other query sides.
+        """The fitted ``(F̂ + λ I)^{-1}`` of one checkpoint, for another query side.
 
-        Pass it as ``GradientIndex.search(..., preconditioner=...)``: an exact (``flat``)
-        search over the fitted layers then ranks as ``attribute_from_cache(..., top_k=k)``
-        with the same damping.
+        E.g. ``GradientIndex.search(..., preconditioner=...)``: an exact (``flat``) search over
+        the fitted layers ranks as ``attribute_from_cache(..., top_k=k)`` with this damping.
 
         Args:
             damping: ``λ``, as in :meth:`attribute` (``None``: the default, ``0.1 ×`` each
-                layer's mean eigenvalue; never the last call's value).
+                layer's mean eigenvalue, never the last call's).
             relative: Scale ``damping`` by each layer's mean eigenvalue.
             checkpoint: The fit's checkpoint label (a single fit serves every label).
-
-        Returns:
-            A :class:`FisherPreconditioner`.
         """
         damping, relative = _resolve_damping(damping, relative)
         return FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
@@ -448,9 +452,8 @@ class EKFACAttributor(KFACAttributor):
 class FisherPreconditioner:
     """A fitted, damped ``(F̂ + λ I)^{-1}`` (K-FAC, EK-FAC or a projected vector's exact Fisher).
 
-    Made by :meth:`KFACAttributor.preconditioner`; calling it on a :class:`Gradient` returns
-    the preconditioned layers (``precondition_gradient``), which is what
-    ``GradientIndex.search(preconditioner=...)`` folds into the query side.
+    Made by :meth:`KFACAttributor.preconditioner`; called on a :class:`Gradient` it returns the
+    preconditioned layers (what ``GradientIndex.search(preconditioner=...)`` folds in).
 
     Attributes:
         factors: The damping-free fit.

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
-from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
+from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts, refuse_mixing_layouts
 from dattri_llm.gradient.trajectory.replay import has_active_dropout
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
@@ -87,15 +87,7 @@ class ExactHessian:
                 layouts = layer_layouts(hm)
             finally:
                 hm.remove()
-            mixed = [n for n, lay in layouts.items() if lay.dense_projection]
-            if mixed:
-                raise ValueError(
-                    f"ExactHessian: layers {mixed} are captured with a 'dense' / 'sparse' "
-                    "projection, which mixes coordinates: the Hessian restricted to captured "
-                    "coordinates does not exist there. Use no projection or a 'mask' projection "
-                    "(or curvature='empirical_fisher' / 'mc_fisher', which work in the projected "
-                    "space)."
-                )
+            refuse_mixing_layouts(layouts, "ExactHessian", "the Hessian's entries")
             self._layouts = layouts
         return self._layouts
 
