@@ -500,7 +500,8 @@ def _ekfac_pass(
 ) -> dict[int, KroneckerFactors]:
     """One pass over the training gradients, each block feeding its checkpoint's correction."""
     corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
-    for block in _progress(source, "EK-FAC eigenvalues", show):
+    passing = source if any(c.needs_pass for c in corr.values()) else ()  # vectors: exact
+    for block in _progress(passing, "EK-FAC eigenvalues", show):
         c = int(getattr(block, "checkpoint", 0))
         key = c if c in corr else (next(iter(corr)) if len(corr) == 1 else None)
         if key is None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
 from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.layers import get_rule
 from dattri_llm.gradient.ops.kronecker import (
     KroneckerCovariances,
     KroneckerFactors,
@@ -119,10 +121,19 @@ class EigenvalueCorrection:
         self.factors = factors
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
+        # a vector layer's basis is its exact Fisher's: its eigenvalues are already exact
+        self.exact = {n for n, e in factors.layers.items() if get_rule(e.layer_type).exact_fisher}
+
+    @property
+    def needs_pass(self) -> bool:
+        """Whether any layer needs the pass over the training gradients (vector layers do not)."""
+        return len(self.exact) < len(self.factors.layers)
 
     def update(self, gradient: Gradient) -> None:
         """Add one block of training gradients."""
         for name, eig in self.factors.layers.items():
+            if name in self.exact:
+                continue
             if name not in gradient.layers:
                 raise ValueError(
                     f"layer {name!r} of the fit is missing from a training block "
@@ -159,6 +170,9 @@ class EigenvalueCorrection:
                 counts[name] = float(n[0])
         layers = {}
         for name, eig in self.factors.layers.items():
+            if name in self.exact:
+                layers[name] = replace(eig, corrected=eig.eigenvalues())
+                continue
             if name not in sums or counts[name] <= 0:
                 raise ValueError(
                     f"no training gradient reached layer {name!r}: EK-FAC needs a "
