@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from dattri_llm import (
     CaptureCallback,
@@ -153,9 +154,9 @@ def logra_factors(records, name: str):
         lg = r.gradient.layers[name]
         a, g = lg.a, lg.g  # (B, T, d), (B, T, k): the projected factors
         mats.append(torch.einsum("btk,btd->bkd", g, a))
-        keep = (g != 0).any(-1)  # positions carrying gradient
+        keep = (g != 0).any(-1) & (a != 0).any(-1)  # positions carrying gradient
         a_sum = a_sum + a[keep].T @ a[keep]
-        g_sum = g_sum + g.reshape(-1, g.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+        g_sum = g_sum + g[keep].T @ g[keep]
         n_tok += int(keep.sum())
         n += a.shape[0]
     return torch.cat(mats), a_sum / n_tok, g_sum / n
@@ -273,3 +274,34 @@ def test_index_search_with_the_fitted_inverse_equals_the_attributor_top_k(tmp_pa
     sub = GradientIndex.build(tmp_path / "train", tmp_path / "idx2", kind="flat", layers=["fc"])
     with pytest.raises(ValueError, match=r"preconditioner covers layers.*layers=\[\.\.\.\]"):
         sub.search(tmp_path / "test", k=k, preconditioner=att)
+
+
+# ---- positions without gradient do not enter a projected fit ------------------------------------
+def test_positions_without_gradient_leave_the_logra_covariances_unchanged(tmp_path):
+    """Padding that carries no gradient changes no layer's ``A``, ``G`` or token count.
+
+    A ``logra`` embedding keeps its projected one-hot rows ``R[idx]`` on the row side: nonzero
+    even where the output gradient (the column factor ``g C``) is zero, so the covariances must
+    count a position only where both factors are nonzero.
+    """
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Embedding(V, 4), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    p = ProjectionConfig("logra", proj_dim_in=2, proj_dim_out=3, seed=5)
+    cfg = HookManagerConfig(projection=p)
+    ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([ids, torch.zeros(3, 4, dtype=torch.long)], 1)  # 4 pad positions
+
+    def covariances(x: torch.Tensor) -> KroneckerCovarianceCallback:
+        cov = KroneckerCovarianceCallback()
+        hm = HookManager(model, cfg, callbacks=[cov])
+        with hm.collect():
+            model.zero_grad(set_to_none=True)
+            (model(x)[:, : ids.shape[1]] ** 2).sum().backward()  # the pads carry no loss
+        hm.remove()
+        return cov.covariances
+
+    plain, pad = covariances(ids), covariances(padded)
+    for name in ("0", "1", "3"):
+        a, b = plain.layers[name], pad.layers[name]
+        assert a.num_tokens == b.num_tokens == ids.numel(), name
+        assert rel(b.a_sum, a.a_sum) <= TOL and rel(b.g_sum, a.g_sum) <= TOL, name

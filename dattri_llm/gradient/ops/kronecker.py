@@ -13,9 +13,10 @@ flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) 
   tokens) and ``A = (1/N_tok) sum_{n,t} a_{n,t} a_{n,t}^T`` (mean over tokens). That is the
   token-independence approximation ``F ≈ (1/N) sum_n sum_t (g g^T) ⊗ (a a^T)`` with activations
   and output gradients assumed independent: its scale grows with the tokens per sample like ``F``
-  does. ``N_tok`` counts the positions that carry gradient (``g`` not identically zero), so zero
-  padding and positions outside the loss (pad tokens, a causal LM's last position) are left
-  out of ``A`` just as they are absent from ``F``; ``tokens="all"`` counts every position (what
+  does. ``N_tok`` counts the positions that carry gradient (neither ``g`` nor ``a`` identically
+  zero; a ``logra`` embedding's index side ``R[idx]`` never is), so zero padding and positions
+  outside the loss (pad tokens, a causal LM's last position) are left out of ``A`` and ``G``
+  just as they are absent from ``F``; ``tokens="all"`` counts every position (what
   kronfluence does without an attention mask). With one token per sample (an MLP) this is
   exactly Martens & Grosse's K-FAC. A conv layer's tokens are its output positions.
 * **Eigenbasis.** ``A = Q_A diag(s_A) Q_A^T``, ``G = Q_G diag(s_G) Q_G^T`` (float64 by
@@ -104,7 +105,7 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 def _token_mask(g: torch.Tensor, a: torch.Tensor, tokens: TokenCount) -> torch.Tensor:
     if tokens == "all":
         return torch.ones(g.shape[:2], dtype=torch.bool, device=g.device)
-    return (g != 0).any(-1)
+    return (g != 0).any(-1) & (a != 0).any(-1)  # g a^T = 0 when either factor is
 
 
 @dataclass
@@ -180,7 +181,8 @@ class KroneckerCovariances:
         for name, lg in gradient.layers.items():
             if is_kronecker_layer(lg):
                 pairs = _kronecker_pairs(name, lg)
-                self.update_factors(name, pairs, lg.layer_type, lg.module_kwargs, b)
+                every = "all" if get_rule(lg.layer_type).exact_fisher else None  # F: 1/N
+                self.update_factors(name, pairs, lg.layer_type, lg.module_kwargs, b, every)
             elif self.non_kronecker == "diagonal":
                 self._update_diagonal(name, lg, b)
             else:
@@ -193,8 +195,12 @@ class KroneckerCovariances:
         layer_type: str,
         module_kwargs: dict,
         num_samples: int,
+        tokens: TokenCount | None = None,
     ) -> None:
-        """Add the ``(a, g)`` factors of one layer (several pairs: calls / tied sites)."""
+        """Add the ``(a, g)`` factors of one layer (several pairs: calls / tied sites).
+
+        ``tokens`` overrides the accumulator's token counting for these factors.
+        """
         k, d = get_rule(layer_type).matrix_shape(module_kwargs)
         cov = self.layers.get(name)
         if cov is None:
@@ -208,11 +214,11 @@ class KroneckerCovariances:
             self.layers[name] = cov
         for a, g in factors:
             ct = _acc_dtype(g)
-            mask = _token_mask(g, a, self.tokens)
+            mask = _token_mask(g, a, tokens or self.tokens)
             af = a.to(ct).reshape(-1, a.shape[-1])
-            if not bool(mask.all()):
-                af = af[mask.reshape(-1)]
             gf = g.to(ct).reshape(-1, g.shape[-1])
+            if not bool(mask.all()):
+                af, gf = af[mask.reshape(-1)], gf[mask.reshape(-1)]
             cov.a_sum += (af.T @ af).to(self.dtype)
             cov.g_sum += (gf.T @ gf).to(self.dtype)
             cov.num_tokens += float(mask.sum())
