@@ -12,7 +12,9 @@ layers). Train and test gradients are written to stores in a temporary directory
   per-layer projected Fisher ``F_l = (1/N) sum_i v_il v_il^T``; EK-FAC gives the same) and, for
   context, by Grad-Dot (``TracInAttributor``) on the same store;
 * ``logra`` with ``sqrt(proj_dim)`` per side, factor-keeping: K-FAC / EK-FAC in the projected
-  space (LoGra).
+  space (LoGra);
+* ``sparse`` also at the ``--sweep`` sizes (default 64 and 1024 per layer), and Grad-Dot on the
+  unprojected store, for context.
 
 Every K-FAC-family score uses the default damping (0.1 x each layer's mean eigenvalue; the
 vector stores also at 1 x, reusing the fit). For each
@@ -78,8 +80,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--sweep", nargs="*", type=int, default=[64, 1024], help="more sparse dims")
     args = p.parse_args()
     n_train, n_test = (64, 8) if args.quick else (args.train, args.test)
+    args.sweep = [] if args.quick else args.sweep
     dim = args.proj_dim
     side = int(round(dim**0.5))
     import transformers
@@ -99,16 +103,19 @@ def main() -> None:
     )
     base = {"linear_io": block_layers(model, ("Conv1D",))}
     run_args = AttributionArguments(output_dir="unused", use_cpu=True, show_progress=False)
+
+    def vector(style: str, d: int) -> tuple:
+        return f"{style} {d}", HookManagerConfig(**base, projection=ProjectionConfig(style, d)), {}
+
     plan = [
         ("exact", HookManagerConfig(**base), {"keep_token_factors": True}),
-        ("sparse", HookManagerConfig(**base, projection=ProjectionConfig("sparse", dim)), {}),
-        ("dense", HookManagerConfig(**base, projection=ProjectionConfig("dense", dim)), {}),
-        ("mask", HookManagerConfig(**base, projection=ProjectionConfig("mask", dim)), {}),
+        *(vector(style, dim) for style in ("sparse", "dense", "mask")),
         (
             f"logra {side}x{side}",
             HookManagerConfig(**base, projection=ProjectionConfig("logra", dim)),
             {"keep_token_factors": True},
         ),
+        *(vector("sparse", d) for d in args.sweep),
     ]
     results: dict[str, tuple[torch.Tensor, float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +125,9 @@ def main() -> None:
             write_store(model, test_ids, te, cfg, **offload)
             size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tr) for f in fs)
             methods = [("K-FAC", KFACAttributor(run_args)), ("EK-FAC", EKFACAttributor(run_args))]
-            if label in ("sparse", "dense", "mask"):
+            if label == "exact":
+                methods.append(("Grad-Dot", TracInAttributor(run_args)))
+            elif not label.startswith("logra"):
                 fisher = KFACAttributor(run_args)
                 methods = [
                     ("projected Fisher", fisher),

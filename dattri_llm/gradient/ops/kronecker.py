@@ -553,11 +553,7 @@ def _rotated(
 
 
 def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``(a, g)`` pairs K-FAC accumulates for a layer; a vector layer is ``(v, 1)``.
-
-    A vector layer (``rule.exact_fisher``, matrix form ``(1, P)``) is one "token" per sample
-    with ``a = v`` and ``g = 1``, so ``A`` is its exact Fisher and ``G = 1``.
-    """
+    """The ``(a, g)`` pairs K-FAC accumulates; a vector layer (``exact_fisher``) is ``(v, 1)``."""
     if get_rule(lg.layer_type).exact_fisher:
         v = lg.materialize().data
         return [(v.unsqueeze(1), v.new_ones(v.shape[0], 1, 1))]
