@@ -131,6 +131,25 @@ def test_vector_store_kfac_ekfac_is_the_exact_projected_fisher(tmp_path, model, 
     assert rel(loaded.scores, from_cov.scores) <= TOL
 
 
+def test_projected_fisher_fitted_on_a_separate_store(tmp_path, model):
+    """A fit from another store (``fit`` then ``factors=``) uses that store's Fisher."""
+    train, test = setup(tmp_path, model, "sparse")
+    fit_records = capture(model, batches(3, (6, 2, 7, 4)), tmp_path / "fit", config("sparse"))
+    att = KFACAttributor(args(tmp_path))
+    fit = att.fit(tmp_path / "fit")
+    got = att.attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", damping=1e-3, factors=fit
+    ).scores
+    want = 0
+    for name in train[0].gradient.layer_names:
+        v_fit = vectors(fit_records, name)
+        fisher = v_fit.T @ v_fit / len(v_fit)
+        inv = torch.linalg.inv(fisher + 1e-3 * torch.eye(len(fisher)))
+        want = want + vectors(train, name) @ inv @ vectors(test, name).T
+    assert rel(got, want) <= TOL
+    assert rel(projected_fisher_scores(train, test, 1e-3, False), want) > 1e-3  # not the train F
+
+
 def test_projected_fisher_is_not_the_diagonal_or_gradient_dot(tmp_path, model):
     """The exact Fisher differs from the old diagonal fallback and from Grad-Dot / λ."""
     train, test = setup(tmp_path, model, "dense")
