@@ -31,6 +31,7 @@ from dattri_llm import (
     KFACAttributor,
     KroneckerCovarianceCallback,
     OffloadCallback,
+    ProjectedFisherAttributor,
     ProjectionConfig,
     TracInAttributor,
 )
@@ -234,7 +235,7 @@ def test_logra_factor_store_is_kfac_in_the_projected_space(tmp_path, model, cls)
 def test_compact_logra_store_alone_is_refused_naming_the_fix(tmp_path, model):
     setup(tmp_path, model, "logra")
     for cls in (KFACAttributor, EKFACAttributor):
-        with pytest.raises(ValueError, match=r"keep_token_factors=True.*KroneckerCovariance"):
+        with pytest.raises(ValueError, match=r"keep_token_factors=True.*KroneckerCovariance.*ProjectedFisherAttributor"):
             cls(args(tmp_path)).attribute_from_cache(tmp_path / "train", tmp_path / "test")
 
 
@@ -324,3 +325,56 @@ def test_positions_without_gradient_leave_the_logra_covariances_unchanged(tmp_pa
         a, b = plain.layers[name], pad.layers[name]
         assert a.num_tokens == b.num_tokens == ids.numel(), name
         assert rel(b.a_sum, a.a_sum) <= TOL and rel(b.g_sum, a.g_sum) <= TOL, name
+
+
+# ---- ProjectedFisherAttributor: the exact Fisher of every layer, on any store form ---------------
+def exact_fisher_scores(train, test, layers, damping: float) -> torch.Tensor:
+    """``sum_l m_test^T (F_l + λ I)^{-1} m_train`` over flattened matrix forms, explicit F."""
+    total = 0
+    for name in layers:
+        m_tr, m_te = vectors(train, name), vectors(test, name)
+        fisher = m_tr.T @ m_tr / len(m_tr)
+        inv = torch.linalg.inv(fisher + damping * torch.eye(len(fisher)))
+        total = total + m_tr @ inv @ m_te.T
+    return total
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_projected_fisher_attributor_on_a_logra_store(tmp_path, model, keep):
+    """Compact (k x d gradients) or factor-keeping: the exact (k d) x (k d) Fisher per layer."""
+    train, test = setup(tmp_path, model, "logra", keep_token_factors=keep)
+    att = ProjectedFisherAttributor(args(tmp_path))
+    got = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", damping=1e-3)
+    names = train[0].gradient.layer_names  # the unprojected LayerNorm too (12 numbers)
+    assert rel(got.scores, exact_fisher_scores(train, test, names, 1e-3)) <= TOL
+    # on a vector store it is what K-FAC does
+    setup(tmp_path / "v", model, "dense")
+    a = ProjectedFisherAttributor(args(tmp_path)).attribute_from_cache(
+        tmp_path / "v" / "train", tmp_path / "v" / "test"
+    )
+    b = KFACAttributor(args(tmp_path)).attribute_from_cache(
+        tmp_path / "v" / "train", tmp_path / "v" / "test"
+    )
+    assert rel(a.scores, b.scores) <= TOL
+
+
+def test_projected_fisher_attributor_refusals_and_index(tmp_path, model):
+    pytest.importorskip("faiss")
+    from dattri_llm import GradientIndex
+
+    setup(tmp_path, model, "logra")
+    with pytest.raises(ValueError, match=r"layer 'ln' \(nn.LayerNorm\) has 12.*max_dim=8.*projection"):
+        ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
+            tmp_path / "train", tmp_path / "test"
+        )
+    with pytest.raises(ValueError, match=r"covariances.*KFACAttributor"):
+        ProjectedFisherAttributor(args(tmp_path)).fit(
+            tmp_path / "train", covariances=KroneckerCovarianceCallback()
+        )
+    # the compact logra store is indexable; the fitted inverse folds into the search
+    att = ProjectedFisherAttributor(args(tmp_path))
+    want = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=3)
+    index = GradientIndex.build(tmp_path / "train", tmp_path / "idx", kind="flat")
+    got = index.search(tmp_path / "test", k=3, preconditioner=att.preconditioner())
+    assert got.top_k(3).proponent_hashes == want.top_k(3).proponent_hashes
+    assert got.top_k(3).opponent_hashes == want.top_k(3).opponent_hashes

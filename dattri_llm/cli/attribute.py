@@ -107,6 +107,12 @@ METHODS: dict[str, Method] = _registry(
         damping=True,
     ),
     Method(
+        "projected-fisher",
+        "each layer's exact Fisher in its captured (projected) space, fitted from the train store",
+        attributor("ProjectedFisherAttributor"),
+        damping=True,
+    ),
+    Method(
         "less",
         "LESS: cosines of preconditioned train gradients with raw queries, weighted by lr",
         attributor("LESSAttributor"),

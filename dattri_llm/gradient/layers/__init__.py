@@ -24,6 +24,7 @@ from dattri_llm.gradient.layers.projected import (
     ProjectedMaskRule,
     ProjectedOuterProductRule,
     ProjectedSparseRule,
+    ProjectedVectorRule,
 )
 
 __all__ = [
@@ -62,6 +63,7 @@ register_rule(ProjectedOuterProductRule())
 register_rule(ProjectedDenseRule())
 register_rule(ProjectedMaskRule())
 register_rule(ProjectedSparseRule())
+register_rule(ProjectedVectorRule())  # any layer read as a vector (ProjectedFisherAttributor)
 
 
 def supported_layer_types() -> list[str]:

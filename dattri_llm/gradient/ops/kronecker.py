@@ -562,9 +562,8 @@ def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, t
             f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC factors are gone. "
             "Capture with capture_style='factorized' and write the store with "
             "OffloadCallback(keep_token_factors=True), or accumulate the covariances during "
-            "capture with KroneckerCovarianceCallback and pass them as fit(covariances=...) "
-            "(a 'dense' / 'sparse' / 'mask' projection is a vector whose exact Fisher is fitted "
-            "from any store)."
+            "capture with KroneckerCovarianceCallback and pass them as fit(covariances=...); "
+            "or use ProjectedFisherAttributor (each layer's exact Fisher, from any store form)."
         )
     return [(s.a, s.g) for s in _sites(lg)]
 
