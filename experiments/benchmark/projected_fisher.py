@@ -12,7 +12,8 @@ layers). Train and test gradients are written to stores in a temporary directory
   per-layer projected Fisher ``F_l = (1/N) sum_i v_il v_il^T``; EK-FAC gives the same) and, for
   context, by Grad-Dot (``TracInAttributor``) on the same store;
 * ``logra`` with ``sqrt(proj_dim)`` per side, factor-keeping: K-FAC / EK-FAC in the projected
-  space (LoGra);
+  space (LoGra); and a compact ``logra`` store (each layer its ``k x d`` projected gradient,
+  no factors) scored by ``ProjectedFisherAttributor`` (each layer's exact ``k d x k d`` Fisher);
 * ``sparse`` also at the ``--sweep`` sizes (default 64 and 1024 per layer), and Grad-Dot on the
   unprojected store, for context.
 
@@ -52,6 +53,7 @@ from dattri_llm import (  # noqa: E402
     HookManagerConfig,
     KFACAttributor,
     OffloadCallback,
+    ProjectedFisherAttributor,
     ProjectionConfig,
     TracInAttributor,
 )
@@ -115,6 +117,11 @@ def main() -> None:
             HookManagerConfig(**base, projection=ProjectionConfig("logra", dim)),
             {"keep_token_factors": True},
         ),
+        (
+            f"logra {side}x{side} (compact)",
+            HookManagerConfig(**base, projection=ProjectionConfig("logra", dim)),
+            {},
+        ),
         *(vector("sparse", d) for d in args.sweep),
     ]
     results: dict[str, tuple[torch.Tensor, float, float]] = {}
@@ -127,6 +134,8 @@ def main() -> None:
             methods = [("K-FAC", KFACAttributor(run_args)), ("EK-FAC", EKFACAttributor(run_args))]
             if label == "exact":
                 methods.append(("Grad-Dot", TracInAttributor(run_args)))
+            elif label.endswith("(compact)"):  # K-FAC needs the factors: the exact Fisher
+                methods = [("projected Fisher", ProjectedFisherAttributor(run_args))]
             elif not label.startswith("logra"):
                 fisher = KFACAttributor(run_args)
                 methods = [
