@@ -235,7 +235,10 @@ def test_logra_factor_store_is_kfac_in_the_projected_space(tmp_path, model, cls)
 def test_compact_logra_store_alone_is_refused_naming_the_fix(tmp_path, model):
     setup(tmp_path, model, "logra")
     for cls in (KFACAttributor, EKFACAttributor):
-        with pytest.raises(ValueError, match=r"keep_token_factors=True.*KroneckerCovariance.*ProjectedFisherAttributor"):
+        with pytest.raises(
+            ValueError,
+            match=r"keep_token_factors=True.*KroneckerCovariance.*ProjectedFisherAttributor",
+        ):
             cls(args(tmp_path)).attribute_from_cache(tmp_path / "train", tmp_path / "test")
 
 
@@ -363,7 +366,9 @@ def test_projected_fisher_attributor_refusals_and_index(tmp_path, model):
     from dattri_llm import GradientIndex
 
     setup(tmp_path, model, "logra")
-    with pytest.raises(ValueError, match=r"layer 'ln' \(nn.LayerNorm\) has 12.*max_dim=8.*projection"):
+    with pytest.raises(
+        ValueError, match=r"layer 'ln' \(nn.LayerNorm\) has 12.*max_dim=8.*projection"
+    ):
         ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
             tmp_path / "train", tmp_path / "test"
         )
@@ -378,3 +383,22 @@ def test_projected_fisher_attributor_refusals_and_index(tmp_path, model):
     got = index.search(tmp_path / "test", k=3, preconditioner=att.preconditioner())
     assert got.top_k(3).proponent_hashes == want.top_k(3).proponent_hashes
     assert got.top_k(3).opponent_hashes == want.top_k(3).opponent_hashes
+
+
+def test_projected_fisher_attributor_on_an_unprojected_model_with_a_param_grad_layer(
+    tmp_path, model
+):
+    """Unprojected small layers (and a ``param_grad`` one) get their exact block Fisher."""
+    cfg = HookManagerConfig(linear_io=["fc", "conv", "out"], param_grad=["ln"])
+
+    def singles(seed, lengths):  # param_grad needs batches of one
+        return [x[i : i + 1] for x in batches(seed, lengths) for i in range(len(x))]
+
+    train = capture(model, singles(0, (5, 9, 3)), tmp_path / "train", cfg)
+    test = capture(model, singles(1, (4,)), tmp_path / "test", cfg)
+    assert train[0].gradient.layers["ln"].layer_type == "param_grad"
+    got = ProjectedFisherAttributor(args(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", damping=1e-3
+    )
+    names = ("fc", "ln", "conv", "out")
+    assert rel(got.scores, exact_fisher_scores(train, test, names, 1e-3)) <= TOL

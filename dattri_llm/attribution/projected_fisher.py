@@ -48,10 +48,17 @@ def vector_view(gradient: Gradient, max_dim: int = DEFAULT_MAX_DIM) -> Gradient:
     """
     out = {}
     for name, lg in gradient.layers.items():
-        if get_rule(lg.layer_type).exact_fisher:
+        try:
+            rule = get_rule(lg.layer_type)
+        except ValueError:  # no rule (a param_grad layer): it is held dense already
+            rule = None
+        if rule is not None and rule.exact_fisher:
             out[name] = lg
             continue
-        size = math.prod(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
+        if rule is None:
+            size = int(lg.materialize().data.reshape(lg.batch_size, -1).shape[1])
+        else:
+            size = math.prod(rule.matrix_shape(lg.module_kwargs))
         if size > max_dim:
             raise ValueError(
                 f"layer {name!r} ({lg.layer_type}) has {size} numbers per sample, more than "
