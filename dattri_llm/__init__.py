@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "TracInAttributor": "dattri_llm.attribution",
     "KFACAttributor": "dattri_llm.attribution",
     "EKFACAttributor": "dattri_llm.attribution",
+    "ProjectedFisherAttributor": "dattri_llm.attribution",
     "LESSAttributor": "dattri_llm.attribution",
     "TrajectoryAttributor": "dattri_llm.attribution",
     "AdamWInfluenceAttributor": "dattri_llm.attribution",

@@ -33,6 +33,10 @@ from dattri_llm.attribution.kronecker import EKFACAttributor, KFACAttributor  # 
 
 __all__ += ["KFACAttributor", "EKFACAttributor"]
 
+from dattri_llm.attribution.projected_fisher import ProjectedFisherAttributor  # noqa: E402
+
+__all__ += ["ProjectedFisherAttributor"]
+
 from dattri_llm.attribution.less import LESSAttributor  # noqa: E402
 
 __all__ += ["LESSAttributor"]

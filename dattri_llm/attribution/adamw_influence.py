@@ -75,6 +75,30 @@ def coerce_dynamics(dynamics: Any, where: str) -> OptimizerDynamics:
     )
 
 
+#: Projected layer types whose coordinates mix the parameters' (a ``"mask"`` keeps them).
+MIXING_PROJECTIONS = ("projected.dense", "projected.sparse", "projected.logra")
+
+
+def refuse_mixed_coordinates(gradient: Any, layers: list[str], where: str, needs: str) -> None:
+    """Refuse layers stored with a projection that mixes coordinates when ``needs`` them.
+
+    Per-coordinate quantities (Adam's moments, per-parameter hyper-parameters, a Hessian
+    restricted to captured coordinates) have no exact counterpart in a ``"dense"`` /
+    ``"sparse"`` / ``"logra"`` projected space.
+
+    Raises:
+        ValueError: naming the layers, their projection and the fix.
+    """
+    mixed = {n: gradient.layers[n].layer_type for n in layers}
+    mixed = {n: t for n, t in mixed.items() if t in MIXING_PROJECTIONS}
+    if mixed:
+        raise ValueError(
+            f"{where}: layers {mixed} are stored with a projection that mixes coordinates, but "
+            f"{needs} are per coordinate, so the method cannot be computed exactly on them. "
+            "Capture without a projection or with ProjectionConfig('mask', ...)."
+        )
+
+
 def check_dynamics_layout(
     dyn: OptimizerDynamics, layers: list[str], widths: dict[str, int], where: str
 ) -> None:
@@ -202,6 +226,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
                 "follow every optimizer.step() of the captured run."
             )
         first = index.load(index.steps[0])[0].gradient
+        refuse_mixed_coordinates(first, layers, where, "Adam's moments")
         check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
         device = self.device
 

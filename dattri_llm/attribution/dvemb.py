@@ -47,7 +47,11 @@ from typing import Any
 
 import torch
 
-from dattri_llm.attribution.adamw_influence import check_dynamics_layout, coerce_dynamics
+from dattri_llm.attribution.adamw_influence import (
+    check_dynamics_layout,
+    coerce_dynamics,
+    refuse_mixed_coordinates,
+)
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.trajectory.base import (
     StepIndex,
@@ -362,9 +366,12 @@ class DVEmbAttributor(TrajectoryAttributor):
         where = type(self).__name__
         device = self.device
         dyn = None
+        first = index.load(index.steps[0])[0].gradient
+        if isinstance(self.curvature, ExactHessian):
+            refuse_mixed_coordinates(first, layers, where, "the Hessian's entries")
         if dynamics is not None:
             dyn = coerce_dynamics(dynamics, where)
-            first = index.load(index.steps[0])[0].gradient
+            refuse_mixed_coordinates(first, layers, where, "the recorded hyper-parameters")
             check_dynamics_layout(dyn, layers, layer_widths(first, layers), where)
             if dyn.kind != "sgd":
                 warnings.warn(

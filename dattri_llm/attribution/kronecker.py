@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -51,7 +52,7 @@ from dattri_llm.gradient.sources import (
     as_source,
 )
 
-__all__ = ["KFACAttributor", "EKFACAttributor"]
+__all__ = ["KFACAttributor", "EKFACAttributor", "FisherPreconditioner"]
 
 #: Default damping: this factor of each layer's mean eigenvalue (``relative=True``).
 DEFAULT_DAMPING = 0.1
@@ -72,6 +73,17 @@ class KFACAttributor(BaseAttributor):
     Layers K-FAC does not apply to (embeddings, norms) are left out of the scores with one
     warning (``non_kronecker="skip"``) or preconditioned by their exact diagonal Fisher
     (``"diagonal"``).
+
+    Projected stores: a ``"logra"`` layer is K-FAC / EK-FAC in the projected space (``A``, ``G``
+    of the projected factors, as LoGra); fitting it from a store needs its factors
+    (``OffloadCallback(keep_token_factors=True)``) or covariances from a
+    ``KroneckerCovarianceCallback`` under the same projection (then a compact store scores),
+    else it is refused naming both. A ``"dense"`` / ``"sparse"`` / ``"mask"`` layer is one
+    vector ``v`` per sample: it gets its **exact** Fisher ``F = (1/N) sum_n v_n v_n^T``
+    (``proj_dim x proj_dim``; K-FAC and EK-FAC coincide; ``non_kronecker`` does not apply), so
+    the score is ``sum_l v_test^T (F_l + λ I)^{-1} v_train`` with ``λ`` as above (relative:
+    times ``tr(F_l) / proj_dim``). :meth:`preconditioner` hands the damped inverse to
+    ``GradientIndex.search(preconditioner=...)``.
 
     Example:
         >>> attributor = KFACAttributor(AttributionArguments(output_dir="scores"), task=task)
@@ -387,26 +399,31 @@ class KFACAttributor(BaseAttributor):
         pre = fit.precondition(out, self.damping, self.relative)
         return unit_rows(out, dense_row_dot(out, pre))
 
+    def preconditioner(
+        self, damping: float | None = None, relative: bool | None = None, checkpoint: int = 0
+    ) -> FisherPreconditioner:
+        """The fitted ``(F̂ + λ I)^{-1}`` of one checkpoint, for another query side.
+
+        E.g. ``GradientIndex.search(..., preconditioner=...)``: an exact (``flat``) search over
+        the fitted layers ranks as ``attribute_from_cache(..., top_k=k)`` with this damping.
+
+        Args:
+            damping: ``λ``, as in :meth:`attribute` (``None``: the default, ``0.1 ×`` each
+                layer's mean eigenvalue, never the last call's).
+            relative: Scale ``damping`` by each layer's mean eigenvalue.
+            checkpoint: The fit's checkpoint label (a single fit serves every label).
+        """
+        damping, relative = _resolve_damping(damping, relative)
+        return FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
+
     # ---- entry points ----------------------------------------------------------------------
     def _set_damping(self, damping: float | None, relative: bool | None, reset: bool) -> None:
         """Resolve ``(damping, relative)``; a number without ``relative`` is absolute.
 
         With ``reset``, ``None`` means the default, not the last value used.
         """
-        if damping is not None:
-            if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
-                raise ValueError(
-                    f"damping must be a number >= 0 (or None for the default, "
-                    f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
-                )
-            self.damping, self.relative = float(damping), bool(relative)
-        elif relative is False:
-            raise ValueError(
-                "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
-                f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
-            )
-        elif reset or relative:
-            self.damping, self.relative = DEFAULT_DAMPING, True
+        if damping is not None or relative is not None or reset:
+            self.damping, self.relative = _resolve_damping(damping, relative)
 
     def attribute(
         self,
@@ -508,13 +525,60 @@ class EKFACAttributor(KFACAttributor):
     kind: ClassVar[str] = "ekfac"
 
 
+@dataclass(frozen=True)
+class FisherPreconditioner:
+    """A fitted, damped ``(F̂ + λ I)^{-1}`` (K-FAC, EK-FAC or a projected vector's exact Fisher).
+
+    Made by :meth:`KFACAttributor.preconditioner`; called on a :class:`Gradient` it returns the
+    preconditioned layers (what ``GradientIndex.search(preconditioner=...)`` folds in).
+
+    Attributes:
+        factors: The damping-free fit.
+        damping: ``λ`` (absolute, or a factor of each layer's mean eigenvalue).
+        relative: Whether ``damping`` is relative.
+    """
+
+    factors: KroneckerFactors
+    damping: float
+    relative: bool
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The preconditioned layers (the others are left out of K-FAC scores)."""
+        return self.factors.layer_names
+
+    def precondition_gradient(self, gradient: Gradient) -> Gradient:
+        """``(F̂ + λ I)^{-1} g`` per fitted layer (see ``KroneckerFactors.precondition``)."""
+        return self.factors.precondition(gradient, self.damping, self.relative)
+
+    __call__ = precondition_gradient
+
+
 # ---- helpers ---------------------------------------------------------------------------------
+def _resolve_damping(damping: float | None, relative: bool | None) -> tuple[float, bool]:
+    """``(damping, relative)`` of a call; a number without ``relative`` is absolute."""
+    if damping is not None:
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+            raise ValueError(
+                f"damping must be a number >= 0 (or None for the default, "
+                f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
+            )
+        return float(damping), bool(relative)
+    if relative is False:
+        raise ValueError(
+            "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
+            f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
+        )
+    return DEFAULT_DAMPING, True
+
+
 def _ekfac_pass(
     fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:
     """One pass over the training gradients, each block feeding its checkpoint's correction."""
     corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
-    for block in _progress(source, "EK-FAC eigenvalues", show):
+    passing = source if any(c.needs_pass for c in corr.values()) else ()  # vectors: exact
+    for block in _progress(passing, "EK-FAC eigenvalues", show):
         c = int(getattr(block, "checkpoint", 0))
         key = c if c in corr else (next(iter(corr)) if len(corr) == 1 else None)
         if key is None:

@@ -60,6 +60,7 @@ class Method:
         last_checkpoint: Score only the train store's last checkpoint label unless
             ``--checkpoints`` is given (single-checkpoint methods such as Grad-Dot).
         damping: Takes ``--damping`` / ``--relative-damping`` (passed to the call).
+        non_kronecker: Takes ``--non-kronecker`` (its factory reads it).
         call_kwargs: Extra keyword arguments of ``attribute_from_cache`` from the namespace.
     """
 
@@ -68,6 +69,7 @@ class Method:
     factory: Factory
     last_checkpoint: bool = False
     damping: bool = False
+    non_kronecker: bool = False
     call_kwargs: Callable[[argparse.Namespace], dict] | None = None
 
 
@@ -99,11 +101,19 @@ METHODS: dict[str, Method] = _registry(
         "K-FAC influence, fitted from the train store",
         lambda ns, args: _kronecker("KFACAttributor", ns, args),
         damping=True,
+        non_kronecker=True,
     ),
     Method(
         "ekfac",
         "EK-FAC influence, fitted from the train store",
         lambda ns, args: _kronecker("EKFACAttributor", ns, args),
+        damping=True,
+        non_kronecker=True,
+    ),
+    Method(
+        "projected-fisher",
+        "each layer's exact Fisher in its captured (projected) space, fitted from the train store",
+        attributor("ProjectedFisherAttributor"),
         damping=True,
     ),
     Method(
@@ -216,12 +226,12 @@ def add_parser(sub: Any) -> None:
         "--damping",
         type=float,
         default=None,
-        help="kfac/ekfac: absolute damping (default: 0.1 x each layer's mean eigenvalue)",
+        help="kfac/ekfac/projected-fisher: absolute damping (default: 0.1 x mean eigenvalue)",
     )
     p.add_argument(
         "--relative-damping",
         action="store_true",
-        help="kfac/ekfac: --damping is a factor of each layer's mean eigenvalue",
+        help="kfac/ekfac/projected-fisher: --damping is a factor of the mean eigenvalue",
     )
     p.add_argument(
         "--checkpoints",
@@ -317,8 +327,8 @@ def run(args: argparse.Namespace) -> int:
         flag = "--damping" if args.damping is not None else "--relative-damping"
         takes = ", ".join(m.name for m in METHODS.values() if m.damping)
         raise UsageError(flag, f"--method {method.name} takes no damping (only {takes} do).")
-    if not method.damping and args.non_kronecker is not None:
-        takes = ", ".join(m.name for m in METHODS.values() if m.damping)
+    if not method.non_kronecker and args.non_kronecker is not None:
+        takes = ", ".join(m.name for m in METHODS.values() if m.non_kronecker)
         raise UsageError("--non-kronecker", f"only {takes} take it, not --method {method.name}.")
     if args.damping is not None and args.damping < 0:
         raise UsageError("--damping", f"must be >= 0, got {args.damping}.")
@@ -390,8 +400,9 @@ def run(args: argparse.Namespace) -> int:
         "dattri_llm": __version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    if method.damping:
+    if method.non_kronecker:
         settings["non-kronecker layers"] = args.non_kronecker or "skip"
+    if method.damping:
         settings["damping"] = (
             "default (0.1 x mean eigenvalue)"
             if args.damping is None

@@ -92,6 +92,29 @@ def train(model: nn.Module, data: torch.Tensor, steps: int) -> float:
     return float(loss.detach())
 
 
+def workload(args: argparse.Namespace, n_train: int, n_test: int):
+    """The pre-trained model (``args.layers / width / seq``, ``args.quick``) and the data.
+
+    Returns:
+        ``(model in eval mode, train ids, test ids, final pre-training loss per token)``.
+    """
+    model = make_model(args.layers, args.width, args.seq)
+    data = text_chunks(n_train + n_test + 256, args.seq)
+    pretrain, train_ids, test_ids = data[:256], data[256 : 256 + n_train], data[256 + n_train :]
+    final = train(model, pretrain, steps=15 if args.quick else 40)
+    model.eval()
+    return model, train_ids, test_ids, final
+
+
+def block_layers(model: nn.Module, types: tuple[str, ...]) -> list[str]:
+    """Names of the transformer blocks' modules whose class name is in ``types``."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if n.startswith("transformer.h.") and type(m).__name__ in types
+    ]
+
+
 def capture(model: nn.Module, data: torch.Tensor, config: HookManagerConfig, bs: int):
     cb = CaptureCallback(keep_all=True)
     hm = HookManager(model, config=config, callbacks=[cb])
@@ -172,21 +195,12 @@ def main() -> None:
         f"{platform.python_version()}, {platform.processor() or platform.machine()}"
     )
     torch.manual_seed(0)
-    model = make_model(args.layers, args.width, args.seq)
-    data = text_chunks(n_train + n_test + 256, args.seq)
-    pretrain, train_ids, test_ids = data[:256], data[256 : 256 + n_train], data[256 + n_train :]
-    final = train(model, pretrain, steps=40 if not args.quick else 15)
-    model.eval()
+    model, train_ids, test_ids, final = workload(args, n_train, n_test)
     print(
         f"model: GPT-2 {args.layers}x{args.width}, seq {args.seq}, vocab 256; pre-trained to "
         f"loss {final:.2f}/token; train {n_train}, test {n_test} samples"
     )
-    hooked = [
-        n
-        for n, m in model.named_modules()
-        if n.startswith("transformer.h.") and type(m).__name__ in ("Conv1D", "LayerNorm")
-    ]
-    hooked.append("transformer.ln_f")
+    hooked = block_layers(model, ("Conv1D", "LayerNorm")) + ["transformer.ln_f"]
     base = {"linear_io": hooked}
 
     t_plain = min(plain(model, train_ids, 8) for _ in range(repeat))

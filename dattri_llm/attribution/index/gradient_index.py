@@ -58,6 +58,7 @@ from dattri_llm.attribution.index.vectors import (
     train_parts,
 )
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.gradient.gradient import Gradient, Materialized
 from dattri_llm.utils.progress import progress_bar
 
 __all__ = ["GradientIndex"]
@@ -394,9 +395,13 @@ class GradientIndex:
             rerank: ``ivf`` with PQ: re-rank ``rerank * k`` candidates exactly.
             preconditioner: Folded into the query side: a ``(D, D)`` matrix ``P`` (queries
                 become ``q @ P``; for a symmetric ``P`` the score is ``q^T P g``, e.g. a
-                projected inverse Fisher) or a callable mapping the ``(M, D)`` float64
-                queries to ``(M, D)``. Applied after the Grad-Cos normalization. Default:
-                identity.
+                projected inverse Fisher), a callable mapping the ``(M, D)`` float64
+                queries to ``(M, D)``, or a fitted K-FAC / EK-FAC / projected-Fisher inverse
+                applied layer by layer: ``KFACAttributor.preconditioner(damping=...)`` (a
+                ``FisherPreconditioner``) or the fitted attributor itself (its default
+                damping). With a fit, an exact search over the fitted layers ranks as that
+                attributor's ``attribute_from_cache(..., top_k=k)``. Applied after the
+                Grad-Cos normalization. Default: identity.
             check_compatible: Refuse a test capture incompatible with the train store
                 (layers, projection style / size / seed), as the attributors do.
             output_dir: The result's default ``save`` directory.
@@ -420,11 +425,41 @@ class GradientIndex:
                 f"the {where} gives {queries.shape[1]} numbers per sample over the indexed "
                 f"layers, the index holds {self.dim}; was it captured with another projection?"
             )
-        queries = _precondition(queries, preconditioner, self.dim)
+        queries = _precondition(queries, self._layerwise(preconditioner), self.dim)
         q = np.ascontiguousarray(queries.to(torch.float32).numpy())
         overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
         top, bottom = self._merged(q, k, overrides)
         return self._result(top, bottom, hashes, k, output_dir)
+
+    def _layerwise(self, p: Any) -> Any:
+        """A fitted per-layer preconditioner as a callable on the joined ``(M, D)`` queries."""
+        if callable(getattr(p, "preconditioner", None)) and hasattr(p, "factors"):
+            p = p.preconditioner()  # a fitted KFACAttributor / EKFACAttributor
+        if not callable(getattr(p, "precondition_gradient", None)):
+            return p
+        if sorted(p.layer_names) != sorted(self.layers):
+            raise ValueError(
+                f"the preconditioner covers layers {sorted(p.layer_names)} but the index holds "
+                f"{sorted(self.layers)}; build the index over the fitted layers "
+                "(GradientIndex.build(..., layers=[...])) or fit over the indexed ones."
+            )
+        facts = self.store.capture_facts(self.layers).layers
+        dims = [int(d) for d in self.meta["dims"]]
+
+        def apply(q: torch.Tensor) -> torch.Tensor:
+            parts = dict(zip(self.layers, torch.split(q, dims, dim=1)))
+            grad = Gradient(
+                {
+                    n: Materialized(x, facts[n].layer_type, dict(facts[n].module_kwargs))
+                    for n, x in parts.items()
+                }
+            )
+            out = p.precondition_gradient(grad).layers
+            return torch.cat(
+                [out[n].materialize().data.reshape(len(q), -1) for n in self.layers], 1
+            )
+
+        return apply
 
     def _test_source(self, test: Any) -> tuple[Any, str]:
         from dattri_llm.gradient.sources import DiskGradientSource

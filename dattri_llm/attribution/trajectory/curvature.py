@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
-from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
+from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts, refuse_mixing_layouts
 from dattri_llm.gradient.trajectory.replay import has_active_dropout
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
@@ -84,9 +84,11 @@ class ExactHessian:
         if self._layouts is None:
             hm = HookManager(self.model, config=self.hook_config)
             try:
-                self._layouts = layer_layouts(hm)
+                layouts = layer_layouts(hm)
             finally:
                 hm.remove()
+            refuse_mixing_layouts(layouts, "ExactHessian", "the Hessian's entries")
+            self._layouts = layouts
         return self._layouts
 
     def operator(

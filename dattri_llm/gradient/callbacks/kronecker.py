@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 __all__ = ["KroneckerCovarianceCallback"]
 
 
+def _is_vector(lg: object) -> bool:
+    """A projected vector layer: its record holds all K-FAC needs (its exact Fisher)."""
+    from dattri_llm.gradient.layers import get_rule
+
+    return get_rule(lg.layer_type).exact_fisher
+
+
 class KroneckerCovarianceCallback(HookCallback):
     """Accumulate the K-FAC covariances ``A`` and ``G`` of every captured step.
 
@@ -33,7 +40,9 @@ class KroneckerCovarianceCallback(HookCallback):
     The covariances are taken from each step's record, i.e. the same factors a store receives
     (after any transform). Layers the record holds materialised (``capture_style`` other than
     ``"factorized"``) are covered from the raw factors seen in the backward hook, which is
-    exact as long as no transform (projection, preconditioned capture) rewrites them.
+    exact as long as no transform (projection, preconditioned capture) rewrites them. Under a
+    ``"logra"`` projection the record's factors are the projected ones (K-FAC in the projected
+    space, as LoGra); a ``"dense"`` / ``"sparse"`` / ``"mask"`` vector gets its exact Fisher.
 
     Args:
         non_kronecker: ``"skip"`` or ``"diagonal"`` for layers K-FAC does not apply to.
@@ -75,7 +84,8 @@ class KroneckerCovarianceCallback(HookCallback):
         direct = {}
         for name, lg in grad.layers.items():
             sites = lg.sites if isinstance(lg, Shared) else [lg]
-            if is_kronecker_layer(lg) and any(isinstance(s, Materialized) for s in sites):
+            factors_gone = any(isinstance(s, Materialized) for s in sites)
+            if is_kronecker_layer(lg) and factors_gone and not _is_vector(lg):
                 self._from_raw(name, lg, grad.batch_size)
             else:
                 direct[name] = lg

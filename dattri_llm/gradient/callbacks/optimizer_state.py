@@ -22,7 +22,7 @@ from dattri_llm.gradient.optim.kinds import (
     param_state,
     resolve_optimizer,
 )
-from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
+from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts, refuse_mixing_layouts
 from dattri_llm.gradient.trajectory.dynamics import MemoryTrajectory, OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
@@ -109,13 +109,7 @@ class OptimizerStateCallback(HookCallback):
                     "trajectory methods need per-sample gradients (linear_io)."
                 )
         layouts = layer_layouts(manager)
-        dense = [n for n, lay in layouts.items() if lay.dense_projection]
-        if dense:
-            raise ValueError(
-                f"{_WHERE}: layers {dense} use a 'dense' / 'sparse' projection, which mixes "
-                "coordinates; optimizer moments are per coordinate. Use no projection or a "
-                "'mask' projection."
-            )
+        refuse_mixing_layouts(layouts, _WHERE, "optimizer moments")
         self._layouts = layouts
 
     def _opt(self) -> torch.optim.Optimizer:

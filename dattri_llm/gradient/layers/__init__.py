@@ -31,6 +31,7 @@ from dattri_llm.gradient.layers.projected import (
     ProjectedMaskRule,
     ProjectedOuterProductRule,
     ProjectedSparseRule,
+    ProjectedVectorRule,
 )
 
 __all__ = [
@@ -71,6 +72,7 @@ register_rule(ProjectedOuterProductRule())
 register_rule(ProjectedDenseRule())
 register_rule(ProjectedMaskRule())
 register_rule(ProjectedSparseRule())
+register_rule(ProjectedVectorRule())  # any layer read as a vector (ProjectedFisherAttributor)
 
 
 def supported_layer_types() -> list[str]:

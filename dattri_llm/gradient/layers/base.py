@@ -37,13 +37,16 @@ class LayerRule:
 
     Subclasses set ``layer_type`` (the name used in configs, the store and errors) and
     ``module_types`` (classes recognised automatically), and implement the methods below.
-    ``kronecker`` says whether K-FAC / EK-FAC may precondition the layer; ``projection_styles``
-    lists the capture-time projection styles it accepts.
+    ``kronecker`` says whether K-FAC / EK-FAC may precondition the layer; ``exact_fisher`` that
+    the layer is one short vector per sample (matrix form ``(1, P)``, always materialised), for
+    which K-FAC / EK-FAC fit the exact ``P x P`` Fisher; ``projection_styles`` lists the
+    capture-time projection styles it accepts.
     """
 
     layer_type: ClassVar[str] = ""
     module_types: ClassVar[tuple[type, ...]] = ()
     kronecker: ClassVar[bool] = False
+    exact_fisher: ClassVar[bool] = False
     projection_styles: ClassVar[tuple[str, ...]] = ("logra", "dense", "mask", "sparse")
     #: Fill value for padding the token axis of ``a`` (zero contributions).
     a_pad_value: ClassVar[float] = 0.0

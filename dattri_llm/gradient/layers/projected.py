@@ -92,12 +92,16 @@ class ProjectedOuterProductRule(_NotAModule, OuterProductRule):
 class ProjectedVectorRule(_NotAModule, LayerRule):
     """A projected per-sample gradient stored as a vector ``(B, proj_dim)``.
 
-    Its matrix form is ``(1, proj_dim)``; it is only ever materialised.
+    Its matrix form is ``(1, proj_dim)``; it is only ever materialised. K-FAC / EK-FAC fit its
+    exact Fisher ``(1/N) sum_n v_n v_n^T`` (``proj_dim x proj_dim``): the matrix form is one
+    row, so the Kronecker form ``G ⊗ A`` with ``G = 1`` and ``A`` the Fisher is exact.
     """
 
     layer_type = "projected.vector"
     module_types = ()
     projection_styles = ()
+    kronecker = True
+    exact_fisher = True
 
     def matrix_shape(self, kw: dict) -> tuple[int, int]:
         return 1, int(kw["_d"])

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
 from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.layers import get_rule
 from dattri_llm.gradient.ops.kronecker import (
     KroneckerCovariances,
     KroneckerFactors,
@@ -59,7 +61,8 @@ def eigendecompose(
     if not covariances.layers and not covariances.diagonal:
         raise ValueError(
             "no Kronecker-eligible layer was seen: nothing to fit. Hook linear / "
-            "convolution layers (linear_io) for K-FAC."
+            "convolution layers (linear_io) for K-FAC, or capture with a 'dense' / 'sparse' / "
+            "'mask' projection (fitted with its exact Fisher) or a 'logra' one."
         )
     mats: dict[tuple[str, str], torch.Tensor] = {}
     for name, c in covariances.layers.items():
@@ -96,7 +99,8 @@ def eigendecompose(
     skipped = dict(covariances.skipped)
     if skipped and warn_skipped and get_rank() == 0:
         warnings.warn(
-            "K-FAC/EK-FAC applies to linear and convolution layers only; these layers are left "
+            "K-FAC/EK-FAC applies to linear and convolution layers and projected vectors only; "
+            "these layers are left "
             f"out of the preconditioner and of the scores: {skipped}. Pass "
             "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
             "exclude them from the hook config.",
@@ -117,10 +121,19 @@ class EigenvalueCorrection:
         self.factors = factors
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
+        # a vector layer's basis is its exact Fisher's: its eigenvalues are already exact
+        self.exact = {n for n, e in factors.layers.items() if get_rule(e.layer_type).exact_fisher}
+
+    @property
+    def needs_pass(self) -> bool:
+        """Whether any layer needs the pass over the training gradients (vector layers do not)."""
+        return len(self.exact) < len(self.factors.layers)
 
     def update(self, gradient: Gradient) -> None:
         """Add one block of training gradients."""
         for name, eig in self.factors.layers.items():
+            if name in self.exact:
+                continue
             if name not in gradient.layers:
                 raise ValueError(
                     f"layer {name!r} of the fit is missing from a training block "
@@ -157,6 +170,9 @@ class EigenvalueCorrection:
                 counts[name] = float(n[0])
         layers = {}
         for name, eig in self.factors.layers.items():
+            if name in self.exact:
+                layers[name] = replace(eig, corrected=eig.eigenvalues())
+                continue
             if name not in sums or counts[name] <= 0:
                 raise ValueError(
                     f"no training gradient reached layer {name!r}: EK-FAC needs a "

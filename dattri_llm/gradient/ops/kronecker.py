@@ -13,9 +13,10 @@ flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) 
   tokens) and ``A = (1/N_tok) sum_{n,t} a_{n,t} a_{n,t}^T`` (mean over tokens). That is the
   token-independence approximation ``F ≈ (1/N) sum_n sum_t (g g^T) ⊗ (a a^T)`` with activations
   and output gradients assumed independent: its scale grows with the tokens per sample like ``F``
-  does. ``N_tok`` counts the positions that carry gradient (``g`` not identically zero), so zero
-  padding and positions outside the loss (pad tokens, a causal LM's last position) are left
-  out of ``A`` just as they are absent from ``F``; ``tokens="all"`` counts every position (what
+  does. ``N_tok`` counts the positions that carry gradient (neither ``g`` nor ``a`` identically
+  zero; a ``logra`` embedding's index side ``R[idx]`` never is), so zero padding and positions
+  outside the loss (pad tokens, a causal LM's last position) are left out of ``A`` and ``G``
+  just as they are absent from ``F``; ``tokens="all"`` counts every position (what
   kronfluence does without an attention mask). With one token per sample (an MLP) this is
   exactly Martens & Grosse's K-FAC. A conv layer's tokens are its output positions.
 * **Eigenbasis.** ``A = Q_A diag(s_A) Q_A^T``, ``G = Q_G diag(s_G) Q_G^T`` (float64 by
@@ -30,6 +31,9 @@ flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) 
   undamped ``G^{-1} ⊗ A^{-1}`` would be); a preconditioned query is one dense ``(K, D)`` per
   sample, and scoring it against factorised training gradients stays factorised on the train
   side (``rule.dense_per_token``), which is what keeps token granularity exact.
+* **Vector layers** (``rule.exact_fisher``: a ``"dense"`` / ``"sparse"`` / ``"mask"`` projection,
+  matrix form ``(1, P)``): one token with ``a = v``, ``g = 1``, so ``G ⊗ A`` is the exact Fisher
+  ``(1/N) sum_n v_n v_n^T`` and K-FAC and EK-FAC agree; damping as above.
 * **Other layers** (embeddings, norms, ``param_grad``, tied groups with a non-eligible site):
   ``non_kronecker="skip"`` (default) leaves them out of the fit and of the scores, with one
   warning that lists them; ``"diagonal"`` preconditions them with the exact diagonal empirical
@@ -101,7 +105,7 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 def _token_mask(g: torch.Tensor, a: torch.Tensor, tokens: TokenCount) -> torch.Tensor:
     if tokens == "all":
         return torch.ones(g.shape[:2], dtype=torch.bool, device=g.device)
-    return (g != 0).any(-1)
+    return (g != 0).any(-1) & (a != 0).any(-1)  # g a^T = 0 when either factor is
 
 
 @dataclass
@@ -176,17 +180,9 @@ class KroneckerCovariances:
         b = gradient.batch_size
         for name, lg in gradient.layers.items():
             if is_kronecker_layer(lg):
-                if any(isinstance(s, Materialized) for s in _sites(lg)):
-                    raise ValueError(
-                        f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC "
-                        "factors are gone. Capture with capture_style='factorized' and write "
-                        "the store with OffloadCallback(keep_token_factors=True), or "
-                        "accumulate the covariances during capture with "
-                        "KroneckerCovarianceCallback and pass them as fit(covariances=...)."
-                    )
-                self.update_factors(
-                    name, [(s.a, s.g) for s in _sites(lg)], lg.layer_type, lg.module_kwargs, b
-                )
+                pairs = _kronecker_pairs(name, lg)
+                every = "all" if get_rule(lg.layer_type).exact_fisher else None  # F: 1/N
+                self.update_factors(name, pairs, lg.layer_type, lg.module_kwargs, b, every)
             elif self.non_kronecker == "diagonal":
                 self._update_diagonal(name, lg, b)
             else:
@@ -199,8 +195,12 @@ class KroneckerCovariances:
         layer_type: str,
         module_kwargs: dict,
         num_samples: int,
+        tokens: TokenCount | None = None,
     ) -> None:
-        """Add the ``(a, g)`` factors of one layer (several pairs: calls / tied sites)."""
+        """Add the ``(a, g)`` factors of one layer (several pairs: calls / tied sites).
+
+        ``tokens`` overrides the accumulator's token counting for these factors.
+        """
         k, d = get_rule(layer_type).matrix_shape(module_kwargs)
         cov = self.layers.get(name)
         if cov is None:
@@ -214,11 +214,11 @@ class KroneckerCovariances:
             self.layers[name] = cov
         for a, g in factors:
             ct = _acc_dtype(g)
-            mask = _token_mask(g, a, self.tokens)
+            mask = _token_mask(g, a, tokens or self.tokens)
             af = a.to(ct).reshape(-1, a.shape[-1])
-            if not bool(mask.all()):
-                af = af[mask.reshape(-1)]
             gf = g.to(ct).reshape(-1, g.shape[-1])
+            if not bool(mask.all()):
+                af, gf = af[mask.reshape(-1)], gf[mask.reshape(-1)]
             cov.a_sum += (af.T @ af).to(self.dtype)
             cov.g_sum += (gf.T @ gf).to(self.dtype)
             cov.num_tokens += float(mask.sum())
@@ -518,10 +518,11 @@ def _check_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
         raise ValueError(f"layer {name!r} of type {lg.layer_type} is not Kronecker-eligible.")
     kd = tuple(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
     fit = (eig.q_g.shape[0], eig.q_a.shape[0])
-    if kd != fit:
+    if kd != fit or lg.layer_type != eig.layer_type:
         raise ValueError(
-            f"layer {name!r}: gradient matrix shape {kd} differs from the fit's "
-            f"{fit}; the fit belongs to another model or hook configuration."
+            f"layer {name!r}: the gradients are {lg.layer_type} {kd}, the fit {eig.layer_type} "
+            f"{fit}; the fit belongs to another model, hook configuration or projection (fit "
+            "covariances under the store's HookManagerConfig(projection=...))."
         )
 
 
@@ -549,6 +550,22 @@ def _rotated(
                 part = torch.matmul(q_g.T, m) @ q_a
             total = part if total is None else total + part
         yield total
+
+
+def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(a, g)`` pairs K-FAC accumulates; a vector layer (``exact_fisher``) is ``(v, 1)``."""
+    if get_rule(lg.layer_type).exact_fisher:
+        v = lg.materialize().data
+        return [(v.unsqueeze(1), v.new_ones(v.shape[0], 1, 1))]
+    if any(isinstance(s, Materialized) for s in _sites(lg)):
+        raise ValueError(
+            f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC factors are gone. "
+            "Capture with capture_style='factorized' and write the store with "
+            "OffloadCallback(keep_token_factors=True), or accumulate the covariances during "
+            "capture with KroneckerCovarianceCallback and pass them as fit(covariances=...); "
+            "or use ProjectedFisherAttributor (each layer's exact Fisher, from any store form)."
+        )
+    return [(s.a, s.g) for s in _sites(lg)]
 
 
 def _as_gradient(item: object) -> Gradient:

@@ -18,7 +18,7 @@ from torch import nn
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.host import CaptureHost
 
-__all__ = ["LayerLayout", "layer_layouts"]
+__all__ = ["LayerLayout", "layer_layouts", "refuse_mixing_layouts"]
 
 
 class LayerLayout:
@@ -123,3 +123,22 @@ def layer_layouts(manager: CaptureHost) -> dict[str, LayerLayout]:
         projection = manager.projection[name] if manager.projection is not None else None
         out[name] = LayerLayout(name, params, spec.rule, spec.module_kwargs, projection)
     return out
+
+
+def refuse_mixing_layouts(layouts: Mapping[str, LayerLayout], where: str, needs: str) -> None:
+    """Refuse layers captured with a ``"dense"`` / ``"sparse"`` projection (it mixes coordinates).
+
+    Args:
+        layouts: The captured layers' layouts.
+        where: Who refuses (the start of the message).
+        needs: What is per coordinate, e.g. ``"optimizer moments"``.
+
+    Raises:
+        ValueError: naming the layers and the fix.
+    """
+    mixed = [n for n, lay in layouts.items() if lay.dense_projection]
+    if mixed:
+        raise ValueError(
+            f"{where}: layers {mixed} use a 'dense' / 'sparse' projection, which mixes "
+            f"coordinates; {needs} are per coordinate. Use no projection or a 'mask' projection."
+        )

@@ -1,0 +1,165 @@
+"""``ProjectedFisherAttributor``: influence with each layer's exact Fisher in its captured space.
+
+``score(z, q) = sum_l m_l(q)^T (F_l + λ I)^{-1} m_l(z)`` with ``m_l`` a layer's flattened
+per-sample gradient as captured (``proj_dim`` numbers for a ``"dense"`` / ``"sparse"`` /
+``"mask"`` projection, ``k * d`` for ``"logra"``, ``K * D`` for an unprojected layer) and
+``F_l = (1/N) sum_n m_l(z_n) m_l(z_n)^T`` its exact empirical Fisher: no Kronecker or
+diagonal approximation, only the block-diagonal one across layers. Damping as K-FAC's
+(absolute, or a factor of ``tr(F_l) / P``).
+
+It is what :class:`KFACAttributor` / :class:`EKFACAttributor` already do on a vector
+projection; this class applies it to every layer, whatever form the store holds: notably a
+compact ``"logra"`` store (each layer its ``k x d`` projected gradient), from which a K-FAC fit
+is impossible without the factors. A layer of more than ``max_dim`` numbers per sample is
+refused (its ``P x P`` Fisher would not be small); project it.
+
+Implementation: every layer is read as a vector layer (``projected.vector``, matrix form
+``(1, P)``), for which the Kronecker machinery is exact (``G = 1``, ``A = F``), so fitting,
+persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dattri_llm.attribution.arguments import AttributionArguments
+from dattri_llm.attribution.kronecker import FisherPreconditioner, KFACAttributor
+from dattri_llm.gradient.gradient import Gradient, Materialized
+from dattri_llm.gradient.layers import get_rule
+
+__all__ = ["ProjectedFisherAttributor", "vector_view", "DEFAULT_MAX_DIM"]
+
+#: Largest layer (numbers per sample) fitted by default: an 8192 x 8192 float64 Fisher is 512 MB.
+DEFAULT_MAX_DIM = 8192
+
+_VECTOR = "projected.vector"
+
+
+def vector_view(gradient: Gradient, max_dim: int = DEFAULT_MAX_DIM) -> Gradient:
+    """Every layer of ``gradient`` as a ``(B, P)`` vector layer (row-major matrix form).
+
+    Raises:
+        ValueError: a layer with more than ``max_dim`` numbers per sample, naming it and the fix.
+    """
+    out = {}
+    for name, lg in gradient.layers.items():
+        try:
+            rule = get_rule(lg.layer_type)
+        except ValueError:  # no rule (a param_grad layer): it is held dense already
+            rule = None
+        if rule is not None and rule.exact_fisher:
+            out[name] = lg
+            continue
+        if rule is None:
+            size = int(lg.materialize().data.reshape(lg.batch_size, -1).shape[1])
+        else:
+            size = math.prod(rule.matrix_shape(lg.module_kwargs))
+        if size > max_dim:
+            raise ValueError(
+                f"layer {name!r} ({lg.layer_type}) has {size} numbers per sample, more than "
+                f"max_dim={max_dim}: its exact Fisher would be {size} x {size}. Capture it with "
+                "a projection (HookManagerConfig(projection=ProjectionConfig(...))), leave it "
+                "out (layers=[...]), raise max_dim, or use KFACAttributor / EKFACAttributor."
+            )
+        kw = {"_d": size, "source_layer_type": lg.layer_type}
+        out[name] = Materialized(lg.materialize().data.reshape(lg.batch_size, size), _VECTOR, kw)
+    return Gradient(out)
+
+
+class _VectorSource:
+    """A gradient source whose blocks are read through :func:`vector_view`."""
+
+    def __init__(self, source: Any, max_dim: int) -> None:
+        self.source, self.max_dim = source, max_dim
+        self.rereadable = getattr(source, "rereadable", False)
+
+    def __iter__(self) -> Iterator[Any]:
+        for block in self.source:
+            if isinstance(block, Gradient):
+                yield vector_view(block, self.max_dim)
+            else:
+                yield block._replace(gradient=vector_view(block.gradient, self.max_dim))
+
+
+@dataclass(frozen=True)
+class _ViewPreconditioner(FisherPreconditioner):
+    """A :class:`FisherPreconditioner` reading each layer through :func:`vector_view`."""
+
+    max_dim: int = DEFAULT_MAX_DIM
+
+    def precondition_gradient(self, gradient: Gradient) -> Gradient:
+        view = vector_view(gradient, self.max_dim)
+        return self.factors.precondition(view, self.damping, self.relative)
+
+    __call__ = precondition_gradient
+
+
+class ProjectedFisherAttributor(KFACAttributor):
+    """Influence with each layer's exact Fisher in its captured (projected) space.
+
+    ``score = sum_l m_test^T (F_l + λ I)^{-1} m_train`` with ``F_l = (1/N) sum_n m_n m_n^T``
+    over each layer's flattened captured gradient (see the module docstring). Fit, damping
+    (``damping=None``: 0.1 x ``tr(F_l) / P``; a number: absolute, ``relative=True``: a factor of
+    ``tr(F_l) / P``), persistence and :meth:`preconditioner` are :class:`KFACAttributor`'s; the
+    fit is made from training gradients (a store, a source or a live dataset), not from
+    ``KroneckerCovarianceCallback`` covariances. Sample granularity only.
+
+    Example:
+        >>> att = ProjectedFisherAttributor(AttributionArguments(output_dir="scores"))
+        >>> score = att.attribute_from_cache("train_grads", "test_grads")  # compact logra
+
+    Args:
+        args: Run options.
+        task: For the live path.
+        max_dim: Largest layer (numbers per sample) to fit; larger ones are refused.
+        eigen_dtype: Eigendecomposition dtype (float64 by default).
+        mode: Routing of the inner products.
+    """
+
+    kind: ClassVar[str] = "kfac"
+
+    def __init__(
+        self,
+        args: AttributionArguments | None = None,
+        task: Any = None,
+        max_dim: int = DEFAULT_MAX_DIM,
+        eigen_dtype: torch.dtype = torch.float64,
+        mode: str = "auto",
+    ) -> None:
+        super().__init__(args, task, eigen_dtype=eigen_dtype, mode=mode)
+        if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
+            raise ValueError(f"max_dim must be a positive int, got {max_dim!r}.")
+        self.max_dim = max_dim
+
+    def _fit(self, train_source: Any, covariances: Any, hook_config: Any, collate_fn: Any) -> Any:
+        if covariances is not None:
+            raise ValueError(
+                "ProjectedFisherAttributor fits each layer's exact Fisher from the training "
+                "gradients (train_source); Kronecker covariances (covariances=...) cannot give "
+                "it. Use KFACAttributor / EKFACAttributor with covariances."
+            )
+        return super()._fit(train_source, None, hook_config, collate_fn)
+
+    def _as_source(self, train_source: Any, hook_config: Any, collate_fn: Any) -> Any:
+        source = super()._as_source(train_source, hook_config, collate_fn)
+        return None if source is None else _VectorSource(source, self.max_dim)
+
+    def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """``(F_l + λ I)^{-1} m_l`` for every layer of the test gradients."""
+        return super().prepare_test(vector_view(gradient, self.max_dim), checkpoint)
+
+    def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
+        """The training gradients as vector layers (paired with the prepared test side)."""
+        return super().prepare_train(vector_view(gradient, self.max_dim), checkpoint)
+
+    def preconditioner(
+        self, damping: float | None = None, relative: bool | None = None, checkpoint: int = 0
+    ) -> FisherPreconditioner:
+        """The damped inverse (see :meth:`KFACAttributor.preconditioner`), on any layer form."""
+        p = super().preconditioner(damping, relative, checkpoint)
+        return _ViewPreconditioner(p.factors, p.damping, p.relative, self.max_dim)
