@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +33,7 @@ from dattri_llm.attribution.kronecker_mix import (
     queries_by_checkpoint,
 )
 from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
+from dattri_llm.attribution.preconditioner import FisherPreconditioner
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
@@ -523,35 +523,6 @@ class EKFACAttributor(KFACAttributor):
     """
 
     kind: ClassVar[str] = "ekfac"
-
-
-@dataclass(frozen=True)
-class FisherPreconditioner:
-    """A fitted, damped ``(F̂ + λ I)^{-1}`` (K-FAC, EK-FAC or a projected vector's exact Fisher).
-
-    Made by :meth:`KFACAttributor.preconditioner`; called on a :class:`Gradient` it returns the
-    preconditioned layers (what ``GradientIndex.search(preconditioner=...)`` folds in).
-
-    Attributes:
-        factors: The damping-free fit.
-        damping: ``λ`` (absolute, or a factor of each layer's mean eigenvalue).
-        relative: Whether ``damping`` is relative.
-    """
-
-    factors: KroneckerFactors
-    damping: float
-    relative: bool
-
-    @property
-    def layer_names(self) -> list[str]:
-        """The preconditioned layers (the others are left out of K-FAC scores)."""
-        return self.factors.layer_names
-
-    def precondition_gradient(self, gradient: Gradient) -> Gradient:
-        """``(F̂ + λ I)^{-1} g`` per fitted layer (see ``KroneckerFactors.precondition``)."""
-        return self.factors.precondition(gradient, self.damping, self.relative)
-
-    __call__ = precondition_gradient
 
 
 # ---- helpers ---------------------------------------------------------------------------------

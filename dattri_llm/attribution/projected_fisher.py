@@ -136,7 +136,15 @@ class ProjectedFisherAttributor(KFACAttributor):
             raise ValueError(f"max_dim must be a positive int, got {max_dim!r}.")
         self.max_dim = max_dim
 
-    def _fit(self, train_source: Any, covariances: Any, hook_config: Any, collate_fn: Any) -> Any:
+    def _fit(
+        self,
+        train_source: Any,
+        covariances: Any,
+        hook_config: Any,
+        collate_fn: Any,
+        query_source: Any = None,
+    ) -> Any:
+        # mix is always 0 here (not an option of this class): the query side is not needed
         if covariances is not None:
             raise ValueError(
                 "ProjectedFisherAttributor fits each layer's exact Fisher from the training "

@@ -1,0 +1,43 @@
+"""``FisherPreconditioner``: a fitted, damped ``(F̂ + λ I)^{-1}`` to apply to another query side.
+
+Made by ``KFACAttributor.preconditioner`` (K-FAC, EK-FAC, or a projected vector layer's exact
+Fisher) and folded into the query side of ``GradientIndex.search(preconditioner=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.ops.kronecker import KroneckerFactors
+
+__all__ = ["FisherPreconditioner"]
+
+
+@dataclass(frozen=True)
+class FisherPreconditioner:
+    """A fitted, damped ``(F̂ + λ I)^{-1}`` (K-FAC, EK-FAC or a projected vector's exact Fisher).
+
+    Made by :meth:`KFACAttributor.preconditioner`; called on a :class:`Gradient` it returns the
+    preconditioned layers (what ``GradientIndex.search(preconditioner=...)`` folds in).
+
+    Attributes:
+        factors: The damping-free fit.
+        damping: ``λ`` (absolute, or a factor of each layer's mean eigenvalue).
+        relative: Whether ``damping`` is relative.
+    """
+
+    factors: KroneckerFactors
+    damping: float
+    relative: bool
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The preconditioned layers (the others are left out of K-FAC scores)."""
+        return self.factors.layer_names
+
+    def precondition_gradient(self, gradient: Gradient) -> Gradient:
+        """``(F̂ + λ I)^{-1} g`` per fitted layer (see ``KroneckerFactors.precondition``)."""
+        return self.factors.precondition(gradient, self.damping, self.relative)
+
+    __call__ = precondition_gradient
