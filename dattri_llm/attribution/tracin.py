@@ -198,6 +198,7 @@ class TracInAttributor(BaseAttributor):
 def _check_flag(value: Any, where: str) -> bool:
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_":  # a numpy bool
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):  # numpy 1 / numpy 2
         return bool(value)
     raise TypeError(f"{where} must be True or False, got {value!r}.")
