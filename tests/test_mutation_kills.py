@@ -184,3 +184,77 @@ def test_a_named_route_is_the_route_taken(monkeypatch):
                 Factorized, "materialize", boom
             )
             assert _rel(layer_inner.layer_norm_sq(lg, "auto"), want) < 1e-12
+
+
+def _factorized(seed: int, b: int, t: int, d: int = 4, k: int = 3) -> Factorized:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(b, t, d, generator=g, dtype=torch.float64)
+    gg = torch.randn(b, t, k, generator=g, dtype=torch.float64)
+    return Factorized(a, gg, "nn.Linear", {"in_features": d, "out_features": k, "bias": False})
+
+
+def _dense(lg: Factorized) -> torch.Tensor:  # sum_t g_t a_t^T, flattened, by hand
+    return torch.einsum("bti,btj->bij", lg.g, lg.a).reshape(lg.a.shape[0], -1)
+
+
+def test_cross_gram_pairs_layers_by_name_defaults_and_routes(monkeypatch):
+    """``cross_gram`` with its defaults, per layer, with the layers in another order, every
+    named route (``"factorized"`` never materializes, ``"materialized"`` never forms the
+    factorized Gram) equal the hand-made dense Gram; different layer sets are refused by name."""
+    x = {"p": _factorized(1, 3, 5), "q": _factorized(2, 3, 2)}
+    y = {"q": _factorized(3, 2, 4), "p": _factorized(4, 2, 6)}
+    want = {n: _dense(x[n]) @ _dense(y[n]).T for n in ("p", "q")}
+    total = want["p"] + want["q"]
+    assert _rel(layer_inner.cross_gram(x, y), total) < 1e-12
+    per = layer_inner.cross_gram(x, y, per_layer=True)
+    assert set(per) == {"p", "q"} and all(_rel(per[n], want[n]) < 1e-12 for n in per)
+    assert (
+        _rel(layer_inner.norm_sq(x), _dense(x["p"]).pow(2).sum(1) + _dense(x["q"]).pow(2).sum(1))
+        < 1e-12
+    )
+    rule = type(x["p"].rule)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the other route was taken")
+
+    with monkeypatch.context() as m:
+        m.setattr(Factorized, "materialize", boom)
+        assert _rel(layer_inner.cross_gram(x, y, "factorized"), total) < 1e-12
+    with monkeypatch.context() as m:
+        m.setattr(rule, "gram", boom)
+        assert _rel(layer_inner.cross_gram(x, y, "materialized"), total) < 1e-12
+    with pytest.raises(
+        ValueError, match=r"only in the first: \['q'\]; only in the second: \['r'\]"
+    ):
+        layer_inner.cross_gram(x, {"p": y["p"], "r": y["q"]})
+
+
+def test_linear_called_on_one_unbatched_vector_at_batch_one():
+    """A Linear applied to a 1-D vector (``fc(h[0, -1])``) in a batch of one: its ``(D,)`` input
+    and ``(K,)`` output gradient are one sample's single token; exact against torch.func."""
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(V, 4)
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.emb(input_ids)[0, -1])[None]  # (1, 3)
+
+    def loss(model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(input_ids=batch["input_ids"]).sin().sum()
+
+    torch.manual_seed(2)
+    model = Last().double()
+    x = ids(1, 5)
+    cap = CaptureCallback()
+    hm = HookManager(model, callbacks=[cap])
+    with hm.collect(deregister_on_exit=True):
+        loss(model, {"input_ids": x}).backward()
+    ref = per_sample_grads(model, loss, {"input_ids": x})
+    dense = cap.record.gradient.layers["fc"].materialize()
+    got = dense.rule.unflatten(dense.data, dense.module_kwargs)
+    for name in ("weight", "bias"):
+        want = ref[f"fc.{name}"]
+        assert got[name].shape == want.shape and _rel(got[name], want) < 1e-12, name
