@@ -97,6 +97,7 @@ def make_run(
     clip_factors=None,
     config: HookManagerConfig | None = None,
     snapshots: bool = False,
+    offload_kw: dict | None = None,
 ):
     factory, hyper = CONFIGS[name]
     model = make_mlp(seed=1)
@@ -107,7 +108,7 @@ def make_run(
     def callbacks_for(m, o):
         store = GradientStorageManager(tmp_path / "train", fsync=False)
         rec = OptimizerStateCallback(m, o)
-        cbs = [OffloadCallback(file_manager=store), rec]
+        cbs = [OffloadCallback(file_manager=store, **(offload_kw or {})), rec]
         if snaps is not None:
             cbs.append(ParameterSnapshotCallback(m, snaps))
         return cbs, {"rec": rec}

@@ -76,6 +76,7 @@ def make_run(
     draws_as_micro_batches: bool = False,
     snapshots: bool = False,
     adam: bool = False,
+    offload_kw: dict | None = None,
 ):
     opt_kw = dict(opt_kw or {})
     model = make_mlp(seed=2)
@@ -92,7 +93,7 @@ def make_run(
     def callbacks_for(m, o):
         store = GradientStorageManager(tmp_path / "train", fsync=False)
         rec = OptimizerStateCallback(m, o)
-        cbs = [OffloadCallback(file_manager=store), rec]
+        cbs = [OffloadCallback(file_manager=store, **(offload_kw or {})), rec]
         if snaps is not None:
             cbs.append(ParameterSnapshotCallback(m, snaps))
         if curvature_draws:

@@ -459,3 +459,32 @@ def test_a_layer_fed_an_unbatched_input_is_refused(only_proj: bool) -> None:
     with pytest.raises(RuntimeError, match=r"'proj': 1.*the model's batch has 4"):
         with hm.collect(deregister_on_exit=True):
             model(ids).sum().backward()
+
+
+def test_shared_separate_equals_the_untied_model() -> None:
+    """``shared_parameters="separate"``: each site of the tied embedding / head is its own
+    block, i.e. the per-sample gradients of the *untied* model (same values, two parameters)
+    by torch.func; inner products are the untied model's Gram, without the sites' cross terms
+    (which ``"sum"`` has), in float64 to 1e-10."""
+    torch.manual_seed(1)
+    model = TinyLM().double()
+    untied = TinyLM(tie=False).double()
+    state = {k: v for k, v in model.state_dict().items()}
+    state["head.weight"] = model.emb.weight.detach().clone()
+    untied.load_state_dict(state)
+    x1, x2 = torch.randint(0, 17, (3, 5)), torch.randint(0, 17, (2, 5))
+    g1, g2 = (r.gradient for r in run(model, [x1, x2], shared_parameters="separate"))
+    ref1, ref2 = (per_sample_grads(untied, lm_loss, {"input_ids": x}, names=None) for x in (x1, x2))
+    for layer in ("emb", "head"):
+        got = g1.layers[layer].materialize().data.reshape(3, -1)
+        assert rel_err(got, ref1[f"{layer}.weight"].reshape(3, -1)) < 1e-10, layer
+    r1 = flat({k: v for k, v in ref1.items() if not k.startswith("unused")})
+    r2 = flat({k: v for k, v in ref2.items() if not k.startswith("unused")})
+    for mode in ("auto", "factorized", "materialized"):
+        assert rel_err(ops.cross_dot(g1, g2, mode=mode), r1 @ r2.T) < 1e-10, mode
+        assert rel_err(ops.grad_norm_sq(g1, mode=mode), (r1 * r1).sum(1)) < 1e-10, mode
+    # "sum" differs by the cross terms between the sites: the tied model's Gram
+    s1, s2 = (r.gradient for r in run(model, [x1, x2]))
+    tied1, tied2 = ref_flat(model, x1), ref_flat(model, x2)
+    assert rel_err(ops.cross_dot(s1, s2), tied1 @ tied2.T) < 1e-10
+    assert rel_err(tied1 @ tied2.T, r1 @ r2.T) > 1e-3

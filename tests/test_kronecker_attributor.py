@@ -287,3 +287,40 @@ def test_live_ekfac_streams_the_train_set_once_within_the_cache_budget(monkeypat
         # one test stream + train streams: 1 with the cache, 3 without (cov, eigen, score)
         assert len(calls) == (2 if budget else 4), (budget, calls)
     assert torch.allclose(scores[2.0], scores[0.0], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_diagonal_non_kronecker_with_callback_covariances(tmp_path, kind):
+    """``non_kronecker="diagonal"`` with covariances from a ``KroneckerCovarianceCallback``
+    left at ``"skip"`` used to leave the embedding / norm out with a warning telling the user
+    to pass ``non_kronecker='diagonal'`` (which they had): now refused, naming the callback's
+    option; with the callback's ``"diagonal"`` the scores equal a fit from the gradients."""
+    from dattri_llm import CaptureCallback
+
+    model = make_model()
+
+    def capture(ds, cbs):
+        cap = CaptureCallback(keep_all=True)
+        hm = HookManager(model, HookManagerConfig(), callbacks=[cap, *cbs])
+        with hm.collect(deregister_on_exit=True):
+            for i in range(0, len(ds), 4):
+                ids = torch.stack([d["input_ids"] for d in ds[i : i + 4]])
+                model.zero_grad()
+                loss_fn(model, {"input_ids": ids}).backward()
+        return cap.records
+
+    skip_cb = KroneckerCovarianceCallback()
+    diag_cb = KroneckerCovarianceCallback(non_kronecker="diagonal")
+    train, test = capture(dataset(8, 1), [skip_cb, diag_cb]), capture(dataset(3, 2), [])
+    assert "emb" in train[0].gradient.layers
+    att = CLASSES[kind](run_args(tmp_path), non_kronecker="diagonal")
+    with pytest.raises(
+        ValueError, match=r"KroneckerCovarianceCallback\(non_kronecker='diagonal'\)"
+    ):
+        att.fit(train, covariances=skip_cb)
+    plain = CLASSES[kind](run_args(tmp_path), non_kronecker="diagonal")
+    want = plain.attribute_sources(train, test, damping=1e-2).scores
+    assert not plain.factors[0].skipped
+    att.fit(train, covariances=diag_cb)
+    got = att.attribute_sources(train, test, damping=1e-2).scores
+    assert rel(got, want) < 1e-10

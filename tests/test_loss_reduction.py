@@ -258,3 +258,89 @@ def test_trajectory_methods_never_assume_the_reduction_silently(tmp_path, recwar
         with pytest.raises(ValueError, match="loss_reduction is not declared.*loss_reduction="):
             att.kappa(4)
     del sgd
+
+
+# ---- the reduction recorded once at capture ---------------------------------------------------
+def _recorded_runs(tmp_path, reduction: str, recorded: str | None):
+    """A DVEmb (SGD) and an AdamW run whose loop reduced the loss with ``reduction``, captured
+    with ``OffloadCallback(loss_reduction=recorded)``; ``{name: (cls, call, reference)}``
+    with the scores written out by hand (``tests/trajectory_reference.py``)."""
+    from dattri_llm import AdamWInfluenceAttributor, DVEmbAttributor
+    from tests import test_adamw_influence as adamw_tests
+    from tests import test_dvemb as dvemb_tests
+    from tests.trajectory_reference import adam_step_matrices, query_grads, unroll_explicit
+
+    kw = {"offload_kw": {"loss_reduction": recorded}}
+    sgd = dvemb_tests.make_run(tmp_path / "sgd", reduction=reduction, **kw)
+    lrs = [0.02, 0.015, 0.01, 0.01]
+    adam = adamw_tests.make_run(tmp_path / "adam", "adamw", lrs=lrs, reduction=reduction, **kw)
+    dvemb_ref = dvemb_tests.scores_of(dvemb_tests.product_formula(sgd), query_grads(sgd))
+    adam_ref, _ = unroll_explicit(adam, lambda t: adam_step_matrices(adam, t), query_grads(adam))
+    return {
+        "dvemb": (
+            DVEmbAttributor,
+            lambda att: att.attribute_from_cache(
+                tmp_path / "sgd" / "train",
+                tmp_path / "sgd" / "query",
+                learning_rate=dvemb_tests.LRS,
+            ),
+            lambda score: dvemb_tests.compare(dvemb_tests.occurrences(score, sgd), dvemb_ref),
+        ),
+        "adamw": (
+            AdamWInfluenceAttributor,
+            lambda att: att.attribute_from_cache(
+                tmp_path / "adam" / "train",
+                tmp_path / "adam" / "query",
+                dynamics=adam.extra["dynamics"],
+            ),
+            lambda score: adamw_tests.compare_occurrences(
+                adamw_tests.occurrences(score, adam), adam_ref
+            ),
+        ),
+    }
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduction_recorded_at_capture_is_used_and_checked(tmp_path, reduction):
+    """Issue 26, 3: ``OffloadCallback(loss_reduction=...)`` records the loop's reduction once;
+    DVEmb / AdamW-influence score with it, undeclared and without a warning, equal to the
+    product / forward-mode formulas written out by hand (1e-9); an argument that contradicts
+    the recording is refused, naming both."""
+    import warnings
+
+    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
+    other = "sum" if reduction == "mean" else "mean"
+    for name, (cls, call, error_vs_formula) in _recorded_runs(
+        tmp_path, reduction, reduction
+    ).items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # recorded: no warning
+            recorded = call(cls(a))
+            declared = call(cls(a, loss_reduction=reduction))
+        assert error_vs_formula(recorded) <= 1e-9, name
+        assert torch.equal(recorded.scores, declared.scores), name
+        with pytest.raises(ValueError, match=rf"loss_reduction='{other}'.*'{reduction}'"):
+            call(cls(a, loss_reduction=other))
+        att = cls(a)
+        call(att)
+        assert att.loss_reduction is None  # no state survives the call
+
+
+def test_reduction_recorded_nowhere_still_warns_and_bad_values_are_refused(tmp_path):
+    from dattri_llm import OffloadCallback
+    from dattri_llm.attribution.trajectory.reduction import recorded_reduction
+    from dattri_llm.gradient.gradient import GradientBlock
+
+    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
+    for name, (cls, call, error_vs_formula) in _recorded_runs(tmp_path, "sum", None).items():
+        with pytest.warns(UserWarning, match="OffloadCallback.*loss_reduction"):
+            score = call(cls(a))
+        assert error_vs_formula(score) <= 1e-9, name
+    with pytest.raises(ValueError, match="loss_reduction.*'avg'"):
+        OffloadCallback(file_manager=tmp_path / "x", loss_reduction="avg")
+    blocks = [
+        GradientBlock(0, None, ["a"], metadata={"loss_reduction": "mean"}),
+        GradientBlock(1, None, ["b"], metadata={"loss_reduction": "sum"}),
+    ]
+    with pytest.raises(ValueError, match="disagree.*'mean' \\(step 0\\), 'sum' \\(step 1\\)"):
+        recorded_reduction(blocks, "test")

@@ -129,9 +129,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         task: For the live path.
         dynamics: Default ``dynamics=`` of the calls (``OptimizerStateCallback.dynamics()``, a
             ``TrajectorySnapshots`` or its directory); a call's own ``dynamics=`` wins.
-        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch;
-            required from a store (see :class:`TrajectoryAttributor`), ``None`` is ``"sum"``
-            only for the live ``attribute``.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+            ``None``: what the capture recorded (``OffloadCallback(loss_reduction=...)``); an
+            argument that contradicts the recording is an error. Declared nowhere, a store
+            scores as ``"sum"`` with a warning; the live ``attribute`` uses ``"sum"``.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
         normalized_grad: TrackStar's unit normalization of both sides (needs

@@ -232,9 +232,10 @@ class DVEmbAttributor(TrajectoryAttributor):
         curvature: ``"empirical_fisher"``, ``"mc_fisher"``, ``"none"``, or an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true Hessian
             of each step's batch loss, replayed from parameter snapshots).
-        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch;
-            required from a store (see :class:`TrajectoryAttributor`), ``None`` is ``"sum"``
-            only for the live ``attribute``.
+        loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
+            ``None``: what the capture recorded (``OffloadCallback(loss_reduction=...)``); an
+            argument that contradicts the recording is an error. Declared nowhere, a store
+            scores as ``"sum"`` with a warning; the live ``attribute`` uses ``"sum"``.
         method: ``"auto"`` (default: ``"adjoint"``, or ``"forward"`` with ``normalized_grad``),
             ``"forward"`` (every occurrence's embedding carried forward: memory and work ∝
             samples) or ``"adjoint"`` (the queries carried backward: ∝ queries; no embeddings
@@ -343,7 +344,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             if self.compute_dtype is None
             else torch.promote_types(first.dtype, self.compute_dtype)
         )
-        with self.declared_reduction("embed"):
+        with self.declared_reduction("embed", index=index) as index:
             load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
             emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
         out = DataValueEmbeddings(emb.cpu(), hashes, steps, layer_widths(first, layers))

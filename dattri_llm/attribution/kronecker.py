@@ -222,6 +222,15 @@ class KFACAttributor(BaseAttributor):
         show = self.args.show_progress
         if covariances is not None:
             covs = load_covariances(covariances)
+            skipped = {n: t for cov in covs.values() for n, t in cov.skipped.items()}
+            if self.non_kronecker == "diagonal" and skipped:
+                raise ValueError(
+                    f"{type(self).__name__}(non_kronecker='diagonal') was given covariances "
+                    "accumulated with non_kronecker='skip' (KroneckerCovarianceCallback's "
+                    f"default): they hold no diagonal Fisher for {skipped}. Create the callback "
+                    "as KroneckerCovarianceCallback(non_kronecker='diagonal'), or fit from the "
+                    "training gradients without covariances=."
+                )
         else:
             if source is None:
                 raise ValueError(

@@ -46,7 +46,8 @@ def check_flag(value: Any, where: str) -> bool:
     """``value`` as a bool (numpy bools accepted); anything else raises naming ``where``."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_":  # a numpy bool
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):  # numpy 1 / numpy 2
         return bool(value)
     raise TypeError(f"{where} must be True or False, got {value!r}.")
 

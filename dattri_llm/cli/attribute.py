@@ -288,8 +288,9 @@ def add_parser(sub: Any) -> None:
         "--loss-reduction",
         choices=("sum", "mean"),
         default=None,
-        help="adamw-influence, dvemb: how the training loss combined each batch (declare it: "
-        "undeclared, the sum is assumed with a warning)",
+        help="adamw-influence, dvemb: how the training loss combined each batch (default: what "
+        "the store recorded, OffloadCallback(loss_reduction=...); recorded nowhere, the sum is "
+        "assumed with a warning)",
     )
     p.add_argument(
         "--pair-by",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +40,12 @@ from dattri_llm.attribution.engine import distributed
 from dattri_llm.attribution.engine.sinks import check_top_k, top_k_of
 from dattri_llm.attribution.normalization import check_flag, unit_per_sample, unit_rows_dense
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.trajectory.reduction import (
+    REDUCTIONS,
+    checked_loads,
+    recorded_reduction,
+    resolve_reduction,
+)
 from dattri_llm.attribution.trajectory.unroll import (
     LinearStep,
     StepPushes,
@@ -53,7 +58,6 @@ from dattri_llm.utils.progress import progress
 
 __all__ = ["TrajectoryAttributor", "StepIndex", "step_index", "as_schedule", "dense_rows"]
 
-_REDUCTIONS = ("sum", "mean")
 _METHODS = ("adjoint", "forward")
 
 
@@ -186,10 +190,11 @@ class TrajectoryAttributor(BaseAttributor):
             ``"sum"`` (``loss = Σ ℓ_z``) or ``"mean"`` (``loss = Σ ℓ_z / B``, e.g.
             ``model(**batch).loss``). It sets ``κ`` in the batch curvature ``κ Σ s sᵀ`` and how
             a removal re-normalises the batch (the captured ``s`` are the samples' shares
-            either way), so it changes every score. ``None`` (not declared): the live
-            ``attribute`` trains (or replays) with the task's per-sample sum itself and uses
-            ``"sum"``; from a store (``attribute_from_cache``, ``attribute_sources``, ``embed``)
-            ``"sum"`` is assumed with a warning that names ``loss_reduction`` (declare it).
+            either way), so it changes every score. ``None``: what the capture recorded
+            (``OffloadCallback(loss_reduction=...)``; an argument contradicting it is an
+            error); recorded nowhere, the live ``attribute`` (trained with the task's sum) uses
+            ``"sum"``, and a store (``attribute_from_cache``, ``attribute_sources``, ``embed``)
+            is scored as ``"sum"`` with a warning naming ``loss_reduction`` (declare it).
         compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
             float32 run); never lowers it.
         method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
@@ -221,9 +226,9 @@ class TrajectoryAttributor(BaseAttributor):
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
         self.method = method
-        if loss_reduction is not None and loss_reduction not in _REDUCTIONS:
+        if loss_reduction is not None and loss_reduction not in REDUCTIONS:
             raise ValueError(
-                f"loss_reduction must be one of {_REDUCTIONS} (how the training loss combined "
+                f"loss_reduction must be one of {REDUCTIONS} (how the training loss combined "
                 f"the batch), got {loss_reduction!r}."
             )
         if compute_dtype is not None and not (
@@ -251,34 +256,29 @@ class TrajectoryAttributor(BaseAttributor):
         return self.loss_reduction
 
     @contextlib.contextmanager
-    def declared_reduction(self, where: str, live: bool = False) -> Iterator[None]:
-        """Within: ``loss_reduction`` declared, for this call only (no state survives it).
+    def declared_reduction(
+        self, where: str, live: bool = False, index: StepIndex | None = None
+    ) -> Iterator[StepIndex | None]:
+        """Within: ``loss_reduction`` resolved, for this call only (no state survives it).
 
-        The live path trains (or replays) with the task's per-sample sum, so an undeclared
-        reduction is ``"sum"`` there. From a store an undeclared reduction is assumed
-        ``"sum"`` (the library's convention, what the specification's workflow records) with a
-        warning naming ``loss_reduction``: a store does not record how its loop reduced the
-        loss, and a mean-loss loop then scores wrong.
+        From the argument, else from what the capture recorded in ``index``'s first step
+        (``OffloadCallback(loss_reduction=...)``), else ``"sum"`` — with a warning naming both
+        ways to declare it, except on the live path, which trains with the task's per-sample
+        sum (:mod:`~dattri_llm.attribution.trajectory.reduction`). Yields ``index`` with every
+        step's records checked against the resolved reduction (``None`` without one).
         """
-        if self.loss_reduction is not None:
-            yield
-            return
-        if not live:
-            name = type(self).__name__
-            warnings.warn(
-                f"{name}.{where}: loss_reduction was not declared, so the scores assume the "
-                "captured run trained on the SUM of the per-sample losses. If the loop trained "
-                "on their mean (model(**batch).loss, reduction='mean'), every score is off: "
-                f'declare {name}(..., loss_reduction="mean"); declare loss_reduction="sum" to '
-                "confirm the sum (and silence this warning).",
-                UserWarning,
-                stacklevel=4,
-            )
-        self.loss_reduction = "sum"
+        name = type(self).__name__
+        recorded = None if index is None else recorded_reduction(index.load(index.steps[0]), name)
+        declared = self.loss_reduction
+        self.loss_reduction = resolve_reduction(name, where, declared, recorded, live)
         try:
-            yield
+            yield (
+                None
+                if index is None
+                else StepIndex(index.steps, checked_loads(index.load, name, self.loss_reduction))
+            )
         finally:
-            self.loss_reduction = None
+            self.loss_reduction = declared
 
     # ---- what subclasses implement ---------------------------------------------------------
     def step_loader(
@@ -471,7 +471,7 @@ class TrajectoryAttributor(BaseAttributor):
             dtype = torch.promote_types(dtype, self.compute_dtype)
         self._check_queries(test_blocks, first[0].gradient, layers)
         queries, query_hashes = dense_rows(test_blocks, layers, dtype, self.device)
-        with self.declared_reduction("attribute_sources"):
+        with self.declared_reduction("attribute_sources", index=index) as index:
             if distributed.active(self.args):
                 distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
                 scores, hashes, steps = self._run_split(

@@ -22,7 +22,11 @@ from dattri_llm.gradient.store.compact import (
 if TYPE_CHECKING:
     from dattri_llm.gradient.store import GradientStorageManager
 
-__all__ = ["OffloadCallback", "batch_id"]
+__all__ = ["OffloadCallback", "batch_id", "LOSS_REDUCTION_KEY"]
+
+#: The record-metadata key under which ``OffloadCallback(loss_reduction=...)`` records how the
+#: training loss combined each batch (``"sum"`` or ``"mean"``); the trajectory attributors read it.
+LOSS_REDUCTION_KEY = "loss_reduction"
 
 
 def batch_id(hashes: list[str]) -> str:
@@ -97,6 +101,11 @@ class OffloadCallback(HookCallback):
             the rank agreement of bf16 / fp16 scores with float32 ones is measured in
             ``docs/benchmarks/store.md``. ``float16`` overflows above 65504; ``bfloat16``
             keeps float32's range.
+        loss_reduction: ``None`` (default), ``"sum"`` or ``"mean"``: how the training loop's
+            loss combined each batch (``"mean"`` for ``model(**batch).loss``), recorded in
+            every record's metadata (:data:`LOSS_REDUCTION_KEY`). DVEmb and AdamW-influence
+            read it from the store (their own ``loss_reduction=`` must then agree), so it is
+            declared once, where the loop is written.
 
     Example:
         >>> fm = GradientStorageManager("./train_grads")
@@ -114,6 +123,7 @@ class OffloadCallback(HookCallback):
         step_offset: int | None = None,
         keep_token_factors: bool | Sequence[str] = False,
         storage_dtype: str | torch.dtype | None = None,
+        loss_reduction: str | None = None,
     ) -> None:
         if file_manager is None:
             raise ValueError(
@@ -142,6 +152,13 @@ class OffloadCallback(HookCallback):
             raise ValueError(
                 f"recording_type must be 'per_sample' or 'per_batch', got {recording_type!r}"
             )
+        if loss_reduction not in (None, "sum", "mean"):
+            raise ValueError(
+                "OffloadCallback(loss_reduction=...) says how the training loss combined each "
+                f"batch: 'sum', 'mean' or None (not recorded), got {loss_reduction!r}. Pass "
+                "'mean' for model(**batch).loss or a reduction='mean' loss."
+            )
+        self.loss_reduction = loss_reduction
         self.keep_token_factors = check_keep_token_factors(keep_token_factors)
         self.storage_dtype = check_storage_dtype(storage_dtype)
         self.offload_interval = offload_interval
@@ -217,6 +234,12 @@ class OffloadCallback(HookCallback):
             self._offsets[checkpoint] = offset
         return step + self._offsets[checkpoint]
 
+    def _metadata(self, record: GradientRecord | None) -> dict:
+        meta = dict(record.metadata) if record is not None else {}
+        if self.loss_reduction is not None:
+            meta[LOSS_REDUCTION_KEY] = self.loss_reduction
+        return meta
+
     def on_step_end(self, record: GradientRecord) -> None:
         """Write the record (or add it to the step's batch gradient)."""
         n = self.gradient_accumulation_steps
@@ -229,7 +252,7 @@ class OffloadCallback(HookCallback):
             gradient, storage = self._prepare(record.gradient)
             self.file_manager.write(
                 GradientRecord(
-                    step, list(record.hashes), gradient, record.checkpoint, record.metadata
+                    step, list(record.hashes), gradient, record.checkpoint, self._metadata(record)
                 ),
                 storage=storage,
             )
@@ -262,7 +285,7 @@ class OffloadCallback(HookCallback):
         self._batch = None
         grad, storage = self._prepare(grad)  # already dense: only the dtype can change
         self.file_manager.write(
-            GradientRecord(step, [batch_id(ids)], grad, ckpt),
+            GradientRecord(step, [batch_id(ids)], grad, ckpt, self._metadata(None)),
             extra={"members": ids},
             storage=storage,
         )

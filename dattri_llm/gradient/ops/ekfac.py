@@ -102,8 +102,9 @@ def eigendecompose(
             "K-FAC/EK-FAC applies to linear and convolution layers and projected vectors only; "
             "these layers are left "
             f"out of the preconditioner and of the scores: {skipped}. Pass "
-            "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
-            "exclude them from the hook config.",
+            "non_kronecker='diagonal' (to the attributor, and to the "
+            "KroneckerCovarianceCallback whose covariances it fits) to precondition them with a "
+            "diagonal Fisher instead, or exclude them from the hook config.",
             UserWarning,
             stacklevel=2,
         )

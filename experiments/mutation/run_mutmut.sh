@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Mutation testing of a few core modules with mutmut 3.8.1: run on demand, never in CI.
+#
+# Works on a throw-away copy of the tree (mutmut writes its mutants/ folder where it runs), so
+# the checkout is left untouched. Needs mutmut in its own environment, e.g.
+#   python -m venv --system-site-packages ../_venvs/mutmut && ../_venvs/mutmut/bin/pip install mutmut==3.8.1
+# Usage (from the repository root):
+#   MUTMUT=../_venvs/mutmut/bin/mutmut bash experiments/mutation/run_mutmut.sh [module.py ...]
+# Default modules: the ones listed in MODULES below; the tests run are TESTS. Prints mutmut's
+# summary and every surviving mutant's diff; CONTRIBUTING.md lists the survivors of the last
+# run and why each is equivalent or accepted.
+set -euo pipefail
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+MUTMUT=${MUTMUT:-mutmut}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+MODULES=("$@")
+if [ ${#MODULES[@]} -eq 0 ]; then
+  MODULES=(
+    dattri_llm/gradient/layers/linear.py
+    dattri_llm/gradient/layer_inner.py
+    dattri_llm/gradient/ops/routing.py
+    dattri_llm/attribution/tracin.py
+  )
+fi
+TESTS=(
+  tests/test_layers.py
+  tests/test_routing.py
+  tests/test_attribution_tracin.py
+  tests/test_capture_exactness.py
+  tests/test_mutation_kills.py
+)
+work=$(mktemp -d "${TMPDIR:-/tmp}/dattri_llm_mutmut.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+tar -C "$root" --exclude=.git --exclude=mutants --exclude='.venv*' --exclude='__pycache__' -cf - . |
+  tar -C "$work" -xf -
+{
+  echo "[mutmut]"
+  echo "source_paths = dattri_llm"
+  echo "only_mutate ="
+  for m in "${MODULES[@]}"; do echo "    $m"; done
+  echo "pytest_add_cli_args_test_selection ="
+  for t in "${TESTS[@]}"; do echo "    $t"; done
+  printf 'pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -m\n    not slow and not distributed and not gpu\n'
+  echo "also_copy ="
+  echo "    tests"
+  echo "    experiments"
+  echo "    pyproject.toml"
+} >"$work/setup.cfg"
+cd "$work"
+"$MUTMUT" run --max-children 1 || true
+"$MUTMUT" results || true
+for m in $("$MUTMUT" results 2>/dev/null | awk -F: '/survived/ {print $1}'); do
+  "$MUTMUT" show "$m" || true
+done
