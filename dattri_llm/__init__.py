@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "DVEmbAttributor": "dattri_llm.attribution",
     "DataValueEmbeddings": "dattri_llm.attribution",
     "ExactHessian": "dattri_llm.attribution",
+    "SecondMoment": "dattri_llm.attribution",
     "GradientIndex": "dattri_llm.attribution",
     # sample identity
     "hash_sample": "dattri_llm.utils.hashing",

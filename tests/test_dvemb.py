@@ -304,9 +304,14 @@ def test_missing_learning_rate_raises_and_adam_warns(tmp_path):
 # ---- cached embeddings ---------------------------------------------------------------------------
 def test_embeddings_saved_and_reloaded_rescore_identically(tmp_path):
     run = make_run(tmp_path)
-    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum", learning_rate=LRS)
+    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum", learning_rate=LRS, method="forward")
     embs = att.embed(tmp_path / "train", save_to=tmp_path / "emb")
     direct = att.attribute_from_cache(tmp_path / "train", tmp_path / "query")
+    # the default (method="auto": the adjoint sweep) gives the same scores to rounding
+    default = DVEmbAttributor(args(tmp_path), loss_reduction="sum", learning_rate=LRS)
+    assert default.method == "adjoint"
+    auto = default.attribute_from_cache(tmp_path / "train", tmp_path / "query")
+    assert rel_err(auto.scores, direct.scores) <= 1e-12
     loaded = DataValueEmbeddings.load(tmp_path / "emb")
     assert torch.equal(loaded.embeddings, embs.embeddings) and loaded.embeddings.dtype == DT
     assert loaded.hashes == embs.hashes and loaded.steps == embs.steps

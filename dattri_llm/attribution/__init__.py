@@ -48,6 +48,10 @@ from dattri_llm.attribution.trajectory.curvature import ExactHessian  # noqa: E4
 
 __all__ += ["ExactHessian"]
 
+from dattri_llm.attribution.normalization import SecondMoment  # noqa: E402
+
+__all__ += ["SecondMoment"]
+
 from dattri_llm.attribution.index import GradientIndex  # noqa: E402
 
 __all__ += ["GradientIndex"]

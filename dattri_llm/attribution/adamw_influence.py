@@ -95,6 +95,11 @@ def check_dynamics_layout(
 class AdamWInfluenceAttributor(TrajectoryAttributor):
     """Influence of each training sample unrolled through the recorded Adam / AdamW run.
 
+    Regime: the first-order effect of removing one sample from *this* run (small removals; the
+    quality benchmark's trajectory-specific LOO). For half-data LDS, where each half is
+    retrained with its own batch order, a final-weights influence function (EK-FAC) ranks
+    better; see docs/benchmarks/quality.md ("Issue 24").
+
     Args:
         args: Run options.
         task: For the live path.
@@ -105,6 +110,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             only for the live ``attribute``.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
+        normalized_grad: TrackStar's unit normalization of both sides (needs
+            ``method="forward"``; see :class:`TrajectoryAttributor`).
         curvature: Each step's batch-loss curvature: ``"empirical_fisher"`` (``κ Σ s sᵀ`` from
             the captured gradients), an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true
@@ -127,9 +134,15 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         method: str = "adjoint",
         compute_dtype: torch.dtype | None = None,
         curvature: str | ExactHessian = "empirical_fisher",
+        normalized_grad: bool = False,
     ) -> None:
         super().__init__(
-            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+            args,
+            task,
+            loss_reduction=loss_reduction,
+            compute_dtype=compute_dtype,
+            method=method,
+            normalized_grad=normalized_grad,
         )
         if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
             raise ValueError(

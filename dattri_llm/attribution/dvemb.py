@@ -212,6 +212,10 @@ class DataValueEmbeddings:
 class DVEmbAttributor(TrajectoryAttributor):
     """Data value embeddings for an SGD run (positive score = the sample helped the query).
 
+    Regime: the first-order effect of removing one sample from *this* SGD run (small removals).
+    On an Adam run it is the wrong model (it warns; use AdamW-influence or LESS); see
+    docs/benchmarks/quality.md ("Issue 24").
+
     Args:
         args: Run options.
         task: For the live path.
@@ -227,9 +231,16 @@ class DVEmbAttributor(TrajectoryAttributor):
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch;
             required from a store (see :class:`TrajectoryAttributor`), ``None`` is ``"sum"``
             only for the live ``attribute``.
-        method: ``"forward"`` (embeddings, memory ∝ samples) or ``"adjoint"`` (memory ∝
-            queries; no embeddings kept).
+        method: ``"auto"`` (default: ``"adjoint"``, or ``"forward"`` with ``normalized_grad``),
+            ``"forward"`` (every occurrence's embedding carried forward: memory and work ∝
+            samples) or ``"adjoint"`` (the queries carried backward: ∝ queries; no embeddings
+            kept). Both give the same scores; :meth:`embed` always runs forward. On a 1000-sample
+            run scored for 100 queries the forward sweep took 26× the adjoint's time
+            (``experiments/benchmark/trajectory_cost.py``, docs/benchmarks/quality.md).
         compute_dtype: Raise the propagation's precision.
+        normalized_grad: TrackStar's unit normalization of both sides: each sample's
+            embedding summed over its occurrences and each query divided by its norm (see
+            :class:`TrajectoryAttributor`).
     """
 
     default_optimizer = "sgd"
@@ -246,11 +257,19 @@ class DVEmbAttributor(TrajectoryAttributor):
         momentum_buffer_existed: bool | None = None,
         curvature: str | ExactHessian = "empirical_fisher",
         loss_reduction: str | None = None,
-        method: str = "forward",
+        method: str = "auto",
         compute_dtype: torch.dtype | None = None,
+        normalized_grad: bool = False,
     ) -> None:
+        if method == "auto":
+            method = "forward" if normalized_grad is True else "adjoint"
         super().__init__(
-            args, task, loss_reduction=loss_reduction, compute_dtype=compute_dtype, method=method
+            args,
+            task,
+            loss_reduction=loss_reduction,
+            compute_dtype=compute_dtype,
+            method=method,
+            normalized_grad=normalized_grad,
         )
         if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
             raise ValueError(

@@ -25,6 +25,14 @@ import torch
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.engine.blocks import LiveSource
+from dattri_llm.attribution.kronecker_load import load_covariances, load_factors
+from dattri_llm.attribution.kronecker_mix import (
+    check_mix,
+    mixed_covariances,
+    mixed_eigenvalues,
+    queries_by_checkpoint,
+)
+from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
@@ -47,9 +55,6 @@ __all__ = ["KFACAttributor", "EKFACAttributor"]
 
 #: Default damping: this factor of each layer's mean eigenvalue (``relative=True``).
 DEFAULT_DAMPING = 0.1
-
-_FACTORS_JSON = "kronecker_factors.json"
-_COV_JSON = "kronecker_covariances.json"
 
 
 class KFACAttributor(BaseAttributor):
@@ -82,6 +87,16 @@ class KFACAttributor(BaseAttributor):
             ``"all"``.
         eigen_dtype: Eigendecomposition dtype (float64 by default, also for float32 models).
         mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
+        normalized_grad: TrackStar's unit normalization after the preconditioner, on both
+            sides: with ``P = (F̂ + λI)^{-1}`` the score becomes
+            ``gᵀ P q / (√(gᵀ P g) √(qᵀ P q)) = cos(P^{1/2} g, P^{1/2} q)`` (TrackStar normalizes
+            ``R^{-1/2} g``), norms over all preconditioned layers. Costs one preconditioning of
+            every train chunk (materialized) for its ``P``-norm.
+        mix: Fit the preconditioner on a mixture of train and query gradients (TrackStar fits
+            its Fisher on one): ``A``, ``G`` (and EK-FAC's eigenvalues, diagonal Fishers) are
+            ``(1 − mix) ×`` the train mean ``+ mix ×`` the query mean, the query side being the
+            test gradients of the call. ``0`` (default): the train gradients alone. See
+            :mod:`dattri_llm.attribution.kronecker_mix`.
 
     Attributes:
         factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
@@ -98,8 +113,14 @@ class KFACAttributor(BaseAttributor):
         tokens: TokenCount = "gradient",
         eigen_dtype: torch.dtype = torch.float64,
         mode: str = "auto",
+        normalized_grad: bool = False,
+        mix: float = 0.0,
     ) -> None:
         super().__init__(args, task, mode=mode)
+        self.normalized_grad = check_flag(
+            normalized_grad, f"{type(self).__name__}(normalized_grad=)"
+        )
+        self.mix = check_mix(mix, f"{type(self).__name__}(mix=)")
         if non_kronecker not in ("skip", "diagonal"):
             raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
         if tokens not in ("gradient", "all"):
@@ -123,6 +144,7 @@ class KFACAttributor(BaseAttributor):
         refit: bool = False,
         hook_config: HookManagerConfig | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        query_source: Any = None,
     ) -> dict[int, KroneckerFactors]:
         """Fit (or load) the damping-free factors, once per checkpoint; later calls reuse them.
 
@@ -143,6 +165,9 @@ class KFACAttributor(BaseAttributor):
                 every later call.
             hook_config: Layers to capture when ``train_source`` is a dataset.
             collate_fn: Collate of the live path when ``train_source`` is a dataset.
+            query_source: The query gradients (a gradient source or blocks) of a ``mix > 0``
+                fit; ``attribute_from_cache`` / ``attribute_sources`` pass their test side.
+                A mixed fit is made anew by every call (it depends on the queries).
 
         Returns:
             ``{checkpoint: KroneckerFactors}``.
@@ -151,24 +176,40 @@ class KFACAttributor(BaseAttributor):
         calls it on its share of the data and the accumulators are all-reduced.
         """
         key = self._source_key(train_source, hook_config)
+        if self.mix > 0 and factors is None:
+            if query_source is None:
+                raise ValueError(
+                    f"{type(self).__name__}(mix={self.mix}) fits on train and query gradients: "
+                    "score with attribute_from_cache / attribute_sources (they pass the test "
+                    "side), or call fit(train_source, query_source=...) first and pass the "
+                    "result as factors=."
+                )
+            refit = True
         if factors is not None:
-            self.factors, self._fit_key = _load_factors(factors), None
+            self.factors, self._fit_key = load_factors(factors), None
         elif self.factors and not refit and (self._fit_key is None or self._fit_key == key):
             pass  # reuse: one fit serves every damping and query on the same training data
         else:
-            self.factors = self._fit(train_source, covariances, hook_config, collate_fn)
-            self._fit_key = key if train_source is not None else None
+            self.factors = self._fit(
+                train_source, covariances, hook_config, collate_fn, query_source
+            )
+            self._fit_key = key if train_source is not None and self.mix == 0 else ("mixed",)
         if save_dir is not None:
             self.save_factors(save_dir)
         return self.factors
 
     def _fit(
-        self, train_source: Any, covariances: Any, hook_config: Any, collate_fn: Any
+        self,
+        train_source: Any,
+        covariances: Any,
+        hook_config: Any,
+        collate_fn: Any,
+        query_source: Any = None,
     ) -> dict[int, KroneckerFactors]:
         source = self._as_source(train_source, hook_config, collate_fn)
         show = self.args.show_progress
         if covariances is not None:
-            covs = _load_covariances(covariances)
+            covs = load_covariances(covariances)
         else:
             if source is None:
                 raise ValueError(
@@ -183,6 +224,14 @@ class KFACAttributor(BaseAttributor):
                 covs[c].update(_gradient(block))
             if not covs:
                 raise ValueError("the train source yielded no gradients: nothing to fit.")
+        queries = None
+        if self.mix > 0:
+            queries = queries_by_checkpoint(as_source(query_source, "query"), sorted(covs))
+            for c in covs:
+                qcov = KroneckerCovariances(self.non_kronecker, self.tokens)
+                for g in queries[c]:
+                    qcov.update(g)
+                covs[c] = mixed_covariances(covs[c], qcov, self.mix)
         out = {
             c: eigendecompose(cov, dtype=self.eigen_dtype, progress=show, warn_skipped=(i == 0))
             for i, (c, cov) in enumerate(sorted(covs.items()))
@@ -194,7 +243,17 @@ class KFACAttributor(BaseAttributor):
                     "(train_source) for the eigenvalue correction, also when "
                     "covariances are given."
                 )
-            out = _ekfac_pass(out, source, show)
+            if queries is None:
+                return _ekfac_pass(out, source, show)
+            out = {
+                c: mixed_eigenvalues(
+                    f,
+                    (_gradient(b) for b in source if int(getattr(b, "checkpoint", 0)) == c),
+                    queries[c],
+                    self.mix,
+                )
+                for c, f in out.items()
+            }
         return out
 
     def _source_key(self, source: Any, hook_config: Any = None) -> Any:
@@ -282,7 +341,7 @@ class KFACAttributor(BaseAttributor):
 
     def load_factors(self, path: str | os.PathLike) -> dict[int, KroneckerFactors]:
         """Load a fit written by :meth:`save_factors` (validated) and use it from now on."""
-        self.factors = _load_factors(path)
+        self.factors = load_factors(path)
         return self.factors
 
     # ---- scoring hooks ---------------------------------------------------------------------
@@ -306,12 +365,27 @@ class KFACAttributor(BaseAttributor):
         return fit
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """Apply ``(F̂ + λ I)^{-1}`` to the test gradients (once per checkpoint)."""
-        return self._fit_for(checkpoint).precondition(gradient, self.damping, self.relative)
+        """Apply ``(F̂ + λ I)^{-1}`` to the test gradients (once per checkpoint).
+
+        With ``normalized_grad`` each row is then divided by its ``P``-norm ``√(qᵀ P q)``.
+        """
+        fit = self._fit_for(checkpoint)
+        out = fit.precondition(gradient, self.damping, self.relative)
+        if not self.normalized_grad:
+            return out
+        return unit_rows(out, dense_row_dot(gradient.select_layers(fit.layer_names), out))
 
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """Keep the preconditioned layers (skipped ones do not enter the score)."""
-        return gradient.select_layers(self._fit_for(checkpoint).layer_names)
+        """Keep the preconditioned layers (skipped ones do not enter the score).
+
+        With ``normalized_grad`` each row is divided by its ``P``-norm ``√(gᵀ P g)``.
+        """
+        fit = self._fit_for(checkpoint)
+        out = gradient.select_layers(fit.layer_names)
+        if not self.normalized_grad:
+            return out
+        pre = fit.precondition(out, self.damping, self.relative)
+        return unit_rows(out, dense_row_dot(out, pre))
 
     # ---- entry points ----------------------------------------------------------------------
     def _set_damping(self, damping: float | None, relative: bool | None, reset: bool) -> None:
@@ -414,6 +488,9 @@ class KFACAttributor(BaseAttributor):
         layer's mean eigenvalue).
         """
         self._set_damping(damping, relative, reset=False)
+        if self.mix > 0 and kwargs.get("factors") is None:
+            test_source = list(as_source(test_source, "test"))  # read by the fit and the scores
+            kwargs["query_source"] = test_source
         return super().attribute_sources(
             train_source, test_source, attribution_granularity, **kwargs
         )
@@ -475,58 +552,3 @@ def _looks_like_dataset(obj: Any) -> bool:
     if isinstance(first, tuple) and 3 <= len(first) <= 5 and isinstance(first[1], Gradient):
         return False  # (step, Gradient, hashes, ...) blocks
     return not isinstance(first, (GradientBlock, GradientRecord, Gradient))
-
-
-def _load_factors(obj: Any) -> dict[int, KroneckerFactors]:
-    if isinstance(obj, KroneckerFactors):
-        return {0: obj}
-    if isinstance(obj, Mapping):
-        out = {}
-        for c, f in obj.items():
-            if not isinstance(f, KroneckerFactors):
-                raise TypeError(
-                    f"factors[{c!r}] must be a KroneckerFactors, got {type(f).__name__}."
-                )
-            out[int(c)] = f
-        return out
-    if isinstance(obj, (str, os.PathLike)):
-        path = os.fspath(obj)
-        if os.path.exists(os.path.join(path, _FACTORS_JSON)):
-            return {0: KroneckerFactors.load(path)}
-        subs = (
-            sorted(d for d in os.listdir(path) if d.startswith("checkpoint_"))
-            if os.path.isdir(path)
-            else []
-        )
-        if not subs:
-            raise FileNotFoundError(
-                f"{path} holds no saved Kronecker factors (expected "
-                f"{_FACTORS_JSON} or checkpoint_<c>/ folders)."
-            )
-        return {int(d.split("_", 1)[1]): KroneckerFactors.load(os.path.join(path, d)) for d in subs}
-    raise TypeError(
-        f"factors must be a directory, a KroneckerFactors or a dict of them, got "
-        f"{type(obj).__name__}."
-    )
-
-
-def _load_covariances(obj: Any) -> dict[int, KroneckerCovariances]:
-    if isinstance(obj, Mapping):
-        return {int(c): _one_cov(v) for c, v in obj.items()}
-    return {0: _one_cov(obj)}
-
-
-def _one_cov(obj: Any) -> KroneckerCovariances:
-    if isinstance(obj, KroneckerCovariances):
-        return obj
-    cov = getattr(obj, "covariances", None)  # a KroneckerCovarianceCallback
-    if isinstance(cov, KroneckerCovariances):
-        return cov
-    if isinstance(obj, (str, os.PathLike)):
-        if not os.path.exists(os.path.join(obj, _COV_JSON)):
-            raise FileNotFoundError(f"{obj} holds no saved covariances ({_COV_JSON}).")
-        return KroneckerCovariances.load(obj)
-    raise TypeError(
-        "covariances must be a KroneckerCovarianceCallback, KroneckerCovariances, "
-        f"a directory or a dict of them, got {type(obj).__name__}."
-    )

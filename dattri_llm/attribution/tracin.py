@@ -10,6 +10,7 @@ import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.normalization import SecondMoment, check_flag
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.gradient import Gradient
@@ -33,6 +34,13 @@ class TracInAttributor(BaseAttributor):
     ``attribution_granularity="token"`` additionally splits each score over the train
     sample's token positions (exact: a layer's gradient is a sum over positions).
 
+    TrackStar's optimizer correction (Chang et al., 2024): ``second_moment=SecondMoment(...)``
+    multiplies every coordinate of the train and test gradients by ``1/√(v + ε)`` (Adam's second
+    moment, see :class:`~dattri_llm.attribution.normalization.SecondMoment`) *before* the
+    normalization of Grad-Cos, so ``normalized_grad=True`` with it scores
+    ``cos(g/√(v+ε), q/√(v+ε))`` (TrackStar with the identity as its ``R``). Raw (or
+    ``"mask"``-projected) gradients only: a store captured with a mixing projection is refused.
+
     ``normalized_grad`` is accepted by the constructor (the default of every call) and by
     :meth:`attribute`, :meth:`attribute_from_cache` and :meth:`attribute_sources` (as in the
     original dattri-llm). A value given to a call overrides the constructor's for that call
@@ -45,6 +53,8 @@ class TracInAttributor(BaseAttributor):
         checkpoint_weights: ``w_c`` per checkpoint: a sequence indexed by checkpoint label or
             a ``{checkpoint: weight}`` mapping.
         mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
+        second_moment: A :class:`~dattri_llm.attribution.normalization.SecondMoment`: correct
+            both sides by ``1/√(v + ε)`` per coordinate (``None``: raw gradients).
     """
 
     def __init__(
@@ -54,9 +64,17 @@ class TracInAttributor(BaseAttributor):
         normalized_grad: bool = False,
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         mode: str = "auto",
+        second_moment: SecondMoment | None = None,
     ) -> None:
         super().__init__(args, task, mode=mode)
-        self.normalized_grad = _check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
+        self.normalized_grad = check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
+        if second_moment is not None and not isinstance(second_moment, SecondMoment):
+            raise TypeError(
+                "TracInAttributor(second_moment=) must be a SecondMoment (e.g. "
+                "SecondMoment.from_dynamics(callback.dynamics())), got "
+                f"{type(second_moment).__name__}."
+            )
+        self.second_moment = second_moment
         self._call_normalized: bool | None = None  # set for the duration of one call only
         if checkpoint_weights is not None:
             if isinstance(checkpoint_weights, Mapping):
@@ -96,7 +114,7 @@ class TracInAttributor(BaseAttributor):
         if normalized_grad is None or self._call_normalized is not None:
             yield  # the constructor's value, or an outer call already chose
             return
-        self._call_normalized = _check_flag(normalized_grad, f"{where}(normalized_grad=)")
+        self._call_normalized = check_flag(normalized_grad, f"{where}(normalized_grad=)")
         try:
             yield
         finally:
@@ -124,6 +142,7 @@ class TracInAttributor(BaseAttributor):
             normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
             **kwargs: As :meth:`BaseAttributor.attribute`.
         """
+        self._check_granularity(attribution_granularity)
         with self._per_call(normalized_grad, "attribute"):
             return super().attribute(
                 train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
@@ -172,32 +191,36 @@ class TracInAttributor(BaseAttributor):
             normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
             **kwargs: As :meth:`BaseAttributor.attribute_sources`.
         """
+        self._check_granularity(attribution_granularity)
         with self._per_call(normalized_grad, "attribute_sources"):
             return super().attribute_sources(
                 train_source, test_source, attribution_granularity, **kwargs
             )
 
     # ---- scoring hooks ---------------------------------------------------------------------
+    def _check_granularity(self, granularity: str) -> None:
+        if granularity == "token" and self.second_moment is not None:
+            raise ValueError(
+                "TracInAttributor(second_moment=...) scores the corrected gradients, which are "
+                "materialized (no token axis): use attribution_granularity='sample'."
+            )
+
     def _normalize(self, gradient: Gradient) -> Gradient:
         norms = ops.grad_norm_sq(gradient, mode=self.mode).clamp_min(0).sqrt()
         inv = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
         return gradient.scale(inv)
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """Normalise the test gradients for Grad-Cos."""
+        """Correct by the second moment (if given), then normalise for Grad-Cos."""
+        if self.second_moment is not None:
+            gradient = self.second_moment.apply(gradient)
         return self._normalize(gradient) if self._normalizes else gradient
 
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """Normalise (Grad-Cos) and weight the train gradients of a checkpoint."""
+        """Correct (second moment), normalise (Grad-Cos) and weight a checkpoint's train rows."""
+        if self.second_moment is not None:
+            gradient = self.second_moment.apply(gradient)
         if self._normalizes:
             gradient = self._normalize(gradient)
         w = self.checkpoint_weight(checkpoint)
         return gradient if w == 1.0 else gradient.scale(w)
-
-
-def _check_flag(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if type(value).__name__ == "bool_":  # a numpy bool
-        return bool(value)
-    raise TypeError(f"{where} must be True or False, got {value!r}.")

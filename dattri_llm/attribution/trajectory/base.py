@@ -39,6 +39,7 @@ import torch
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.engine import distributed
 from dattri_llm.attribution.engine.sinks import check_top_k, top_k_of
+from dattri_llm.attribution.normalization import check_flag, unit_per_sample, unit_rows_dense
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.trajectory.unroll import (
     LinearStep,
@@ -193,6 +194,9 @@ class TrajectoryAttributor(BaseAttributor):
             float32 run); never lowers it.
         method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
             ``"forward"`` (every removal carried forward: memory ∝ samples); the same numbers.
+        normalized_grad: TrackStar's cosine: each train sample's displacement (summed over its
+            occurrences) and each query divided by its norm, so a sample's rows sum
+            (``agnostic_matrix``) to the cosine. Needs ``method="forward"``.
     """
 
     name = "trajectory"
@@ -204,8 +208,16 @@ class TrajectoryAttributor(BaseAttributor):
         loss_reduction: str | None = None,
         compute_dtype: torch.dtype | None = None,
         method: str = "adjoint",
+        normalized_grad: bool = False,
     ) -> None:
         super().__init__(args, task)
+        where = f"{type(self).__name__}(normalized_grad=)"
+        self.normalized_grad = check_flag(normalized_grad, where)
+        if self.normalized_grad and method != "forward":
+            raise ValueError(
+                f"{where}: True divides each train sample's displacement by its norm, which "
+                'only the forward sweep forms: pass method="forward".'
+            )
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
         self.method = method
@@ -298,6 +310,8 @@ class TrajectoryAttributor(BaseAttributor):
         load = self.step_loader(index, layers, dtype, **kwargs)
         if self.method == "forward":
             emb, hashes, rows = forward_sweep(index.steps, load, self._bar("unroll"), row_filter)
+            if self.normalized_grad:
+                emb, queries = unit_per_sample(emb, hashes), unit_rows_dense(queries)
             return emb @ queries.T, hashes, rows
         return adjoint_sweep(index.steps, load, queries, self._bar("unroll"))
 

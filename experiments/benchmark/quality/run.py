@@ -89,7 +89,8 @@ def build_setting(name: str) -> Setting:
 #: trajectory methods).
 GPT2_QUICK_ROWS = re.compile(
     r"^(Random|Grad-Dot|Grad-Cos|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
-    r"Grad-Dot \(unprojected\)|AdamW-influence.*|LESS.*|DVEmb.*)$"
+    r"Grad-Dot \(unprojected\)|AdamW-influence.*|LESS.*|DVEmb.*|"
+    r"EK-FAC (unit-normalized|fit on).*|Grad-(Dot|Cos) mask-2048.*)$"
 )
 
 

@@ -168,7 +168,11 @@ def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
 
 
 def kronecker(
-    name: str, damping: float | None, fisher: str = "empirical", non_kronecker: str = "skip"
+    name: str,
+    damping: float | None,
+    fisher: str = "empirical",
+    non_kronecker: str = "skip",
+    options: dict | None = None,
 ) -> Any:
     """K-FAC / EK-FAC row; one damping-free fit per (class, Fisher, non-Kronecker handling)
     serves every damping. ``non_kronecker="diagonal"`` also preconditions embeddings, norms
@@ -176,7 +180,8 @@ def kronecker(
 
     def fn(ctx: Context) -> torch.Tensor:
         cls = _kronecker_class(name)
-        key = ("kronecker", name, fisher, non_kronecker)
+        opts = dict(options or {})  # TrackStar's normalized_grad / mix (issue 24, item 4)
+        key = ("kronecker", name, fisher, non_kronecker, tuple(sorted(opts.items())))
         # None = the attributor's default (0.1 x each layer's mean eigenvalue), spelled out so
         # the row does not depend on the damping of the row before it
         kwargs: dict[str, Any] = (
@@ -184,7 +189,9 @@ def kronecker(
         )
         if key not in ctx.extra:
             tmp = os.path.join(tempfile.gettempdir(), "quality-unsaved")  # nothing is saved
-            attributor = cls(_args(tmp), task=_task(ctx, [ctx.final]), non_kronecker=non_kronecker)
+            attributor = cls(
+                _args(tmp), task=_task(ctx, [ctx.final]), non_kronecker=non_kronecker, **opts
+            )
             factors = None
             if fisher == "sampled":  # fit on sampled labels, score the real train gradients
                 fitter = cls(_args(tmp), task=_task(ctx, [ctx.final]))
@@ -193,7 +200,7 @@ def kronecker(
         attributor, factors = ctx.extra[key]
         if factors is not None:
             kwargs["factors"] = factors
-        if ctx.setting.task_kind != "lm":
+        if ctx.setting.task_kind != "lm" and not opts.get("mix"):
             return _score(ctx, attributor, **kwargs)
         train_blocks, test_blocks = final_blocks(ctx, attributor)
         train, test = _samples(ctx)
@@ -248,6 +255,19 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
                     "their diagonal Fisher (non_kronecker='diagonal')",
                 )
             )
+    for opts, label in (
+        ({"normalized_grad": True}, "unit-normalized (normalized_grad=True)"),
+        ({"mix": 0.1}, "fit on train + queries (mix=0.1)"),
+        ({"mix": 0.5}, "fit on train + queries (mix=0.5)"),
+    ):
+        out.append(
+            Method(
+                f"EK-FAC {label} (damping=default)",
+                "dattri_llm",
+                kronecker("EKFACAttributor", None, options=opts),
+                "empirical Fisher; TrackStar option (issue 24 item 4)",
+            )
+        )
     if classifier:
         for d in DAMPINGS[1:]:
             out.append(

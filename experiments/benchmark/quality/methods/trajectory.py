@@ -741,10 +741,16 @@ def methods(quick: bool, kind: str) -> list[Method]:
                     f"random mask of {dim} coordinates per layer at capture",
                 )
             )
-        return out + [
-            Method("LESS (4 ckpts, frozen form)", "dattri_llm", less),
-            Method("DVEmb (assumes SGD)", "dattri_llm", dvemb_on_adam),
-        ]
+        from experiments.benchmark.quality.methods import trajectory_diagnosis
+
+        return (
+            out
+            + [
+                Method("LESS (4 ckpts, frozen form)", "dattri_llm", less),
+                Method("DVEmb (assumes SGD)", "dattri_llm", dvemb_on_adam),
+            ]
+            + trajectory_diagnosis.methods()
+        )
     if kind == "sgd":
         return [
             Method(

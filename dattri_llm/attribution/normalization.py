@@ -1,0 +1,223 @@
+"""TrackStar's gradient normalizations as attributor options (Chang et al., 2024).
+
+Two per-sample maps shared by the attributors:
+
+* **Unit normalization** (``normalized_grad=True``): every train and query vector divided by
+  its Euclidean norm over all scored layers concatenated, so a score is a cosine. Where a
+  method preconditions (K-FAC / EK-FAC: ``P = (F̂ + λI)^{-1}``), the normalization happens
+  after the preconditioning, on both sides, as TrackStar normalizes ``R^{-1/2} g``: the score
+  is ``cos(P^{1/2} g, P^{1/2} q) = gᵀ P q / (√(gᵀ P g) √(qᵀ P q))`` (:func:`unit_rows` with
+  the ``P``-norms). The trajectory methods normalize each train sample's whole displacement
+  (summed over its occurrences) and each query (see ``TrajectoryAttributor``).
+* **Second-moment correction** (:class:`SecondMoment`): each coordinate of the train and query
+  gradients multiplied by ``1/√(v + ε)``, ``v`` Adam's second moment (``exp_avg_sq`` as the
+  optimizer holds it, no bias correction) from a recorded
+  :class:`~dattri_llm.OptimizerStateCallback` or from a (loaded) optimizer. The map is
+  per coordinate, so it is exact only on exact coordinates: raw gradients, or a ``"mask"``
+  projection recorded with the same mask. A store captured with a coordinate-mixing projection
+  (``"dense"``, ``"sparse"``, ``"logra"``) is refused: the correction must come before the
+  projection, and a projected store no longer has the coordinates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.gradient.layer_gradient import Materialized
+
+__all__ = [
+    "SecondMoment",
+    "unit_rows",
+    "unit_rows_dense",
+    "unit_per_sample",
+    "dense_row_dot",
+    "check_flag",
+]
+
+#: Projected layer types whose coordinates are the original ones (a subset of them).
+_EXACT_COORDS = ("projected.mask",)
+
+
+def check_flag(value: Any, where: str) -> bool:
+    """``value`` as a bool (numpy bools accepted); anything else raises naming ``where``."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":  # a numpy bool
+        return bool(value)
+    raise TypeError(f"{where} must be True or False, got {value!r}.")
+
+
+def unit_rows(gradient: Gradient, sq_norms: torch.Tensor) -> Gradient:
+    """Each row of ``gradient`` divided by ``√sq_norms`` (a zero row stays zero)."""
+    norms = sq_norms.clamp_min(0).sqrt()
+    return gradient.scale(1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny))
+
+
+def unit_rows_dense(rows: torch.Tensor) -> torch.Tensor:
+    """Each row of a ``(N, P)`` tensor divided by its norm (a zero row stays zero)."""
+    norms = rows.norm(dim=1, keepdim=True)
+    return rows / norms.clamp_min(torch.finfo(rows.dtype).tiny)
+
+
+def unit_per_sample(rows: torch.Tensor, hashes: list[str]) -> torch.Tensor:
+    """Rows ``(N_occ, P)`` divided by the norm of their sample's sum over its occurrences.
+
+    Rows with equal ``hashes`` are one sample's occurrences; afterwards their sum is a unit
+    vector (or zero).
+    """
+    ids: dict[str, int] = {}
+    index = torch.as_tensor([ids.setdefault(h, len(ids)) for h in hashes], dtype=torch.long)
+    index = index.to(rows.device)
+    totals = rows.new_zeros(len(ids), rows.shape[1]).index_add_(0, index, rows)
+    norms = totals.norm(dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
+    return rows / norms[index, None]
+
+
+def dense_row_dot(x: Gradient, y: Gradient) -> torch.Tensor:
+    """``<x_i, y_i>`` per row over the layers of ``y`` (each materialized once)."""
+    out = None
+    for name, ly in y.layers.items():
+        a = x.layers[name].materialize().data
+        b = ly.materialize().data
+        ct = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        part = (a.to(ct) * b.to(ct)).sum(1)
+        out = part if out is None else out + part
+    if out is None:
+        raise ValueError("no layer to normalize over: the gradient has no scored layers.")
+    return out
+
+
+class SecondMoment:
+    """Adam's second moment per captured coordinate: the map ``g ↦ g / √(v + ε)``.
+
+    Build it with :meth:`from_dynamics` (a recorded run) or :meth:`from_optimizer` (a live or
+    loaded optimizer and the :class:`~dattri_llm.HookManager` that lays out its layers), or
+    directly from ``{layer name: v}`` with ``v`` laid out like the layer's captured gradient
+    (matrix form, or the coordinates of a ``"mask"`` projection).
+
+    ``v`` is the optimizer's ``exp_avg_sq`` as stored, without Adam's bias correction
+    ``1/(1 − β₂ᶜ)``: with one update count for every parameter that correction is one global
+    factor (up to ``ε``), which a unit normalization cancels and which scales every score alike.
+
+    Args:
+        second_moment: ``{layer name: (P,) tensor}``, non-negative.
+        eps: ``ε`` inside the root (TrackStar's ``1/√(v + ε)``), ``> 0``.
+
+    Raises:
+        ValueError: a negative or non-finite ``v``, or ``eps <= 0``.
+    """
+
+    def __init__(self, second_moment: Mapping[str, torch.Tensor], eps: float = 1e-8) -> None:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"SecondMoment(eps=) must be a number > 0, got {eps!r}.")
+        if not isinstance(second_moment, Mapping) or not second_moment:
+            raise ValueError(
+                "SecondMoment needs {layer name: exp_avg_sq laid out like the captured "
+                "gradient}; build it with SecondMoment.from_dynamics(callback.dynamics()) or "
+                "SecondMoment.from_optimizer(optimizer, hook_manager)."
+            )
+        self.eps = float(eps)
+        self.v: dict[str, torch.Tensor] = {}
+        for name, v in second_moment.items():
+            v = torch.as_tensor(v).detach().reshape(-1)
+            if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
+                raise ValueError(
+                    f"SecondMoment: layer {name!r}'s second moment has negative or non-finite "
+                    "entries; pass the optimizer's exp_avg_sq."
+                )
+            self.v[name] = v
+
+    @classmethod
+    def from_dynamics(cls, dynamics: Any, step: int | None = None, eps: float = 1e-8) -> Any:
+        """The second moment an Adam run left after update ``step`` (default: the last).
+
+        Args:
+            dynamics: ``OptimizerStateCallback.dynamics()`` (an ``OptimizerDynamics``), a
+                ``TrajectorySnapshots`` or its directory.
+            step: A recorded step (its ``exp_avg_sq.post``); ``None``: the last one.
+            eps: ``ε``.
+        """
+        from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
+
+        dyn = dynamics if isinstance(dynamics, OptimizerDynamics) else OptimizerDynamics(dynamics)
+        if dyn.kind != "adam":
+            raise ValueError(
+                f"SecondMoment.from_dynamics: the run was trained with {dyn.optimizer}, which "
+                "keeps no second moment; record an Adam / AdamW run."
+            )
+        if not dyn.steps:
+            raise ValueError("SecondMoment.from_dynamics: the dynamics hold no recorded step.")
+        step = dyn.steps[-1] if step is None else int(step)
+        sd = dyn.step(step)
+        return cls({n: sd.tensor(n, "exp_avg_sq.post") for n in dyn.layer_names}, eps=eps)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: Any, hook_manager: Any, eps: float = 1e-8) -> Any:
+        """The current second moment of an Adam / AdamW optimizer (e.g. after ``load_state_dict``).
+
+        Args:
+            optimizer: A ``torch.optim.Adam`` / ``AdamW`` over the model's parameters.
+            hook_manager: The :class:`~dattri_llm.HookManager` whose layers the gradients are
+                captured with (it lays the moments out like them).
+            eps: ``ε``.
+        """
+        from dattri_llm.gradient.optim.kinds import param_hypers, param_state
+        from dattri_llm.gradient.optim.layout import layer_layouts
+
+        where = "SecondMoment.from_optimizer"
+        hypers = param_hypers(optimizer, where)
+        out = {}
+        for name, layout in layer_layouts(hook_manager).items():
+            state = {}
+            for pname, p in layout.params:
+                h = hypers.get(id(p))
+                if h is None or h.kind != "adam":
+                    raise ValueError(
+                        f"{where}: parameter {pname!r} of layer {name!r} is not trained by an "
+                        "Adam / AdamW optimizer here, so it has no second moment."
+                    )
+                state[pname] = param_state(optimizer, p, h)["exp_avg_sq"].detach()
+            out[name] = layout.gather(state)
+        return cls(out, eps=eps)
+
+    def scales(self, name: str, width: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
+        """``1/√(v + ε)`` of layer ``name`` ``(P,)``; refuses a width that does not match."""
+        if name not in self.v:
+            raise ValueError(
+                f"SecondMoment has no second moment for layer {name!r} (it covers "
+                f"{sorted(self.v)}); record the optimizer state over the same hooked layers."
+            )
+        v = self.v[name]
+        if v.numel() != width:
+            raise ValueError(
+                f"SecondMoment: layer {name!r} has {width} captured coordinates but its second "
+                f"moment {v.numel()}; capture and record with the same layers and mask."
+            )
+        return (v.to(device=device, dtype=torch.float64) + self.eps).rsqrt().to(dtype)
+
+    def apply(self, gradient: Gradient) -> Gradient:
+        """Every layer of ``gradient`` (materialized) times ``1/√(v + ε)`` per coordinate.
+
+        Raises:
+            ValueError: a layer captured with a coordinate-mixing projection, or one the
+                second moment does not cover.
+        """
+        out = {}
+        for name, lg in gradient.layers.items():
+            dense = lg.materialize()
+            lt = str(dense.layer_type)
+            if lt.startswith("projected.") and lt not in _EXACT_COORDS:
+                raise ValueError(
+                    f"SecondMoment: layer {name!r} was captured with a {lt!r} projection, which "
+                    "mixes coordinates; the per-coordinate correction 1/sqrt(v + eps) must come "
+                    "before such a projection, so it is refused on this store. Capture raw "
+                    "gradients (or a 'mask' projection), or use LESS's preconditioned capture "
+                    "(HookManager(optimizer=...)), which maps before projecting."
+                )
+            d = self.scales(name, dense.data.shape[1], dense.data.device, dense.data.dtype)
+            out[name] = Materialized(dense.data * d, dense.layer_type, dense.module_kwargs)
+        return Gradient(out)
