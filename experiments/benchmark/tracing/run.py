@@ -78,8 +78,9 @@ def query_loss_sum(model: Any, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.transpose(1, 2), batch["y"], ignore_index=-100, reduction="sum")
 
 
-def attribute_logp(model: Any, d: tdata.TracingData) -> torch.Tensor:
-    """Per fact, ``log p(attribute | held-out prompt)``."""
+def attribute_logp(model: Any, d: tdata.TracingData) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per fact, the log-probabilities over the vocabulary at the attribute's position of the
+    held-out prompt (``(n_facts, vocab)``, float64), and that position."""
     with torch.no_grad():
         logits = model(d.query_x)
         pos = (d.query_y != -100).float().argmax(1)
