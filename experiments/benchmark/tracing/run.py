@@ -1,0 +1,395 @@
+"""Fact-tracing benchmark (issue 24, item 3): which documents taught the model this fact?
+
+Per seed: plant made-up facts in real text (:mod:`.data`), train a tiny GPT-2 from its config
+until it recalls them, score every document against every fact's held-out query with each
+method, then
+
+* **retrieval**: recall@10 and MRR of the documents that carry the fact;
+* **causal check**: for groups of ``group`` facts, retrain from the same initialisation and
+  seed without the union of each method's top-10 documents of the group's facts and measure
+  the drop of each fact's attribute log-probability (``log p_full - log p_removed``; larger =
+  the method found what taught the fact). The ``carriers`` row removes exactly the planted
+  documents (the ground truth's own effect).
+
+Run (OMP_NUM_THREADS=1 is set here; the machine is shared)::
+
+    python -m experiments.benchmark.tracing.run            # full: 3 seeds, one process
+    python -m experiments.benchmark.tracing.run --quick    # smoke: 1 seed, 4 facts
+    # or one process per seed, then merge:
+    python -m experiments.benchmark.tracing.run --seeds 0 --tag s0   # (and s1, s2)
+    python -m experiments.benchmark.tracing.run --combine \
+        experiments/benchmark/results/tracing-s{0,1,2}.json
+
+Writes ``experiments/benchmark/results/tracing[-quick].{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from experiments.benchmark.quality.gpt2 import TinyGPT2  # noqa: E402
+from experiments.benchmark.tracing import data as tdata  # noqa: E402
+from experiments.benchmark.tracing import metrics as tm  # noqa: E402
+from experiments.benchmark.tracing.report import write_report  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+FULL: dict[str, Any] = {
+    "seeds": [0, 1, 2],
+    "n_docs": 128,
+    "n_facts": 8,
+    "copies": 3,
+    "block": 48,
+    "vocab_words": 1000,
+    "epochs": 40,
+    "batch_size": 32,
+    "lr": 1e-2,
+    "group": 8,
+    "k": 10,
+    "checkpoints": 3,
+}
+QUICK: dict[str, Any] = {**FULL, "seeds": [0], "n_docs": 64, "n_facts": 4, "epochs": 25}
+MODEL: dict[str, Any] = {"n_layer": 2, "n_head": 4, "n_embd": 64}
+
+
+# ---- model, losses, training ----------------------------------------------------------------
+def doc_loss_sum(model: Any, batch: dict) -> torch.Tensor:
+    """Sum over the batch of each document's mean next-token cross-entropy (training loss)."""
+    logits = model(batch["x"])
+    return F.cross_entropy(logits.transpose(1, 2), batch["y"], reduction="none").mean(1).sum()
+
+
+def query_loss_sum(model: Any, batch: dict) -> torch.Tensor:
+    """Sum over the batch of ``-log p(attribute | prompt)`` (one labelled position per query)."""
+    logits = model(batch["x"])
+    return F.cross_entropy(logits.transpose(1, 2), batch["y"], ignore_index=-100, reduction="sum")
+
+
+def attribute_logp(model: Any, d: tdata.TracingData) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per fact, the log-probabilities over the vocabulary at the attribute's position of the
+    held-out prompt (``(n_facts, vocab)``, float64), and that position."""
+    with torch.no_grad():
+        logits = model(d.query_x)
+        pos = (d.query_y != -100).float().argmax(1)
+        lp = torch.log_softmax(logits[torch.arange(len(pos)), pos].double(), -1)
+    return lp, pos
+
+
+def recall_accuracy(model: Any, d: tdata.TracingData) -> dict[str, float]:
+    """Share of facts whose attribute the model ranks first: among the attributes of the same
+    relation (multiple choice) and over the whole vocabulary."""
+    lp, _ = attribute_logp(model, d)
+    attrs = d.attribute_ids()
+    mc, top1 = [], []
+    for i, f in enumerate(d.facts):
+        same = [j for j, g in enumerate(d.facts) if g.relation == f.relation]
+        mc.append(int(lp[i, attrs[same]].argmax().item() == same.index(i)))
+        top1.append(int(lp[i].argmax().item() == attrs[i].item()))
+    return {"multiple_choice": float(np.mean(mc)), "top1_vocab": float(np.mean(top1))}
+
+
+def train(
+    d: tdata.TracingData, keep: list[int], cfg: dict, seed: int, snapshots: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """AdamW from the seed's initialisation on the documents ``keep``; linear decay to 0.
+
+    The initialisation and the batch-order generator are seeded by ``seed`` alone (common
+    random numbers across removals). Returns ``snapshots`` states, evenly spaced, the last
+    being the final weights.
+    """
+    torch.manual_seed(seed)
+    model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    x, y = d.docs[keep, :-1], d.docs[keep, 1:]
+    bs, epochs = cfg["batch_size"], cfg["epochs"]
+    steps = epochs * ((len(keep) + bs - 1) // bs)
+    marks = {round(steps * (s + 1) / snapshots) for s in range(snapshots)}
+    states, step = [], 0
+    for _ in range(epochs):
+        for idx in torch.randperm(len(keep), generator=gen).split(bs):
+            for group in opt.param_groups:
+                group["lr"] = cfg["lr"] * (1 - step / steps)
+            loss = doc_loss_sum(model, {"x": x[idx], "y": y[idx]}) / len(idx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if step in marks:
+                states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def load(d: tdata.TracingData, state: dict) -> Any:
+    model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+# ---- methods ------------------------------------------------------------------------------
+def samples(d: tdata.TracingData) -> tuple[list[dict], list[dict]]:
+    """dattri_llm samples (dicts; ``index`` keeps hashes unique)."""
+    train = [
+        {"x": d.docs[i, :-1], "y": d.docs[i, 1:], "index": torch.tensor(i)}
+        for i in range(len(d.docs))
+    ]
+    test = [
+        {"x": d.query_x[i], "y": d.query_y[i], "index": torch.tensor(i)}
+        for i in range(len(d.facts))
+    ]
+    return train, test
+
+
+def _attribute(
+    d: tdata.TracingData, states: list[dict], cls_name: str, kw: dict, call: dict | None = None
+) -> torch.Tensor:
+    import dattri_llm
+
+    train, test = samples(d)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = dattri_llm.AttributionArguments(
+            output_dir=tmp,
+            use_cpu=True,
+            per_device_train_batch_size=64,
+            per_device_eval_batch_size=64,
+            show_progress=False,
+        )
+        task = dattri_llm.AttributionTask(
+            loss_func=doc_loss_sum,
+            model=load(d, states[-1]),
+            checkpoints=states,
+            target_func=query_loss_sum,
+        )
+        attributor = getattr(dattri_llm, cls_name)(args, task=task, **kw)
+        return attributor.attribute(train, test, **(call or {})).query(train, test)
+
+
+def _ekfac_mix(d: tdata.TracingData, states: list[dict], mix: float) -> torch.Tensor:
+    """EK-FAC (unit) fit on a train / query mixture: ``mix`` needs the test side at fit time,
+    which the live ``attribute()`` refuses; the same gradients go through
+    ``attribute_sources`` (streamed once at the final weights)."""
+    import dattri_llm
+    from dattri_llm.gradient.streaming import GradientStreamer
+
+    train, test = samples(d)
+    model = load(d, states[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        args = dattri_llm.AttributionArguments(output_dir=tmp, use_cpu=True, show_progress=False)
+        task = dattri_llm.AttributionTask(
+            loss_func=doc_loss_sum, model=model, checkpoints=states[-1:], target_func=query_loss_sum
+        )
+        attributor = dattri_llm.EKFACAttributor(args, task=task, normalized_grad=True, mix=mix)
+        task.load_checkpoint(0)
+        blocks = [
+            list(GradientStreamer(task.model, ds, loss, batch_size=64))
+            for ds, loss in ((train, task.train_loss), (test, task.test_loss))
+        ]
+        return attributor.attribute_sources(*blocks).query(train, test)
+
+
+def _projection(style: str, dim: int) -> Any:
+    """Capture-time projection; with logra, embeddings and norms are projected densely."""
+    from dattri_llm import HookManagerConfig, ProjectionConfig
+
+    proj: Any = ProjectionConfig(style, proj_dim=dim, seed=0)
+    if style == "logra":
+        dense = ProjectionConfig("dense", proj_dim=dim, seed=0)
+        proj = {r"(.*\.)?(wte|wpe|ln_f|h\.\d+\.ln_\d)|gpt\.lm_head": dense, r".*": proj}
+    return {"hook_config": HookManagerConfig(projection=proj)}
+
+
+def tfidf(d: tdata.TracingData) -> torch.Tensor:
+    """scikit-learn TF-IDF cosine between each document's and each query's words."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vec = TfidfVectorizer(analyzer=lambda ws: ws, sublinear_tf=True)
+    docs = vec.fit_transform(d.doc_words)
+    queries = vec.transform(d.query_words)
+    return torch.from_numpy((docs @ queries.T).toarray())
+
+
+def methods(quick: bool) -> dict[str, Any]:
+    """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores``."""
+    rows: dict[str, Any] = {
+        "random": lambda d, s, seed: torch.rand(
+            len(d.docs), len(d.facts), generator=torch.Generator().manual_seed(1000 + seed)
+        ),
+        "TF-IDF (scikit-learn)": lambda d, s, seed: tfidf(d),
+        "Grad-Dot": lambda d, s, seed: _attribute(d, s[-1:], "TracInAttributor", {}),
+        "Grad-Cos": lambda d, s, seed: _attribute(
+            d, s[-1:], "TracInAttributor", {"normalized_grad": True}
+        ),
+        "EK-FAC unit": lambda d, s, seed: _attribute(
+            d, s[-1:], "EKFACAttributor", {"normalized_grad": True}
+        ),
+    }
+    if quick:
+        return rows
+    rows.update(
+        {
+            "EK-FAC": lambda d, s, seed: _attribute(d, s[-1:], "EKFACAttributor", {}),
+            "EK-FAC unit, diagonal non-Kronecker": lambda d, s, seed: _attribute(
+                d,
+                s[-1:],
+                "EKFACAttributor",
+                {"normalized_grad": True, "non_kronecker": "diagonal"},
+            ),
+            "EK-FAC unit mix=0.5": lambda d, s, seed: _ekfac_mix(d, s, 0.5),
+            "TracIn-Cos (3 ckpts)": lambda d, s, seed: _attribute(
+                d, s, "TracInAttributor", {"normalized_grad": True}
+            ),
+            "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
+                d,
+                s[-1:],
+                "TracInAttributor",
+                {"normalized_grad": True},
+                _projection("sparse", 1024),
+            ),
+            "Grad-Cos logra-256": lambda d, s, seed: _attribute(
+                d, s[-1:], "TracInAttributor", {"normalized_grad": True}, _projection("logra", 256)
+            ),
+        }
+    )
+    return rows
+
+
+# ---- one seed -----------------------------------------------------------------------------
+def run_seed(cfg: dict, seed: int, rows: dict[str, Any], log: Any) -> dict[str, Any]:
+    d = tdata.build(
+        cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], seed
+    )
+    everything = list(range(len(d.docs)))
+    t0 = time.perf_counter()
+    states = train(d, everything, cfg, seed, snapshots=cfg["checkpoints"])
+    train_s = time.perf_counter() - t0
+    full = load(d, states[-1])
+    base_lp, _ = attribute_logp(full, d)
+    attrs = d.attribute_ids()
+    base = base_lp[torch.arange(len(attrs)), attrs]
+    acc = recall_accuracy(full, d)
+    log(f"seed {seed}: trained in {train_s:.1f}s, recall {acc}")
+    relevant = d.relevant()
+    out: dict[str, Any] = {"seed": seed, "train_s": train_s, "recall": acc, "rows": {}}
+    groups = [
+        list(range(g, min(g + cfg["group"], len(d.facts))))
+        for g in range(0, len(d.facts), cfg["group"])
+    ]
+    causal_rows = {**rows, "carriers (ground truth)": None}
+    retrained: dict[tuple[int, ...], torch.Tensor] = {}
+    for name, fn in causal_rows.items():
+        row: dict[str, Any] = {}
+        if fn is not None:
+            t0 = time.perf_counter()
+            try:
+                scores = fn(d, states, seed)
+            except Exception as err:  # recorded in the table, the other rows still run
+                out["rows"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                log(f"  {name:24s} FAILED {out['rows'][name]['error']}")
+                continue
+            row["score_s"] = time.perf_counter() - t0
+            row["recall@10"] = tm.recall_at_k(scores, relevant, cfg["k"]).tolist()
+            row["mrr"] = tm.reciprocal_rank(scores, relevant).tolist()
+            tops = tm.top_k(scores, cfg["k"])
+        else:
+            tops = [f.docs for f in d.facts]
+        drops = [0.0] * len(d.facts)
+        removed = []
+        t0 = time.perf_counter()
+        for g in groups:
+            gone = sorted({i for q in g for i in tops[q]})
+            removed.append(len(gone))
+            key = tuple(gone)  # same removal, same retrain (deterministic): reuse it
+            if key not in retrained:
+                keep = [i for i in everything if i not in set(gone)]
+                retrained[key] = attribute_logp(load(d, train(d, keep, cfg, seed)[-1]), d)[0]
+            lp = retrained[key]
+            for q in g:
+                drops[q] = float(base[q] - lp[q, attrs[q]])
+        row["causal_drop"] = drops
+        row["removed_per_group"] = removed
+        row["retrain_s"] = time.perf_counter() - t0
+        out["rows"][name] = row
+        r10 = np.mean(row.get("recall@10", [np.nan]))
+        log(f"  {name:24s} recall@10 {r10:.3f} drop {np.mean(drops):.3f}")
+    return out
+
+
+def combine(paths: list[str], name: str) -> dict[str, Any]:
+    """Merge per-seed result files (run in parallel processes) into one result."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    result = dict(parts[0])
+    by_seed: dict[int, dict] = {}
+    for part in parts:  # a later file's rows of the same seed are added (e.g. --rows reruns)
+        for s in part["seeds"]:
+            if s["seed"] in by_seed:
+                by_seed[s["seed"]]["rows"].update(s["rows"])
+            else:
+                by_seed[s["seed"]] = s
+    result["seeds"] = list(by_seed.values())
+    result["config"] = {**parts[0]["config"], "seeds": [s["seed"] for s in result["seeds"]]}
+    result["wall_s"] = max(part["wall_s"] for part in parts)
+    result["parallel_processes"] = len(parts)
+    _write(result, name)
+    return result
+
+
+def _write(result: dict[str, Any], name: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    md = write_report(result)
+    (RESULTS / f"{name}.md").write_text(md)
+    print(md)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, small sizes")
+    parser.add_argument("--seeds", type=int, nargs="*", help="override the seeds")
+    parser.add_argument("--tag", default="", help="suffix of the result files (tracing-TAG)")
+    parser.add_argument("--rows", nargs="*", help="run only these rows (names as in the table)")
+    parser.add_argument("--combine", nargs="*", help="merge these per-seed JSON results")
+    ns = parser.parse_args(argv)
+    name = "tracing-quick" if ns.quick else "tracing"
+    if ns.combine:
+        combine(ns.combine, name)
+        return
+    torch.set_num_threads(1)
+    cfg = dict(QUICK if ns.quick else FULL)
+    if ns.seeds:
+        cfg["seeds"] = ns.seeds
+    rows = methods(ns.quick)
+    if ns.rows:
+        unknown = sorted(set(ns.rows) - set(rows))
+        if unknown:
+            raise SystemExit(f"--rows: unknown {unknown}; known: {sorted(rows)}")
+        rows = {k: v for k, v in rows.items() if k in ns.rows}
+    t0 = time.perf_counter()
+    seeds = [run_seed(cfg, s, rows, lambda m: print(m, flush=True)) for s in cfg["seeds"]]
+    result = {
+        "config": cfg,
+        "model": MODEL,
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "wall_s": time.perf_counter() - t0,
+        "seeds": seeds,
+    }
+    _write(result, f"{name}-{ns.tag}" if ns.tag else name)
+
+
+if __name__ == "__main__":
+    main()
