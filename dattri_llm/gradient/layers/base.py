@@ -123,6 +123,25 @@ class LayerRule:
         """``(K, D)`` of the matrix form (``P = K * D``)."""
         raise NotImplementedError
 
+    def kronecker_blocks(self, kw: dict) -> int:
+        """Diagonal blocks of the K-FAC Fisher: ``1`` (one ``G ⊗ A``) unless overridden.
+
+        A layer whose matrix form stacks ``E`` independent matrices (fused experts) returns
+        ``E`` and implements :meth:`kronecker_sums`; K-FAC is then block-diagonal,
+        ``blockdiag_e(G_e ⊗ A_e)``, each block ``(K / E, D)``.
+        """
+        return 1
+
+    def kronecker_sums(
+        self, a: torch.Tensor, g: torch.Tensor, kw: dict, tokens: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-block ``(sum a a^T (E, D, D), sum g g^T (E, K/E, K/E), counted tokens (E,))``.
+
+        Only for rules with :meth:`kronecker_blocks` ``> 1``; ``tokens`` is ``"gradient"`` or
+        ``"all"`` as in :mod:`dattri_llm.gradient.ops.kronecker`.
+        """
+        raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
+
     def num_params(self, kw: dict) -> int:
         """Length ``P`` of the materialised per-sample gradient."""
         k, d = self.matrix_shape(kw)
