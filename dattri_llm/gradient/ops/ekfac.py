@@ -108,7 +108,8 @@ def eigendecompose(
     skipped = dict(covariances.skipped)
     if skipped and warn_skipped and get_rank() == 0:
         warnings.warn(
-            "K-FAC/EK-FAC applies to linear and convolution layers and projected vectors only; "
+            "K-FAC/EK-FAC applies to linear, convolution and fused-expert layers and projected "
+            "vectors only; "
             "these layers are left "
             f"out of the preconditioner and of the scores: {skipped}. Pass "
             "non_kronecker='diagonal' to precondition them with a diagonal Fisher instead, or "
