@@ -142,6 +142,16 @@ class LayerRule:
         """
         raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
 
+    def kronecker_rotate(
+        self, a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor, kw: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors whose :meth:`materialize` is ``Q_{G_e}^T M_e Q_{A_e}`` for every block ``e``.
+
+        Only for rules with :meth:`kronecker_blocks` ``> 1`` (``q_a`` ``(E, D, D)``, ``q_g``
+        ``(E, K/E, K/E)``): EK-FAC rotates each slot's factors instead of the dense gradient.
+        """
+        raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
+
     def num_params(self, kw: dict) -> int:
         """Length ``P`` of the materialised per-sample gradient."""
         k, d = self.matrix_shape(kw)

@@ -342,6 +342,19 @@ class MoEExpertsRule(LayerRule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return expert_covariances(a, g, kw, tokens)
 
+    def kronecker_rotate(
+        self, a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor, kw: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feat, ids = split_expert_factor(a, kw)
+        d, k = feat.shape[-1], g.shape[-1]
+        f_in, g_in = feat.reshape(-1, d), g.reshape(-1, k)
+        f_out, g_out = torch.zeros_like(f_in), torch.zeros_like(g_in)
+        for ex, rows in _per_expert(ids):  # each slot turns into its own expert's eigenbasis
+            f_out[rows] = f_in[rows] @ q_a[ex]
+            g_out[rows] = g_in[rows] @ q_g[ex]
+        a_out = torch.cat([f_out.reshape(feat.shape), a[..., -1:]], -1)
+        return a_out, g_out.reshape(g.shape)
+
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
         e, k = int(kw["num_experts"]), int(kw["out_features"])
         m = dense.reshape(dense.shape[0], e, k, self._cols(kw))

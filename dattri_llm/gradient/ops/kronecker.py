@@ -547,8 +547,9 @@ def _rotated(
     """Yield ``Q_G^T M_n Q_A`` as ``(chunk, K, D)`` blocks over the samples of ``lg``.
 
     Factorised sites rotate their factors first, ``(g Q_G)^T (a Q_A)``, when
-    ``T (K^2 + D^2) <= K D (K + D)``; otherwise the dense gradient is rotated. A blocked layer
-    (``Q`` with a leading ``E`` axis) rotates its dense ``(chunk, E, K, D)`` blocks per expert.
+    ``T (K^2 + D^2) <= E K D (K + D)`` (``E = 1`` but for blocked layers, whose rule rotates each
+    slot in its own block's basis, :meth:`LayerRule.kronecker_rotate`); otherwise the dense
+    gradient is rotated (per block: ``Q`` then has a leading ``E`` axis).
     """
     k, d = q_g.shape[-1], q_a.shape[-1]
     lead = tuple(q_g.shape[:-2])
@@ -558,12 +559,16 @@ def _rotated(
         idx = slice(lo, min(b, lo + step))
         total = None
         for site in _sites(lg.slice(idx)):
-            if (
-                not lead
-                and isinstance(site, Factorized)
-                and site.num_tokens * (k * k + d * d) <= k * d * (k + d)
-            ):
+            blocks = math.prod(lead)
+            cheap = isinstance(site, Factorized) and site.num_tokens * (
+                k * k + d * d
+            ) <= blocks * k * d * (k + d)
+            if cheap and not lead:
                 part = torch.bmm((site.g.to(ct) @ q_g).transpose(1, 2), site.a.to(ct) @ q_a)
+            elif cheap:  # per-block eigenbases: the rule turns each slot in its own block's
+                rule, kw = get_rule(site.layer_type), site.module_kwargs
+                a2, g2 = rule.kronecker_rotate(site.a.to(ct), site.g.to(ct), q_a, q_g, kw)
+                part = rule.materialize(a2, g2, kw).reshape(-1, *lead, k, d)
             else:
                 m = site.materialize().data.to(ct).reshape(-1, *lead, k, d)
                 part = torch.matmul(q_g.mT, m) @ q_a
