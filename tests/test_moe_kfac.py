@@ -221,3 +221,19 @@ def test_attributor_store_and_callback_fits_vs_explicit(kind: str, tmp_path) -> 
         for e, p in enumerate(_explicit_preconditioners(a_list, g_list, m_train, kind, lam)):
             want += m_train[:, e].reshape(4, -1) @ p @ m_test[:, e].reshape(2, -1).T
     assert rel_err(got, want) < TOL
+
+
+def test_mixed_covariances_mix_per_expert_means() -> None:
+    """``mix``: every per-expert mean is ``(1 - m)`` train ``+ m`` query (an empty one is 0)."""
+    from dattri_llm.attribution.kronecker_mix import mixed_covariances
+
+    train_lg = _synthetic(torch.randint(0, 3, (6, 4)), seed=2)
+    query_lg = _synthetic(torch.randint(1, 4, (3, 4)), seed=3)
+    a_t, g_t = _explicit_covariances(train_lg, 6)
+    a_q, g_q = _explicit_covariances(query_lg, 3)
+    train = KroneckerCovariances().accumulate([Gradient({"x": train_lg})])
+    query = KroneckerCovariances().accumulate([Gradient({"x": query_lg})])
+    mixed = mixed_covariances(train, query, 0.25).layers["x"]
+    for e in range(4):
+        assert rel_err(mixed.a_mean()[e], 0.75 * a_t[e] + 0.25 * a_q[e]) < TOL
+        assert rel_err(mixed.g_sum[e] / mixed.num_samples, 0.75 * g_t[e] + 0.25 * g_q[e]) < TOL
