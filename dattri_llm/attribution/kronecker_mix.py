@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection
 from dattri_llm.gradient.ops.kronecker import (
     DiagonalFisher,
@@ -66,9 +68,12 @@ def mixed_covariances(
             )
         if ct.num_tokens <= 0 or ct.num_samples <= 0:
             raise ValueError(f"layer {name!r} has no train samples or no tokens carrying gradient.")
-        a = (1.0 - mix) * ct.a_sum / ct.num_tokens + mix * cq.a_sum / cq.num_tokens
+        a = (1.0 - mix) * ct.a_mean() + mix * cq.a_mean()
         g = (1.0 - mix) * ct.g_sum / ct.num_samples + mix * cq.g_sum / cq.num_samples
-        out.layers[name] = LayerCovariance(ct.layer_type, dict(ct.module_kwargs), a, g, 1.0, 1.0)
+        ones = None if ct.block_tokens is None else torch.ones_like(ct.block_tokens)
+        out.layers[name] = LayerCovariance(
+            ct.layer_type, dict(ct.module_kwargs), a, g, 1.0, 1.0, ones
+        )
     for name, dt in train.diagonal.items():
         dq = query.diagonal.get(name)
         if dq is None or dq.num_samples <= 0:

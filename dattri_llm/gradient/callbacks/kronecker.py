@@ -11,6 +11,7 @@ from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
 from dattri_llm.gradient.ops.kronecker import (
     KroneckerCovariances,
+    LayerCovariance,
     NonKronecker,
     TokenCount,
     is_kronecker_layer,
@@ -108,25 +109,22 @@ class KroneckerCovarianceCallback(HookCallback):
             raise RuntimeError(f"no raw factors were seen for layer {name!r} in this step.")
         target = self.covariances.layers.get(name)
         if target is None:
-            # create with the right shapes through a zero-sample update
             first = parts[0]
-            self.covariances.update_factors(
-                name,
-                [
-                    (
-                        first.a_sum.new_zeros(0, 0, first.a_sum.shape[0]),
-                        first.g_sum.new_zeros(0, 0, first.g_sum.shape[0]),
-                    )
-                ],
+            dt = self.covariances.dtype
+            blocks = first.block_tokens
+            target = self.covariances.layers[name] = LayerCovariance(
                 lg.layer_type,
-                lg.module_kwargs,
-                0,
+                dict(lg.module_kwargs),
+                torch.zeros_like(first.a_sum, dtype=dt),
+                torch.zeros_like(first.g_sum, dtype=dt),
+                block_tokens=None if blocks is None else torch.zeros_like(blocks),
             )
-            target = self.covariances.layers[name]
         for p in parts:
             target.a_sum += p.a_sum
             target.g_sum += p.g_sum
             target.num_tokens += p.num_tokens
+            if target.block_tokens is not None:
+                target.block_tokens += p.block_tokens
         target.num_samples += float(batch_size)
 
     def save(self, path: str) -> None:

@@ -123,6 +123,35 @@ class LayerRule:
         """``(K, D)`` of the matrix form (``P = K * D``)."""
         raise NotImplementedError
 
+    def kronecker_blocks(self, kw: dict) -> int:
+        """Diagonal blocks of the K-FAC Fisher: ``1`` (one ``G ⊗ A``) unless overridden.
+
+        A layer whose matrix form stacks ``E`` independent matrices (fused experts) returns
+        ``E`` and implements :meth:`kronecker_sums`; K-FAC is then block-diagonal,
+        ``blockdiag_e(G_e ⊗ A_e)``, each block ``(K / E, D)``.
+        """
+        return 1
+
+    def kronecker_sums(
+        self, a: torch.Tensor, g: torch.Tensor, kw: dict, tokens: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-block ``(sum a a^T (E, D, D), sum g g^T (E, K/E, K/E), counted tokens (E,))``.
+
+        Only for rules with :meth:`kronecker_blocks` ``> 1``; ``tokens`` is ``"gradient"`` or
+        ``"all"`` as in :mod:`dattri_llm.gradient.ops.kronecker`.
+        """
+        raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
+
+    def kronecker_rotate(
+        self, a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor, kw: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors whose :meth:`materialize` is ``Q_{G_e}^T M_e Q_{A_e}`` for every block ``e``.
+
+        Only for rules with :meth:`kronecker_blocks` ``> 1`` (``q_a`` ``(E, D, D)``, ``q_g``
+        ``(E, K/E, K/E)``): EK-FAC rotates each slot's factors instead of the dense gradient.
+        """
+        raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
+
     def num_params(self, kw: dict) -> int:
         """Length ``P`` of the materialised per-sample gradient."""
         k, d = self.matrix_shape(kw)

@@ -220,22 +220,29 @@ def _expert_map(
 
 
 def expert_covariances(
-    a: torch.Tensor, g: torch.Tensor, kw: dict
+    a: torch.Tensor, g: torch.Tensor, kw: dict, tokens: str = "gradient"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-expert K-FAC sums ``(A (E, D', D'), G (E, K, K), token counts (E,))``.
 
-    ``A_e = sum a a^T`` and ``G_e = sum g g^T`` over the slots routed to expert ``e`` that carry
-    gradient (``g`` not identically zero), the per-expert analogue of a linear layer's K-FAC
-    factors (each expert a linear layer of its own).
+    ``A_e = sum a a^T`` and ``G_e = sum g g^T`` over the slots routed to expert ``e``, the
+    per-expert analogue of a linear layer's K-FAC sums (each expert a linear layer of its own).
+    Which slots count follows the linear layers' ``tokens`` convention: ``"gradient"`` counts the
+    slots whose input row and output gradient are both non-zero (``g a^T != 0``: positions
+    outside the loss and padding are left out); ``"all"`` counts every routed slot (a non-zero
+    input row; pad slots and dropped pairs are all-zero rows and never count).
     """
+    if tokens not in ("gradient", "all"):
+        raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}")
     feat, ids = split_expert_factor(a, kw)
     e, d, k = int(kw["num_experts"]), feat.shape[-1], g.shape[-1]
     f2, g2 = feat.reshape(-1, d), g.reshape(-1, k)
-    live = (g2 != 0).any(-1)
+    live = (f2 != 0).any(-1)
+    if tokens == "gradient":
+        live &= (g2 != 0).any(-1)
     acc = torch.promote_types(g.dtype, torch.float32)
     a_sum = f2.new_zeros(e, d, d, dtype=acc)
     g_sum = g2.new_zeros(e, k, k, dtype=acc)
-    count = torch.zeros(e, dtype=acc)
+    count = torch.zeros(e, dtype=acc, device=g.device)
     for ex, pos in _per_expert(ids):
         pos = pos[live[pos]]
         x, y = f2[pos].to(acc), g2[pos].to(acc)
@@ -253,6 +260,7 @@ class MoEExpertsRule(LayerRule):
 
     layer_type = "moe.experts"
     module_types = ()  # matched by class name: transformers is never imported here
+    kronecker = True  # block-diagonal over experts: kronecker_blocks / kronecker_sums
     projection_styles = ("logra", "dense", "mask", "sparse")
 
     # ---- reading the module ------------------------------------------------------------------
@@ -325,6 +333,27 @@ class MoEExpertsRule(LayerRule):
 
     def matrix_shape(self, kw: dict) -> tuple[int, int]:
         return int(kw["num_experts"]) * int(kw["out_features"]), self._cols(kw)
+
+    def kronecker_blocks(self, kw: dict) -> int:
+        return int(kw["num_experts"])
+
+    def kronecker_sums(
+        self, a: torch.Tensor, g: torch.Tensor, kw: dict, tokens: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return expert_covariances(a, g, kw, tokens)
+
+    def kronecker_rotate(
+        self, a: torch.Tensor, g: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor, kw: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feat, ids = split_expert_factor(a, kw)
+        d, k = feat.shape[-1], g.shape[-1]
+        f_in, g_in = feat.reshape(-1, d), g.reshape(-1, k)
+        f_out, g_out = torch.zeros_like(f_in), torch.zeros_like(g_in)
+        for ex, rows in _per_expert(ids):  # each slot turns into its own expert's eigenbasis
+            f_out[rows] = f_in[rows] @ q_a[ex]
+            g_out[rows] = g_in[rows] @ q_g[ex]
+        a_out = torch.cat([f_out.reshape(feat.shape), a[..., -1:]], -1)
+        return a_out, g_out.reshape(g.shape)
 
     def unflatten(self, dense: torch.Tensor, kw: dict) -> dict[str, torch.Tensor]:
         e, k = int(kw["num_experts"]), int(kw["out_features"])

@@ -10,6 +10,7 @@ counting, distributed all-reduce) are those of :mod:`dattri_llm.gradient.ops.kro
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import replace
@@ -68,17 +69,25 @@ def eigendecompose(
     for name, c in covariances.layers.items():
         if c.num_samples <= 0 or c.num_tokens <= 0:
             raise ValueError(f"layer {name!r} has no samples or no tokens carrying gradient.")
-        mats[(name, "a")] = (c.a_sum / c.num_tokens).to(dtype)
+        mats[(name, "a")] = c.a_mean().to(dtype)
         mats[(name, "g")] = (c.g_sum / c.num_samples).to(dtype)
     eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
     groups: dict[tuple[int, torch.device], list[tuple[str, str]]] = {}
     for key, m in mats.items():
-        groups.setdefault((m.shape[0], m.device), []).append(key)
-    for (_, _), keys in _progress(list(groups.items()), "eigendecomposition", progress):
-        stacked = torch.stack([0.5 * (mats[k] + mats[k].T) for k in keys])
+        groups.setdefault((m.shape[-1], m.device), []).append(key)
+    for (n, _), keys in _progress(list(groups.items()), "eigendecomposition", progress):
+        # a blocked layer (fused experts) adds its E matrices to the batch
+        stacked = torch.cat([(0.5 * (mats[k] + mats[k].mT)).reshape(-1, n, n) for k in keys])
         s, q = torch.linalg.eigh(stacked)
-        for i, key in enumerate(keys):
-            eig[key] = (s[i].clamp_min(0), q[i].contiguous())
+        start = 0
+        for key in keys:
+            lead = mats[key].shape[:-2]
+            stop = start + math.prod(lead)
+            eig[key] = (
+                s[start:stop].reshape(*lead, n).clamp_min(0),
+                q[start:stop].reshape(*lead, n, n).contiguous(),
+            )
+            start = stop
     if is_distributed() and get_world_size() > 1:
         for key in sorted(eig):
             for t in eig[key]:
@@ -99,7 +108,8 @@ def eigendecompose(
     skipped = dict(covariances.skipped)
     if skipped and warn_skipped and get_rank() == 0:
         warnings.warn(
-            "K-FAC/EK-FAC applies to linear and convolution layers and projected vectors only; "
+            "K-FAC/EK-FAC applies to linear, convolution and fused-expert layers and projected "
+            "vectors only; "
             "these layers are left "
             f"out of the preconditioner and of the scores: {skipped}. Pass "
             "non_kronecker='diagonal' (to the attributor, and to the "
@@ -149,8 +159,7 @@ class EigenvalueCorrection:
             acc = self.sums.get(name)
             if acc is None:
                 acc = self.sums[name] = torch.zeros(
-                    q_g.shape[0],
-                    q_a.shape[0],
+                    eig.eigenvalues().shape,
                     device=ref.device,
                     dtype=torch.promote_types(eig.s_a.dtype, ct),
                 )

@@ -40,6 +40,19 @@ flattened row-major, so ``vec(g a^T) = g ⊗ a`` and ``vec(B X C^T) = (B ⊗ C) 
   Fisher ``(1/N) sum_n m_n^2`` (EK-FAC in the identity basis; it materialises their gradients
   during the fit, fine for norms, costly for large embeddings).
 
+* **Fused experts** (``rule.kronecker_blocks(kw) = E > 1``, ``"moe.experts"``): the matrix
+  form stacks ``E`` expert matrices ``M_e`` ``(K, D)``, and K-FAC is block-diagonal,
+  ``F ≈ blockdiag_e(G_e ⊗ A_e)`` with ``G_e = (1/N) sum_n sum_{t->e} g g^T`` (``N``: *every*
+  sample, as for a linear layer: the Fisher is a mean over samples, and a sample that did not
+  reach expert ``e`` contributes its zero block) and ``A_e = (1/N_e) sum_{t->e} a a^T``
+  (``N_e``: the counted routed (token, expert = e) slots, ``tokens`` as above). Covariances,
+  eigenvectors and eigenvalues carry a leading expert axis (``A``: ``(E, D, D)``, EK-FAC
+  eigenvalues ``(E, K, D)``); preconditioning is per expert,
+  ``Q_{G_e} [(Q_{G_e}^T M_e Q_{A_e}) / (E_e + λ)] Q_{A_e}^T``, with ``relative`` damping
+  scaled by the mean eigenvalue of the whole layer. An expert no counted slot of the fit data
+  reached has ``A_e = G_e = 0`` (and zero EK-FAC eigenvalues): its block is preconditioned by
+  damping alone, ``M_e / λ`` (refused as singular when ``λ = 0``).
+
 Tied weights whose sites are all eligible (a :class:`Shared` layer) are one layer whose tokens
 are the union of the sites' tokens. Under ``torch.distributed`` every accumulator is
 all-reduced (sums and counts), and rank 0's eigenvectors are broadcast, so every rank holds the
@@ -51,7 +64,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -61,7 +73,16 @@ import torch
 from dattri_llm.gradient.gradient import Factorized, Gradient, LayerGradient, Materialized, Shared
 from dattri_llm.gradient.layers import get_rule
 from dattri_llm.gradient.ops.kronecker_io import checked_tensor, read_bundle, write_bundle
-from dattri_llm.utils.distributed import all_reduce_sum, get_rank, get_world_size, is_distributed
+from dattri_llm.gradient.ops.kronecker_util import (
+    DiagonalFisher,
+    _as_gradient,
+    _check_same_layers,
+    _get_diagonal,
+    _progress,
+    _put_diagonal,
+    fit_shapes,
+)
+from dattri_llm.utils.distributed import all_reduce_sum, get_world_size, is_distributed
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,6 +91,7 @@ __all__ = [
     "LayerEigen",
     "KroneckerFactors",
     "is_kronecker_layer",
+    "fit_shapes",
 ]
 
 #: Version of the on-disk format of covariances and factors.
@@ -119,6 +141,8 @@ class LayerCovariance:
         g_sum: ``sum_{n,t} g g^T``, ``(K, K)``.
         num_tokens: Counted token positions ``N_tok``.
         num_samples: Samples ``N``.
+        block_tokens: Counted slots per block ``(E,)`` of a blocked layer (fused experts;
+            ``a_sum`` / ``g_sum`` then have a leading ``E`` axis), else ``None``.
     """
 
     layer_type: str
@@ -127,16 +151,13 @@ class LayerCovariance:
     g_sum: torch.Tensor
     num_tokens: float = 0.0
     num_samples: float = 0.0
+    block_tokens: torch.Tensor | None = None
 
-
-@dataclass
-class DiagonalFisher:
-    """Exact diagonal empirical Fisher of a non-Kronecker layer: ``sum_n m_n^2`` and ``N``."""
-
-    layer_type: str
-    module_kwargs: dict
-    sq_sum: torch.Tensor
-    num_samples: float = 0.0
+    def a_mean(self) -> torch.Tensor:
+        """``A``: ``a_sum`` over the counted tokens (per block; an empty block stays zero)."""
+        if self.block_tokens is None:
+            return self.a_sum / self.num_tokens
+        return self.a_sum / self.block_tokens.clamp_min(1.0).to(self.a_sum)[:, None, None]
 
 
 class KroneckerCovariances:
@@ -201,18 +222,28 @@ class KroneckerCovariances:
 
         ``tokens`` overrides the accumulator's token counting for these factors.
         """
-        k, d = get_rule(layer_type).matrix_shape(module_kwargs)
+        lead, k, d = fit_shapes(layer_type, module_kwargs)
         cov = self.layers.get(name)
         if cov is None:
-            ref = factors[0][1]
+            dev = factors[0][1].device
             cov = LayerCovariance(
                 layer_type,
                 dict(module_kwargs),
-                torch.zeros(d, d, dtype=self.dtype, device=ref.device),
-                torch.zeros(k, k, dtype=self.dtype, device=ref.device),
+                torch.zeros(*lead, d, d, dtype=self.dtype, device=dev),
+                torch.zeros(*lead, k, k, dtype=self.dtype, device=dev),
+                block_tokens=torch.zeros(*lead, dtype=torch.float64, device=dev) if lead else None,
             )
             self.layers[name] = cov
         for a, g in factors:
+            if cov.block_tokens is not None:  # per-block sums: the rule knows the slot layout
+                sa, sg, cnt = get_rule(layer_type).kronecker_sums(
+                    a, g, module_kwargs, tokens or self.tokens
+                )
+                cov.a_sum += sa.to(self.dtype)
+                cov.g_sum += sg.to(self.dtype)
+                cov.block_tokens += cnt.to(cov.block_tokens)
+                cov.num_tokens += float(cnt.sum())
+                continue
             ct = _acc_dtype(g)
             mask = _token_mask(g, a, tokens or self.tokens)
             af = a.to(ct).reshape(-1, a.shape[-1])
@@ -256,6 +287,8 @@ class KroneckerCovariances:
             cov = self.layers[name]
             all_reduce_sum(cov.a_sum)
             all_reduce_sum(cov.g_sum)
+            if cov.block_tokens is not None:
+                all_reduce_sum(cov.block_tokens)
             counts = all_reduce_sum(
                 torch.tensor(
                     [cov.num_tokens, cov.num_samples], dtype=torch.float64, device=cov.a_sum.device
@@ -284,6 +317,8 @@ class KroneckerCovariances:
         tensors, layers = {}, {}
         for name, c in self.layers.items():
             tensors[f"{name}|a_sum"], tensors[f"{name}|g_sum"] = c.a_sum, c.g_sum
+            if c.block_tokens is not None:
+                tensors[f"{name}|block_tokens"] = c.block_tokens
             layers[name] = {
                 "layer_type": c.layer_type,
                 "module_kwargs": c.module_kwargs,
@@ -307,14 +342,15 @@ class KroneckerCovariances:
         out = cls(meta["non_kronecker"], meta["tokens"])
         out.reduced, out.skipped = bool(meta["reduced"]), dict(meta["skipped"])
         for name, m in meta["layers"].items():
-            k, d = get_rule(m["layer_type"]).matrix_shape(m["module_kwargs"])
+            lead, k, d = fit_shapes(m["layer_type"], m["module_kwargs"])
             out.layers[name] = LayerCovariance(
                 m["layer_type"],
                 m["module_kwargs"],
-                checked_tensor(tensors, path, f"{name}|a_sum", (d, d)),
-                checked_tensor(tensors, path, f"{name}|g_sum", (k, k)),
+                checked_tensor(tensors, path, f"{name}|a_sum", (*lead, d, d)),
+                checked_tensor(tensors, path, f"{name}|g_sum", (*lead, k, k)),
                 float(m["num_tokens"]),
                 float(m["num_samples"]),
+                checked_tensor(tensors, path, f"{name}|block_tokens", lead) if lead else None,
             )
         out.diagonal.update(_get_diagonal(tensors, meta, path))
         return out
@@ -332,6 +368,8 @@ class LayerEigen:
         q_g: Eigenvectors of ``G``, ``(K, K)``.
         s_g: Eigenvalues of ``G``, ``(K,)``.
         corrected: EK-FAC eigenvalues ``(K, D)`` (``None`` for K-FAC).
+
+    A blocked layer (fused experts) has a leading ``E`` axis on every tensor.
         num_samples: Samples the fit used.
     """
 
@@ -348,7 +386,7 @@ class LayerEigen:
         """``(K, D)`` eigenvalues of ``F̂`` in the ``Q_G ⊗ Q_A`` basis."""
         if self.corrected is not None:
             return self.corrected
-        return self.s_g[:, None] * self.s_a[None, :]
+        return self.s_g[..., :, None] * self.s_a[..., None, :]
 
 
 @dataclass
@@ -420,7 +458,7 @@ class KroneckerFactors:
                 )
             q_g = eig.q_g.to(device=ref.device, dtype=ct)
             q_a = eig.q_a.to(device=ref.device, dtype=ct)
-            parts = [torch.matmul(q_g, rot / denom) @ q_a.T for rot in _rotated(lg, q_g, q_a, ct)]
+            parts = [torch.matmul(q_g, rot / denom) @ q_a.mT for rot in _rotated(lg, q_g, q_a, ct)]
             data = torch.cat(parts).reshape(lg.batch_size, -1).to(ref.dtype)
             out[name] = Materialized(data, lg.layer_type, lg.module_kwargs)
         for name, diag in self.diagonal.items():
@@ -465,46 +503,22 @@ class KroneckerFactors:
             raise ValueError(f"{path}: unknown kind {kind!r} (expected 'kfac' or 'ekfac').")
         layers = {}
         for name, m in meta["layers"].items():
-            k, d = get_rule(m["layer_type"]).matrix_shape(m["module_kwargs"])
-            get = lambda key, shape, name=name: checked_tensor(  # noqa: E731
-                tensors, path, f"{name}|{key}", shape
+            lead, k, d = fit_shapes(m["layer_type"], m["module_kwargs"])
+            get = lambda key, *shape, name=name, lead=lead: checked_tensor(  # noqa: E731
+                tensors, path, f"{name}|{key}", (*lead, *shape)
             )
             layers[name] = LayerEigen(
                 m["layer_type"],
                 m["module_kwargs"],
-                get("q_a", (d, d)),
-                get("s_a", (d,)),
-                get("q_g", (k, k)),
-                get("s_g", (k,)),
-                get("corrected", (k, d)) if kind == "ekfac" else None,
+                get("q_a", d, d),
+                get("s_a", d),
+                get("q_g", k, k),
+                get("s_g", k),
+                get("corrected", k, d) if kind == "ekfac" else None,
                 float(m["num_samples"]),
             )
         diags = _get_diagonal(tensors, meta, path)
         return cls(kind, layers, diags, dict(meta["skipped"]))
-
-
-def _put_diagonal(diagonal: dict[str, DiagonalFisher], tensors: dict) -> dict:
-    """Add the diagonal Fishers' tensors to ``tensors``; return their JSON metadata."""
-    meta = {}
-    for name, dg in diagonal.items():
-        tensors[f"{name}|sq_sum"] = dg.sq_sum
-        meta[name] = {
-            "layer_type": dg.layer_type,
-            "module_kwargs": dg.module_kwargs,
-            "num_samples": dg.num_samples,
-        }
-    return meta
-
-
-def _get_diagonal(tensors: dict, meta: dict, path: str | os.PathLike) -> dict:
-    """The diagonal Fishers described by ``meta["diagonal"]``, validated."""
-    out = {}
-    for name, m in meta["diagonal"].items():
-        t = tensors.get(f"{name}|sq_sum")
-        if t is None or t.dim() != 1:
-            raise ValueError(f"{path}: diagonal Fisher of {name!r} is missing or not 1-D.")
-        out[name] = DiagonalFisher(m["layer_type"], m["module_kwargs"], t, float(m["num_samples"]))
-    return out
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -517,7 +531,8 @@ def _check_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
     if not is_kronecker_layer(lg):
         raise ValueError(f"layer {name!r} of type {lg.layer_type} is not Kronecker-eligible.")
     kd = tuple(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
-    fit = (eig.q_g.shape[0], eig.q_a.shape[0])
+    blocks = eig.q_g.shape[0] if eig.q_g.dim() == 3 else 1
+    fit = (blocks * eig.q_g.shape[-1], eig.q_a.shape[-1])
     if kd != fit or lg.layer_type != eig.layer_type:
         raise ValueError(
             f"layer {name!r}: the gradients are {lg.layer_type} {kd}, the fit {eig.layer_type} "
@@ -532,22 +547,31 @@ def _rotated(
     """Yield ``Q_G^T M_n Q_A`` as ``(chunk, K, D)`` blocks over the samples of ``lg``.
 
     Factorised sites rotate their factors first, ``(g Q_G)^T (a Q_A)``, when
-    ``T (K^2 + D^2) <= K D (K + D)``; otherwise the dense gradient is rotated.
+    ``T (K^2 + D^2) <= E K D (K + D)`` (``E = 1`` but for blocked layers, whose rule rotates each
+    slot in its own block's basis, :meth:`LayerRule.kronecker_rotate`); otherwise the dense
+    gradient is rotated (per block: ``Q`` then has a leading ``E`` axis).
     """
-    k, d = q_g.shape[0], q_a.shape[0]
+    k, d = q_g.shape[-1], q_a.shape[-1]
+    lead = tuple(q_g.shape[:-2])
     b = lg.batch_size
-    step = max(1, ROTATE_CHUNK_ELEMENTS // max(1, k * d))
+    step = max(1, ROTATE_CHUNK_ELEMENTS // max(1, math.prod(lead) * k * d))
     for lo in range(0, b, step):
         idx = slice(lo, min(b, lo + step))
         total = None
         for site in _sites(lg.slice(idx)):
-            if isinstance(site, Factorized) and site.num_tokens * (k * k + d * d) <= k * d * (
-                k + d
-            ):
+            blocks = math.prod(lead)
+            cheap = isinstance(site, Factorized) and site.num_tokens * (
+                k * k + d * d
+            ) <= blocks * k * d * (k + d)
+            if cheap and not lead:
                 part = torch.bmm((site.g.to(ct) @ q_g).transpose(1, 2), site.a.to(ct) @ q_a)
+            elif cheap:  # per-block eigenbases: the rule turns each slot in its own block's
+                rule, kw = get_rule(site.layer_type), site.module_kwargs
+                a2, g2 = rule.kronecker_rotate(site.a.to(ct), site.g.to(ct), q_a, q_g, kw)
+                part = rule.materialize(a2, g2, kw).reshape(-1, *lead, k, d)
             else:
-                m = site.materialize().data.to(ct).reshape(-1, k, d)
-                part = torch.matmul(q_g.T, m) @ q_a
+                m = site.materialize().data.to(ct).reshape(-1, *lead, k, d)
+                part = torch.matmul(q_g.mT, m) @ q_a
             total = part if total is None else total + part
         yield total
 
@@ -566,30 +590,3 @@ def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, t
             "or use ProjectedFisherAttributor (each layer's exact Fisher, from any store form)."
         )
     return [(s.a, s.g) for s in _sites(lg)]
-
-
-def _as_gradient(item: object) -> Gradient:
-    if isinstance(item, Gradient):
-        return item
-    grad = getattr(item, "gradient", None)
-    if isinstance(grad, Gradient):
-        return grad
-    raise TypeError(f"expected a Gradient, GradientRecord or GradientBlock, got {type(item)}")
-
-
-def _progress(items: Iterable, desc: str, enabled: bool | None) -> Iterable:
-    from dattri_llm.utils.progress import progress
-
-    return items if get_rank() != 0 else progress(items, enabled, desc=desc)
-
-
-def _check_same_layers(names: list[str], device: torch.device | None = None) -> None:
-    """Fail loudly when ranks accumulated different layer sets (all-reduce would misalign)."""
-    code = float(zlib.crc32("\n".join(names).encode()))
-    t = all_reduce_sum(torch.tensor([code, code * code], dtype=torch.float64, device=device))
-    w = get_world_size()
-    if t[0] != code * w or t[1] != code * code * w:
-        raise RuntimeError(
-            "ranks accumulated different layer sets; every rank must capture the "
-            "same layers before the Kronecker all-reduce."
-        )
