@@ -40,6 +40,12 @@ import numpy as np
 import torch
 
 from dattri_llm.attribution.index import kinds
+from dattri_llm.attribution.index.builder import (
+    PartBuilder,
+    check_block_rows,
+    part_params,
+    write_parts,
+)
 from dattri_llm.attribution.index.format import (
     INDEX_FORMAT_NAME,
     INDEX_FORMAT_VERSION,
@@ -47,15 +53,17 @@ from dattri_llm.attribution.index.format import (
     IndexFormatError,
     StaleIndexError,
     fingerprint_difference,
-    part_files,
     read_index_meta,
     store_fingerprint,
     write_json,
 )
 from dattri_llm.attribution.index.vectors import (
+    BLOCK_ROWS,
     check_vector_schema,
+    plan_parts,
     query_vectors,
     train_parts,
+    unit_rows,
 )
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, Materialized
@@ -170,6 +178,7 @@ class GradientIndex:
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         overwrite: bool = False,
         show_progress: bool | None = None,
+        block_rows: int = BLOCK_ROWS,
         **params: Any,
     ) -> GradientIndex:
         """Build an index over a projected train store and write it to ``index_dir``.
@@ -188,6 +197,12 @@ class GradientIndex:
             checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
             overwrite: Replace an existing index in ``index_dir``.
             show_progress: A progress bar over the store's rows (``None``: only on a terminal).
+            block_rows: Rows per block read from the store and per block added to FAISS.
+                The build streams: its peak memory is about the index itself (a ``flat``
+                index *is* the vectors: ``n * D * 4`` bytes), plus for ``ivf`` the training
+                sample (``train_size * D * 4`` bytes), plus one block (about
+                ``block_rows * D * 12`` bytes) and the samples' ids; see
+                :mod:`dattri_llm.attribution.index.builder`. Any value gives the same index.
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
                 ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
@@ -205,6 +220,7 @@ class GradientIndex:
             raise ValueError(f"metric must be one of {kinds.METRICS}, got {metric!r}.")
         if kind not in kinds.KINDS:
             raise ValueError(f"kind must be one of {kinds.KINDS}, got {kind!r}.")
+        block_rows = check_block_rows(block_rows)
         store = _open_store(train_store)
         directory = Path(index_dir)
         if (directory / META_NAME).exists() and not overwrite:
@@ -220,62 +236,52 @@ class GradientIndex:
         fingerprint = store_fingerprint(store)
         facts = store.capture_facts(layers)
         started = time.perf_counter()
+        rows = unit_rows(store, wanted)
+        plan = plan_parts(rows)
+        n_total = sum(plan[2].values())
+        first = store.load_record(rows[0][0] if rows else 0, layers=layers).gradient
+        dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
+        dim = sum(dims)
+        del first
+        built_kind = kinds.resolve_kind(kind, n_total, dim)
+        full = kinds.resolve_params(built_kind, n_total, dim, params)
+        if directory.exists() and overwrite:
+            (directory / META_NAME).unlink(missing_ok=True)  # first: no half-valid index
+            for p in directory.glob("part_*"):
+                p.unlink()
+        directory.mkdir(parents=True, exist_ok=True)
+        builders = {
+            rel: PartBuilder(
+                built_kind,
+                dim,
+                part_params(built_kind, full, count),
+                count,
+                block_rows,
+                directory / f".part_{i}.vectors.tmp",
+            )
+            for i, (rel, count) in enumerate(plan[2].items())
+        }
         bar = progress_bar(
             show_progress, total=store.num_samples, desc="reading the store", unit="row"
         )
-        parts = None
-        last = 0
-        for _, done, _, result in train_parts(store, layers, metric, wanted, weight):
+        try:
+            last = 0
+            stream = train_parts(
+                store, layers, metric, wanted, weight,
+                rows=rows, plan=plan, parts=builders, block_rows=block_rows,
+            )  # fmt: skip
+            for _, done, _, _ in stream:
+                if bar is not None:
+                    bar.update(done - last)
+                last = done
+            del rows, plan, stream
+            read_s = time.perf_counter() - started
+            entries, opened = write_parts(builders, directory)
+        finally:
             if bar is not None:
-                bar.update(done - last)
-            last = done
-            parts = result
-        if bar is not None:
-            bar.close()
-        assert parts is not None
-        first = store.load_record(0, layers=layers).gradient
-        dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
-        dim = sum(dims)
-        n_total = sum(len(p.hashes) for p in parts.values())
-        built_kind = kinds.resolve_kind(kind, n_total, dim)
-        full = kinds.resolve_params(built_kind, n_total, dim, params)
-        read_s = time.perf_counter() - started
-        if directory.exists() and overwrite:
-            for p in directory.glob("part_*"):
-                p.unlink()
-            (directory / META_NAME).unlink(missing_ok=True)
-        directory.mkdir(parents=True, exist_ok=True)
-        entries = []
-        opened = []
-        for i, (rel, pv) in enumerate(parts.items()):
-            vectors = pv.matrix(dim)
-            kind_i, params_i = built_kind, full
-            if built_kind == "ivf" and params_i["nlist"] > len(pv.hashes):
-                # a small partition of a large store: as many lists as it can train
-                kind_i = "ivf"
-                params_i = {**full, "nlist": max(1, len(pv.hashes) // 39)}
-                params_i["nprobe"] = min(params_i["nprobe"], params_i["nlist"])
-            index = kinds.make_index(kind_i, dim, params_i, vectors)
-            del vectors
-            faiss_path, samples_path = part_files(directory, i)
-            tmp = faiss_path.with_name(f".{faiss_path.name}.tmp")
-            faiss.write_index(index, os.fspath(tmp))
-            os.replace(tmp, faiss_path)
-            write_json(
-                samples_path,
-                {"hashes": pv.hashes, "steps": pv.steps, "checkpoints": pv.checkpoints},
-            )
-            entries.append(
-                {
-                    "partition": rel,
-                    "samples": len(pv.hashes),
-                    "faiss": faiss_path.name,
-                    "samples_file": samples_path.name,
-                    "params": params_i,
-                    "bytes": faiss_path.stat().st_size,
-                }
-            )
-            opened.append((index, pv.hashes, pv.steps, pv.checkpoints))
+                bar.close()
+            for pb in builders.values():
+                pb.close()
         meta = {
             "format": INDEX_FORMAT_NAME,
             "version": INDEX_FORMAT_VERSION,
