@@ -4,8 +4,13 @@ The store is read in blocks of ``block_rows`` rows (the store's
 :class:`~dattri_llm.gradient.store.vector_reader.VectorBlockReader`); each partition's finished
 sample vectors are buffered up to ``block_rows`` rows, then handed to FAISS:
 
-- ``flat`` and ``hnsw``: ``index.add`` of each block as it comes. The index holds the vectors
-  (FAISS must: a flat index *is* the vectors), so the peak is about the index plus one block.
+- ``flat``: the index's storage is sized once (``n * D * 4`` bytes: a flat index *is* the
+  vectors, FAISS must hold them) and each block is copied into it as it comes (``index.add``
+  would grow it by reallocation, about 1.35x the index at the peak). Peak: the index plus one
+  block.
+- ``hnsw``: ``index.add`` of each block as it comes (the graph is built incrementally; FAISS
+  orders a batch's insertions by level, so the graph, not the vectors, depends on the block
+  size, like any approximate build).
 - ``ivf``: the quantizer must be trained before anything is added, on a sample of the
   partition's vectors in id order (:func:`~dattri_llm.attribution.index.kinds.training_rows`:
   ``train_size`` rows drawn with ``seed``). The blocks are spilled, float32, to a temporary
@@ -77,6 +82,8 @@ class PartBuilder(PartVectors):
         self.block_rows = block_rows
         self.index = kinds.empty_index(kind, dim, params, n)
         self._buffered = 0
+        self._filled = 0
+        self._flat = kinds.flat_storage(self.index, n) if kind == "flat" else None
         self.spill = spill if kind == "ivf" else None
         self._file = open(spill, "wb") if self.spill is not None else None  # noqa: SIM115
 
@@ -94,8 +101,11 @@ class PartBuilder(PartVectors):
         self._buffered = 0
         if self._file is not None:
             chunk.tofile(self._file)
+        elif self._flat is not None:  # straight into the index's storage, sized once
+            self._flat[self._filled : self._filled + len(chunk)] = chunk
         else:
             self.index.add(chunk)
+        self._filled += len(chunk)
 
     def _spilled(self) -> Any:
         """The spilled vectors, ``(b, D)`` float32 blocks of ``block_rows`` rows, in order."""
@@ -115,6 +125,9 @@ class PartBuilder(PartVectors):
                 f"the partition received {len(self.hashes)} samples, its plan said {self.n}; "
                 "the store changed while the index was built: build it again."
             )
+        if self._flat is not None:
+            self.index.ntotal = self.n
+            self._flat = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -47,6 +47,7 @@ __all__ = [
     "make_index",
     "empty_index",
     "training_rows",
+    "flat_storage",
     "train_index",
     "set_search_params",
 ]
@@ -170,6 +171,23 @@ def empty_index(kind: str, dim: int, params: dict[str, Any], n: int) -> Any:
             quantizer, dim, nlist, int(params["pq_m"]), int(params["pq_bits"]), ip
         )
     return index
+
+
+def flat_storage(index: Any, n: int) -> np.ndarray:
+    """``(n, D)`` float32: the storage of an empty flat index, sized for ``n`` vectors.
+
+    A writable view: fill it, then set ``index.ntotal = n`` (the index allocated once, not
+    grown by ``add``).
+    """
+    faiss = import_faiss()
+    flat = faiss.downcast_index(index)
+    if flat.ntotal:
+        raise ValueError("flat_storage needs an empty index.")
+    nbytes = n * flat.d * 4
+    flat.codes.resize(nbytes)
+    if not n:
+        return np.zeros((0, flat.d), np.float32)
+    return faiss.rev_swig_ptr(flat.codes.data(), nbytes).view(np.float32).reshape(n, flat.d)
 
 
 def training_rows(n: int, params: dict[str, Any]) -> np.ndarray | None:
