@@ -18,8 +18,8 @@ parameters; ``docs/benchmarks/index.md`` measures recall and speed).
 
 Partitions: a store written by several ranks gets one FAISS index per partition (each sample
 in the partition of its first row, its vector summing all its rows), and a search merges the
-partitions' top-k exactly. Build and search run in one process; under ``torchrun`` call them
-on one rank (splitting them across ranks is not implemented).
+partitions' top-k exactly. The build streams the store (``block_rows``; memory: the index plus
+one block, see ``builder``). Build and search run in one process (under ``torchrun``: one rank).
 
 The proponents are a search for the largest inner products with the query ``q``, the
 opponents one for the largest with ``-q``; the result holds both, like the top-k sink of the
