@@ -4,7 +4,7 @@ A version-2 partition holds the 32-byte digest of every sample id in its memory-
 ``samples.bin`` (:mod:`~dattri_llm.gradient.store.sample_index`). :class:`SampleLocator` is
 built, on the first lookup, from those files alone: for every sample row of a record whose ids
 are digests, the first 8 bytes of its digest (a little-endian ``uint64`` key), its record's
-position in store order and its row, sorted by ``(key, record, row)`` with numpy, 20 bytes per
+position in store order and its row, sorted by the key with numpy, 20 bytes per
 row (20 MB at 1M samples; the dict it replaces held a ``str`` and a list per id). A lookup is
 a binary search for the key; each candidate is confirmed against the record's full id (two ids
 sharing their first 16 hex digits are told apart, at the cost of decoding a record each).
@@ -104,7 +104,7 @@ class SampleLocator:
         loose += [(base + j, e) for j, (_, e) in enumerate(extra)]
         if keys:
             key, pos, row = np.concatenate(keys), np.concatenate(poss), np.concatenate(rows)
-            perm = np.lexsort((row, pos, key))
+            perm = np.argsort(key)  # ties in any order: ``find`` sorts its few hits
             self._key, self._pos, self._row = key[perm], pos[perm], row[perm]
         else:
             self._key = np.zeros(0, np.uint64)
