@@ -60,7 +60,11 @@ class SampleLookup:
         return key if isinstance(key, str) else hash_sample(key, keys=hash_keys)
 
     def locations(self, sample_hash: str) -> list[SampleLocation]:
-        """Every (record, step, row) at which a sample occurs, in store order (O(1) lookup)."""
+        """Every (record, step, row) at which a sample occurs, in store order.
+
+        The first lookup builds the store's sample locator (a sorted numpy array over the
+        partitions' ``samples.bin``, 20 bytes per sample row); each is then a binary search.
+        """
         ordered = self._ordered()
         out = []
         for pos, row in self._locator().find(sample_hash):
