@@ -99,6 +99,8 @@ class PartBuilder(PartVectors):
             return
         chunk = self.matrix(self.dim)
         self._buffered = 0
+        if self._filled + len(chunk) > self.n:
+            raise self._changed()
         if self._file is not None:
             chunk.tofile(self._file)
         elif self._flat is not None:  # straight into the index's storage, sized once
@@ -106,6 +108,13 @@ class PartBuilder(PartVectors):
         else:
             self.index.add(chunk)
         self._filled += len(chunk)
+
+    def _changed(self) -> RuntimeError:
+        return RuntimeError(
+            f"a partition received {len(self.hashes)} samples, its plan (the store's index, "
+            f"read first) said {self.n}: the store changed while the index was built; build "
+            "it again."
+        )
 
     def _spilled(self) -> Any:
         """The spilled vectors, ``(b, D)`` float32 blocks of ``block_rows`` rows, in order."""
@@ -121,10 +130,7 @@ class PartBuilder(PartVectors):
         """The filled index (an ``ivf`` one trained first; the spill file removed)."""
         self._flush()
         if len(self.hashes) != self.n:
-            raise RuntimeError(
-                f"the partition received {len(self.hashes)} samples, its plan said {self.n}; "
-                "the store changed while the index was built: build it again."
-            )
+            raise self._changed()
         if self._flat is not None:
             self.index.ntotal = self.n
             self._flat = None
