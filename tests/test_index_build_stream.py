@@ -99,3 +99,17 @@ def test_block_rows_is_checked(tmp_path, bad):
     write(tmp_path / "train", train_vectors(10))
     with pytest.raises(ValueError, match="block_rows must be a positive int"):
         GradientIndex.build(tmp_path / "train", tmp_path / "idx", block_rows=bad)
+
+
+def test_cli_block_rows(tmp_path, capsys):
+    from dattri_llm.cli import main
+
+    write(tmp_path / "train", train_vectors(30))
+    out = ["-o", str(tmp_path / "idx"), "--kind", "flat"]
+    assert main(["index", "build", str(tmp_path / "train"), *out, "--block-rows", "4"]) == 0
+    small = faiss_bytes(GradientIndex.open(tmp_path / "idx"))
+    big = GradientIndex.build(tmp_path / "train", tmp_path / "big", kind="flat")
+    assert small == faiss_bytes(big)
+    capsys.readouterr()
+    code = main(["index", "build", str(tmp_path / "train"), *out, "--block-rows", "0"])
+    assert code != 0 and "--block-rows" in capsys.readouterr().err
