@@ -26,6 +26,7 @@ same vectors in the same order): ``tests/test_index_build_stream.py`` checks ide
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,29 @@ from dattri_llm.attribution.index import kinds
 from dattri_llm.attribution.index.format import part_files, write_json
 from dattri_llm.attribution.index.vectors import PartVectors
 
-__all__ = ["PartBuilder", "part_params", "check_block_rows", "write_parts"]
+__all__ = ["PartBuilder", "part_params", "check_block_rows", "write_parts", "weights_of"]
+
+
+def weights_of(checkpoint_weights: Any) -> tuple[Callable[[int], float], Any]:
+    """``weight(c)`` and the JSON form of ``checkpoint_weights`` (TracIn's semantics)."""
+    if checkpoint_weights is None:
+        return (lambda c: 1.0), None
+    if isinstance(checkpoint_weights, Mapping):
+        table = {int(k): float(v) for k, v in checkpoint_weights.items()}
+        saved: Any = {str(k): v for k, v in table.items()}
+    else:
+        table = dict(enumerate(float(w) for w in checkpoint_weights))
+        saved = [table[i] for i in range(len(table))]
+
+    def weight(c: int) -> float:
+        if c not in table:
+            raise KeyError(
+                f"checkpoint_weights has no weight for checkpoint {c} (it covers "
+                f"{sorted(table)}); give one weight per checkpoint label of the store."
+            )
+        return table[c]
+
+    return weight, saved
 
 
 def check_block_rows(block_rows: Any) -> int:
@@ -168,15 +191,19 @@ class PartBuilder(PartVectors):
             os.unlink(self.spill)
 
 
-def write_parts(builders: dict[str, PartBuilder], directory: Path) -> tuple[list, list]:
+def write_parts(
+    builders: dict[str, PartBuilder], number: dict[str, int], directory: Path
+) -> tuple[list, list]:
     """Finish every partition and write it (FAISS file atomically, then its samples JSON).
 
     Returns:
-        ``(entries of index.json's "parts", [(index, hashes, steps, checkpoints)])``.
+        ``([(partition number, its entry of index.json's "parts")], [(index, hashes, steps,
+        checkpoints)])``.
     """
     faiss = kinds.import_faiss()
     entries, opened = [], []
-    for i, (rel, pb) in enumerate(builders.items()):
+    for rel, pb in builders.items():
+        i = number[rel]
         index = pb.finish()
         faiss_path, samples_path = part_files(directory, i)
         tmp = faiss_path.with_name(f".{faiss_path.name}.tmp")
@@ -185,16 +212,15 @@ def write_parts(builders: dict[str, PartBuilder], directory: Path) -> tuple[list
         write_json(
             samples_path, {"hashes": pb.hashes, "steps": pb.steps, "checkpoints": pb.checkpoints}
         )
-        entries.append(
-            {
-                "partition": rel,
-                "samples": len(pb.hashes),
-                "faiss": faiss_path.name,
-                "samples_file": samples_path.name,
-                "params": pb.params,
-                "bytes": faiss_path.stat().st_size,
-            }
-        )
+        entry = {
+            "partition": rel,
+            "samples": len(pb.hashes),
+            "faiss": faiss_path.name,
+            "samples_file": samples_path.name,
+            "params": pb.params,
+            "bytes": faiss_path.stat().st_size,
+        }
+        entries.append((i, entry))
         opened.append((index, pb.hashes, pb.steps, pb.checkpoints))
         pb.index = None  # the caller holds it
     return entries, opened

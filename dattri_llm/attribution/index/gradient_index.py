@@ -19,7 +19,8 @@ parameters; ``docs/benchmarks/index.md`` measures recall and speed).
 Partitions: a store written by several ranks gets one FAISS index per partition (each sample
 in the partition of its first row, its vector summing all its rows), and a search merges the
 partitions' top-k exactly. The build streams the store (``block_rows``; memory: the index plus
-one block, see ``builder``). Build and search run in one process (under ``torchrun``: one rank).
+one block, see ``builder``). Under ``torchrun`` build and search split by partition across
+the ranks (every rank calls them; see ``distributed``).
 
 The proponents are a search for the largest inner products with the query ``q``, the
 opponents one for the largest with ``-q``; the result holds both, like the top-k sink of the
@@ -39,11 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dattri_llm.attribution.index import distributed as dd
 from dattri_llm.attribution.index import kinds
 from dattri_llm.attribution.index.builder import (
     PartBuilder,
     check_block_rows,
     part_params,
+    weights_of,
     write_parts,
 )
 from dattri_llm.attribution.index.format import (
@@ -83,28 +86,6 @@ def _open_store(store: Any) -> Any:
     if isinstance(store, GradientStorageManager):
         return store
     return DiskGradientSource(store).store  # its checks: exists, is a store, holds records
-
-
-def _weights(checkpoint_weights: Any) -> tuple[Callable[[int], float], Any]:
-    """``weight(c)`` and the JSON form of ``checkpoint_weights`` (TracIn's semantics)."""
-    if checkpoint_weights is None:
-        return (lambda c: 1.0), None
-    if isinstance(checkpoint_weights, Mapping):
-        table = {int(k): float(v) for k, v in checkpoint_weights.items()}
-        saved: Any = {str(k): v for k, v in table.items()}
-    else:
-        table = dict(enumerate(float(w) for w in checkpoint_weights))
-        saved = [table[i] for i in range(len(table))]
-
-    def weight(c: int) -> float:
-        if c not in table:
-            raise KeyError(
-                f"checkpoint_weights has no weight for checkpoint {c} (it covers "
-                f"{sorted(table)}); give one weight per checkpoint label of the store."
-            )
-        return table[c]
-
-    return weight, saved
 
 
 class GradientIndex:
@@ -232,7 +213,7 @@ class GradientIndex:
         wanted = store.check_checkpoints(checkpoints)
         where = f"store {store.save_dir}"
         check_vector_schema(store.schema, layers, where)
-        weight, saved_weights = _weights(checkpoint_weights)
+        weight, saved_weights = weights_of(checkpoint_weights)
         fingerprint = store_fingerprint(store)
         facts = store.capture_facts(layers)
         started = time.perf_counter()
@@ -245,22 +226,28 @@ class GradientIndex:
         del first
         built_kind = kinds.resolve_kind(kind, n_total, dim)
         full = kinds.resolve_params(built_kind, n_total, dim, params)
-        if directory.exists() and overwrite:
+        if directory.exists() and overwrite and (not dd.active() or dd.get_rank() == 0):
             (directory / META_NAME).unlink(missing_ok=True)  # first: no half-valid index
             for p in directory.glob("part_*"):
                 p.unlink()
         directory.mkdir(parents=True, exist_ok=True)
+        dd.barrier()  # under torch.distributed: rank 0 cleared, partition i % world is ours
+        number = {rel: i for i, rel in enumerate(plan[2])}
+        ours = {rel for rel, i in number.items() if i in dd.mine(len(number))}
         builders = {
             rel: PartBuilder(
                 built_kind,
                 dim,
-                part_params(built_kind, full, count),
-                count,
+                part_params(built_kind, full, plan[2][rel]),
+                plan[2][rel],
                 block_rows,
-                directory / f".part_{i}.vectors.tmp",
+                directory / f".part_{number[rel]}.vectors.tmp",
             )
-            for i, (rel, count) in enumerate(plan[2].items())
+            for rel in number
+            if rel in ours
         }
+        if len(ours) < len(number):
+            rows = dd.rows_to_read(rows, plan[0], ours)
         bar = progress_bar(
             show_progress, total=store.num_samples, desc="reading the store", unit="row"
         )
@@ -276,12 +263,13 @@ class GradientIndex:
                 last = done
             del rows, plan, stream
             read_s = time.perf_counter() - started
-            entries, opened = write_parts(builders, directory)
+            entries, opened = write_parts(builders, number, directory)
         finally:
             if bar is not None:
                 bar.close()
             for pb in builders.values():
                 pb.close()
+        entries = dd.gather_entries(entries)
         meta = {
             "format": INDEX_FORMAT_NAME,
             "version": INDEX_FORMAT_VERSION,
@@ -305,8 +293,13 @@ class GradientIndex:
             "build_seconds": {"read": read_s, "total": time.perf_counter() - started},
             "faiss_version": getattr(faiss, "__version__", "unknown"),
         }
-        write_json(directory / META_NAME, meta)
-        return cls(directory, meta, store, opened)
+        if not dd.active():
+            write_json(directory / META_NAME, meta)
+            return cls(directory, meta, store, opened)
+        if dd.get_rank() == 0:
+            write_json(directory / META_NAME, meta)
+        dd.barrier()
+        return cls.open(directory, store)
 
     # ---- open ------------------------------------------------------------------------------
     @classmethod
@@ -500,9 +493,10 @@ class GradientIndex:
         """
         found: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         offset = 0
-        for (index, hashes, _, _), entry in zip(self._parts, self.meta["parts"]):
+        ours = dd.mine(len(self._parts))  # under torch.distributed: partitions i % world
+        for i, ((index, hashes, _, _), entry) in enumerate(zip(self._parts, self.meta["parts"])):
             n = len(hashes)
-            if n:
+            if n and i in ours:
                 kk = min(k, n)
                 if self.kind == "flat":
                     # exact: one torch matmul over FAISS's own vectors (a view) gives both
@@ -527,9 +521,11 @@ class GradientIndex:
             offset += n
         out = []
         for largest in (True, False):
-            vals, ids = torch.cat(found[largest][0], 1), torch.cat(found[largest][1], 1)
+            empty = torch.zeros(len(q), 0)
+            vals = torch.cat([empty, *found[largest][0]], 1)
+            ids = torch.cat([empty.long(), *found[largest][1]], 1)
             v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
-            out.append((v, ids.gather(1, pos)))
+            out.append(dd.merge_ranks(v, ids.gather(1, pos), k, largest))
         return out[0], out[1]
 
     def _result(

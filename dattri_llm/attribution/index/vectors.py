@@ -188,7 +188,8 @@ def train_parts(
         plan: :func:`plan_parts` of ``rows`` (computed if ``None``; its row counts are
             consumed).
         parts: Where each partition's finished samples go (``add`` is called with them in id
-            order); default: a :class:`PartVectors` per partition, kept in memory. A sample
+            order; samples of partitions not in it are skipped); default: a
+            :class:`PartVectors` per partition, kept in memory. A sample
             with several rows is held (one float64 vector) until its last row is read.
         block_rows: Rows per block read from the store (default :data:`BLOCK_ROWS`).
     """
@@ -209,6 +210,8 @@ def train_parts(
         finished: dict[str, list[str]] = {}  # owner part -> hashes whose rows are all in
         direct: dict[str, list[int]] = {}  # owner part -> rows of single-row samples
         for r, h in enumerate(rec.hashes):
+            if owner[h] not in parts:  # another rank's sample (a split build)
+                continue
             if left[h] == 1 and h not in pending:
                 direct.setdefault(owner[h], []).append(r)
                 left[h] = 0
