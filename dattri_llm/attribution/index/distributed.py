@@ -10,6 +10,10 @@ Under an initialised process group every rank calls ``build`` / ``search`` alike
 * **Search.** Rank ``r`` searches the partitions ``i % world == r``; the per-rank top-k are
   all-gathered and merged (the top-k of disjoint sets is the top-k of their top-k), so every
   rank returns the same result, equal to a one-process search.
+
+Limits: every rank opens every partition's FAISS file (the memory of the whole index per rank;
+only the work is split), and a rank that fails during the build is not announced to the
+others (they wait in the exchange until the process group's timeout), unlike scoring's checks.
 """
 
 from __future__ import annotations
