@@ -521,7 +521,7 @@ class GradientIndex:
             offset += n
         out = []
         for largest in (True, False):
-            empty = torch.zeros(len(q), 0)
+            empty = torch.zeros(len(q), 0, dtype=torch.float32)
             vals = torch.cat([empty, *found[largest][0]], 1)
             ids = torch.cat([empty.long(), *found[largest][1]], 1)
             v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
