@@ -57,6 +57,9 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--ef-construction", type=int, help="hnsw: build candidate list (80)")
     b.add_argument("--ef-search", type=int, help="hnsw: search candidate list (64)")
     b.add_argument("--overwrite", action="store_true", help="replace an index in INDEX_DIR")
+    b.add_argument(
+        "--block-rows", type=int, default=4096, help="rows read and added per block (4096)"
+    )
     add_progress_flag(b)
     b.set_defaults(run=run_build)
     s = actions.add_parser(
@@ -93,7 +96,7 @@ def run_build(args: argparse.Namespace) -> int:
 
     flags = {"nlist": "--nlist", "nprobe": "--nprobe", "pq_m": "--pq-m", "rerank": "--rerank"}
     flags |= {"M": "--M", "ef_construction": "--ef-construction", "ef_search": "--ef-search"}
-    _positive(args, flags)
+    _positive(args, {**flags, "block_rows": "--block-rows"})
     store = open_store(args.store, "STORE")
     names = {"ef_construction": "efConstruction", "ef_search": "efSearch"}
     params = {names.get(a, a): getattr(args, a) for a in flags if getattr(args, a) is not None}
@@ -109,6 +112,7 @@ def run_build(args: argparse.Namespace) -> int:
         checkpoints=args.checkpoints,
         overwrite=args.overwrite,
         show_progress=show_progress(args),
+        block_rows=args.block_rows,
         **params,
     )
     size = sum(p["bytes"] for p in index.meta["parts"])

@@ -9,7 +9,8 @@ imports done; the store kept open) and the process's peak (``VmHWM``, imports in
 
 * ``binary`` — a version-2 partition (``records.bin`` / ``samples.bin``, memory-mapped);
 * ``jsonl`` — the same store read through its JSONL journal, as a version-1 store is;
-* ``first lookup`` — ``binary``, then one ``store.locations(hash)`` (builds the hash map).
+* ``first lookup`` — ``binary``, then one ``store.locations(hash)`` (builds the sample locator
+  over ``samples.bin``; before it, a dict of every id).
 
     OMP_NUM_THREADS=1 python experiments/benchmark/store_open.py --n 1000000
 """

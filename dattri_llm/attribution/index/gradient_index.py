@@ -18,8 +18,9 @@ parameters; ``docs/benchmarks/index.md`` measures recall and speed).
 
 Partitions: a store written by several ranks gets one FAISS index per partition (each sample
 in the partition of its first row, its vector summing all its rows), and a search merges the
-partitions' top-k exactly. Build and search run in one process; under ``torchrun`` call them
-on one rank (splitting them across ranks is not implemented).
+partitions' top-k exactly. The build streams the store (``block_rows``; memory: the index plus
+one block, see ``builder``). Under ``torchrun`` build and search split by partition across
+the ranks (every rank calls them; see ``distributed``).
 
 The proponents are a search for the largest inner products with the query ``q``, the
 opponents one for the largest with ``-q``; the result holds both, like the top-k sink of the
@@ -39,7 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from dattri_llm.attribution.index import distributed as dd
 from dattri_llm.attribution.index import kinds
+from dattri_llm.attribution.index.builder import (
+    PartBuilder,
+    check_block_rows,
+    part_params,
+    weights_of,
+    write_parts,
+)
 from dattri_llm.attribution.index.format import (
     INDEX_FORMAT_NAME,
     INDEX_FORMAT_VERSION,
@@ -47,15 +56,17 @@ from dattri_llm.attribution.index.format import (
     IndexFormatError,
     StaleIndexError,
     fingerprint_difference,
-    part_files,
     read_index_meta,
     store_fingerprint,
     write_json,
 )
 from dattri_llm.attribution.index.vectors import (
+    BLOCK_ROWS,
     check_vector_schema,
+    plan_parts,
     query_vectors,
     train_parts,
+    unit_rows,
 )
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, Materialized
@@ -75,28 +86,6 @@ def _open_store(store: Any) -> Any:
     if isinstance(store, GradientStorageManager):
         return store
     return DiskGradientSource(store).store  # its checks: exists, is a store, holds records
-
-
-def _weights(checkpoint_weights: Any) -> tuple[Callable[[int], float], Any]:
-    """``weight(c)`` and the JSON form of ``checkpoint_weights`` (TracIn's semantics)."""
-    if checkpoint_weights is None:
-        return (lambda c: 1.0), None
-    if isinstance(checkpoint_weights, Mapping):
-        table = {int(k): float(v) for k, v in checkpoint_weights.items()}
-        saved: Any = {str(k): v for k, v in table.items()}
-    else:
-        table = dict(enumerate(float(w) for w in checkpoint_weights))
-        saved = [table[i] for i in range(len(table))]
-
-    def weight(c: int) -> float:
-        if c not in table:
-            raise KeyError(
-                f"checkpoint_weights has no weight for checkpoint {c} (it covers "
-                f"{sorted(table)}); give one weight per checkpoint label of the store."
-            )
-        return table[c]
-
-    return weight, saved
 
 
 class GradientIndex:
@@ -170,6 +159,7 @@ class GradientIndex:
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         overwrite: bool = False,
         show_progress: bool | None = None,
+        block_rows: int = BLOCK_ROWS,
         **params: Any,
     ) -> GradientIndex:
         """Build an index over a projected train store and write it to ``index_dir``.
@@ -188,6 +178,12 @@ class GradientIndex:
             checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
             overwrite: Replace an existing index in ``index_dir``.
             show_progress: A progress bar over the store's rows (``None``: only on a terminal).
+            block_rows: Rows per block read from the store and per block added to FAISS.
+                The build streams: its peak memory is about the index itself (a ``flat``
+                index *is* the vectors: ``n * D * 4`` bytes), plus for ``ivf`` the training
+                sample (``train_size * D * 4`` bytes), plus one block (about
+                ``block_rows * D * 12`` bytes) and the samples' ids; see
+                :mod:`dattri_llm.attribution.index.builder`. Any value gives the same index.
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
                 ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
@@ -205,6 +201,7 @@ class GradientIndex:
             raise ValueError(f"metric must be one of {kinds.METRICS}, got {metric!r}.")
         if kind not in kinds.KINDS:
             raise ValueError(f"kind must be one of {kinds.KINDS}, got {kind!r}.")
+        block_rows = check_block_rows(block_rows)
         store = _open_store(train_store)
         directory = Path(index_dir)
         if (directory / META_NAME).exists() and not overwrite:
@@ -216,66 +213,63 @@ class GradientIndex:
         wanted = store.check_checkpoints(checkpoints)
         where = f"store {store.save_dir}"
         check_vector_schema(store.schema, layers, where)
-        weight, saved_weights = _weights(checkpoint_weights)
+        weight, saved_weights = weights_of(checkpoint_weights)
         fingerprint = store_fingerprint(store)
         facts = store.capture_facts(layers)
         started = time.perf_counter()
+        rows = unit_rows(store, wanted)
+        plan = plan_parts(rows)
+        n_total = sum(plan[2].values())
+        first = store.load_record(rows[0][0] if rows else 0, layers=layers).gradient
+        dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
+        dim = sum(dims)
+        del first
+        built_kind = kinds.resolve_kind(kind, n_total, dim)
+        full = kinds.resolve_params(built_kind, n_total, dim, params)
+        if directory.exists() and overwrite and (not dd.active() or dd.get_rank() == 0):
+            (directory / META_NAME).unlink(missing_ok=True)  # first: no half-valid index
+            for p in directory.glob("part_*"):
+                p.unlink()
+        directory.mkdir(parents=True, exist_ok=True)
+        dd.barrier()  # under torch.distributed: rank 0 cleared, partition i % world is ours
+        number = {rel: i for i, rel in enumerate(plan[2])}
+        ours = {rel for rel, i in number.items() if i in dd.mine(len(number))}
+        builders = {
+            rel: PartBuilder(
+                built_kind,
+                dim,
+                part_params(built_kind, full, plan[2][rel]),
+                plan[2][rel],
+                block_rows,
+                directory / f".part_{number[rel]}.vectors.tmp",
+            )
+            for rel in number
+            if rel in ours
+        }
+        if len(ours) < len(number):
+            rows = dd.rows_to_read(rows, plan[0], ours)
         bar = progress_bar(
             show_progress, total=store.num_samples, desc="reading the store", unit="row"
         )
-        parts = None
-        last = 0
-        for _, done, _, result in train_parts(store, layers, metric, wanted, weight):
+        try:
+            last = 0
+            stream = train_parts(
+                store, layers, metric, wanted, weight,
+                rows=rows, plan=plan, parts=builders, block_rows=block_rows,
+            )  # fmt: skip
+            for _, done, _, _ in stream:
+                if bar is not None:
+                    bar.update(done - last)
+                last = done
+            del rows, plan, stream
+            read_s = time.perf_counter() - started
+            entries, opened = write_parts(builders, number, directory)
+        finally:
             if bar is not None:
-                bar.update(done - last)
-            last = done
-            parts = result
-        if bar is not None:
-            bar.close()
-        assert parts is not None
-        first = store.load_record(0, layers=layers).gradient
-        dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
-        dim = sum(dims)
-        n_total = sum(len(p.hashes) for p in parts.values())
-        built_kind = kinds.resolve_kind(kind, n_total, dim)
-        full = kinds.resolve_params(built_kind, n_total, dim, params)
-        read_s = time.perf_counter() - started
-        if directory.exists() and overwrite:
-            for p in directory.glob("part_*"):
-                p.unlink()
-            (directory / META_NAME).unlink(missing_ok=True)
-        directory.mkdir(parents=True, exist_ok=True)
-        entries = []
-        opened = []
-        for i, (rel, pv) in enumerate(parts.items()):
-            vectors = pv.matrix(dim)
-            kind_i, params_i = built_kind, full
-            if built_kind == "ivf" and params_i["nlist"] > len(pv.hashes):
-                # a small partition of a large store: as many lists as it can train
-                kind_i = "ivf"
-                params_i = {**full, "nlist": max(1, len(pv.hashes) // 39)}
-                params_i["nprobe"] = min(params_i["nprobe"], params_i["nlist"])
-            index = kinds.make_index(kind_i, dim, params_i, vectors)
-            del vectors
-            faiss_path, samples_path = part_files(directory, i)
-            tmp = faiss_path.with_name(f".{faiss_path.name}.tmp")
-            faiss.write_index(index, os.fspath(tmp))
-            os.replace(tmp, faiss_path)
-            write_json(
-                samples_path,
-                {"hashes": pv.hashes, "steps": pv.steps, "checkpoints": pv.checkpoints},
-            )
-            entries.append(
-                {
-                    "partition": rel,
-                    "samples": len(pv.hashes),
-                    "faiss": faiss_path.name,
-                    "samples_file": samples_path.name,
-                    "params": params_i,
-                    "bytes": faiss_path.stat().st_size,
-                }
-            )
-            opened.append((index, pv.hashes, pv.steps, pv.checkpoints))
+                bar.close()
+            for pb in builders.values():
+                pb.close()
+        entries = dd.gather_entries(entries)
         meta = {
             "format": INDEX_FORMAT_NAME,
             "version": INDEX_FORMAT_VERSION,
@@ -299,8 +293,13 @@ class GradientIndex:
             "build_seconds": {"read": read_s, "total": time.perf_counter() - started},
             "faiss_version": getattr(faiss, "__version__", "unknown"),
         }
-        write_json(directory / META_NAME, meta)
-        return cls(directory, meta, store, opened)
+        if not dd.active():
+            write_json(directory / META_NAME, meta)
+            return cls(directory, meta, store, opened)
+        if dd.get_rank() == 0:
+            write_json(directory / META_NAME, meta)
+        dd.barrier()
+        return cls.open(directory, store)
 
     # ---- open ------------------------------------------------------------------------------
     @classmethod
@@ -494,9 +493,10 @@ class GradientIndex:
         """
         found: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         offset = 0
-        for (index, hashes, _, _), entry in zip(self._parts, self.meta["parts"]):
+        ours = dd.mine(len(self._parts))  # under torch.distributed: partitions i % world
+        for i, ((index, hashes, _, _), entry) in enumerate(zip(self._parts, self.meta["parts"])):
             n = len(hashes)
-            if n:
+            if n and i in ours:
                 kk = min(k, n)
                 if self.kind == "flat":
                     # exact: one torch matmul over FAISS's own vectors (a view) gives both
@@ -521,9 +521,11 @@ class GradientIndex:
             offset += n
         out = []
         for largest in (True, False):
-            vals, ids = torch.cat(found[largest][0], 1), torch.cat(found[largest][1], 1)
+            empty = torch.zeros(len(q), 0, dtype=torch.float32)
+            vals = torch.cat([empty, *found[largest][0]], 1)
+            ids = torch.cat([empty.long(), *found[largest][1]], 1)
             v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
-            out.append((v, ids.gather(1, pos)))
+            out.append(dd.merge_ranks(v, ids.gather(1, pos), k, largest))
         return out[0], out[1]
 
     def _result(

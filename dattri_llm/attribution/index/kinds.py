@@ -45,6 +45,10 @@ __all__ = [
     "resolve_kind",
     "resolve_params",
     "make_index",
+    "empty_index",
+    "training_rows",
+    "flat_storage",
+    "train_index",
     "set_search_params",
 ]
 
@@ -130,34 +134,83 @@ def _positive(key: str, value: Any) -> None:
 
 
 def make_index(kind: str, dim: int, params: dict[str, Any], vectors: np.ndarray) -> Any:
-    """Build (train and fill) a FAISS index of ``kind`` over ``vectors`` ``(n, dim)`` float32."""
-    faiss = import_faiss()
-    ip = faiss.METRIC_INNER_PRODUCT
+    """Build (train and fill) a FAISS index of ``kind`` over ``vectors`` ``(n, dim)`` float32.
+
+    All in memory (the vectors and FAISS's copy); ``GradientIndex.build`` streams instead
+    (:func:`empty_index`, :func:`training_rows`, :func:`train_index`, ``index.add`` by block)
+    and gets the same index.
+    """
     n = int(vectors.shape[0])
-    if kind == "flat":
-        index = faiss.IndexFlatIP(dim)
-    elif kind == "hnsw":
-        index = faiss.IndexHNSWFlat(dim, int(params["M"]), ip)
-        index.hnsw.efConstruction = int(params["efConstruction"])
-        index.hnsw.efSearch = int(params["efSearch"])
-    else:
-        nlist = min(int(params["nlist"]), max(1, n))
-        quantizer = faiss.IndexFlatIP(dim)
-        if params["pq_m"] is None:
-            index = faiss.IndexIVFFlat(quantizer, dim, nlist, ip)
-        else:
-            index = faiss.IndexIVFPQ(
-                quantizer, dim, nlist, int(params["pq_m"]), int(params["pq_bits"]), ip
-            )
-        size = min(n, int(params["train_size"]))
-        rng = np.random.default_rng(int(params["seed"]))
-        sample = vectors if size >= n else vectors[np.sort(rng.choice(n, size, replace=False))]
-        index.train(np.ascontiguousarray(sample))
-        if params["pq_m"] is not None:
-            index = faiss.IndexRefineFlat(index)  # keeps the exact vectors for re-ranking
+    index = empty_index(kind, dim, params, n)
+    if kind == "ivf":
+        rows = training_rows(n, params)
+        index = train_index(index, params, vectors if rows is None else vectors[rows])
     if n:
         index.add(vectors)
     set_search_params(index, kind, params)
+    return index
+
+
+def empty_index(kind: str, dim: int, params: dict[str, Any], n: int) -> Any:
+    """An empty FAISS index of ``kind`` for ``n`` vectors (``ivf``: still to be trained)."""
+    faiss = import_faiss()
+    ip = faiss.METRIC_INNER_PRODUCT
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, int(params["M"]), ip)
+        index.hnsw.efConstruction = int(params["efConstruction"])
+        index.hnsw.efSearch = int(params["efSearch"])
+        return index
+    nlist = min(int(params["nlist"]), max(1, n))
+    quantizer = faiss.IndexFlatIP(dim)
+    if params["pq_m"] is None:
+        index = faiss.IndexIVFFlat(quantizer, dim, nlist, ip)
+    else:
+        index = faiss.IndexIVFPQ(
+            quantizer, dim, nlist, int(params["pq_m"]), int(params["pq_bits"]), ip
+        )
+    return index
+
+
+def flat_storage(index: Any, n: int) -> np.ndarray:
+    """``(n, D)`` float32: the storage of an empty flat index, sized for ``n`` vectors.
+
+    A writable view: fill it, then set ``index.ntotal = n`` (the index allocated once, not
+    grown by ``add``).
+    """
+    faiss = import_faiss()
+    flat = faiss.downcast_index(index)
+    if flat.ntotal:
+        raise ValueError("flat_storage needs an empty index.")
+    nbytes = n * flat.d * 4
+    flat.codes.resize(nbytes)
+    if not n:
+        return np.zeros((0, flat.d), np.float32)
+    return faiss.rev_swig_ptr(flat.codes.data(), nbytes).view(np.float32).reshape(n, flat.d)
+
+
+def training_rows(n: int, params: dict[str, Any]) -> np.ndarray | None:
+    """The sorted rows (of ``n``, in id order) an ``ivf`` index trains on; ``None``: all.
+
+    The rule: ``min(n, train_size)`` rows drawn without replacement by
+    ``numpy.random.default_rng(seed)``, so the sample depends on ``n``, ``train_size`` and
+    ``seed`` only (not on how the vectors were read). The sample is held in memory while
+    training: ``train_size * D * 4`` bytes.
+    """
+    size = min(n, int(params["train_size"]))
+    if size >= n:
+        return None
+    rng = np.random.default_rng(int(params["seed"]))
+    return np.sort(rng.choice(n, size, replace=False))
+
+
+def train_index(index: Any, params: dict[str, Any], sample: np.ndarray) -> Any:
+    """Train an empty ``ivf`` index on ``sample``; with PQ, wrap it for exact re-ranking."""
+    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    if params["pq_m"] is not None:
+        faiss = import_faiss()
+        return faiss.IndexRefineFlat(index)  # keeps the exact vectors for re-ranking
     return index
 
 

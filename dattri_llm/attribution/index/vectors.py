@@ -32,6 +32,7 @@ __all__ = [
     "block_vectors",
     "unit_rows",
     "PartVectors",
+    "plan_parts",
     "train_parts",
     "query_vectors",
 ]
@@ -113,6 +114,26 @@ def unit_rows(store: Any, checkpoints: set[int] | None) -> list[tuple[int, str, 
     return out
 
 
+def plan_parts(
+    rows: list[tuple[int, str, Any]],
+) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+    """Each sample's partition, its number of rows, and the samples per partition.
+
+    From the records' index alone: a sample belongs to the partition of its first row (store
+    order); the partitions are listed in store order.
+    """
+    owner: dict[str, str] = {}
+    left: dict[str, int] = {}
+    for _, part, rec in rows:
+        for h in rec.hashes:
+            owner.setdefault(h, part)
+            left[h] = left.get(h, 0) + 1
+    counts = dict.fromkeys((p for _, p, _ in rows), 0)
+    for part in owner.values():
+        counts[part] += 1
+    return owner, left, counts
+
+
 class PartVectors:
     """The aggregated vectors of the samples one part holds, in id order."""
 
@@ -143,6 +164,11 @@ def train_parts(
     checkpoints: set[int] | None,
     weight: Any,
     dtype: torch.dtype | None = None,
+    *,
+    rows: list[tuple[int, str, Any]] | None = None,
+    plan: tuple[dict[str, str], dict[str, int], dict[str, int]] | None = None,
+    parts: Mapping[str, PartVectors] | None = None,
+    block_rows: int | None = None,
 ) -> Iterator[tuple[str, int, int, Any]]:
     """Stream the records; yield progress ``(part, rows done, rows total, None)``.
 
@@ -158,26 +184,34 @@ def train_parts(
         checkpoints: Only records with these checkpoint labels (``None``: all).
         weight: ``weight(checkpoint) -> float`` (TracIn's checkpoint weights).
         dtype: Cast on reading (``None``: as stored).
+        rows: :func:`unit_rows` of ``store`` and ``checkpoints`` (computed if ``None``).
+        plan: :func:`plan_parts` of ``rows`` (computed if ``None``; its row counts are
+            consumed).
+        parts: Where each partition's finished samples go (``add`` is called with them in id
+            order; samples of partitions not in it are skipped); default: a
+            :class:`PartVectors` per partition, kept in memory. A sample
+            with several rows is held (one float64 vector) until its last row is read.
+        block_rows: Rows per block read from the store (default :data:`BLOCK_ROWS`).
     """
-    rows = unit_rows(store, checkpoints)
-    owner: dict[str, str] = {}
-    left: dict[str, int] = {}
-    for _, part, rec in rows:
-        for h in rec.hashes:
-            owner.setdefault(h, part)
-            left[h] = left.get(h, 0) + 1
-    parts = {part: PartVectors() for part in dict.fromkeys(p for _, p, _ in rows)}
+    if rows is None:
+        rows = unit_rows(store, checkpoints)
+    owner, left, counts = plan or plan_parts(rows)  # left: consumed
+    if parts is None:
+        parts = {part: PartVectors() for part in counts}
     pending: dict[str, list[Any]] = {}  # hash -> [sum, step, ckpt, (step, ckpt) seen]
     total = sum(len(rec.hashes) for _, _, rec in rows)
     done = 0
     warned = False
-    for _, part, rec, vec in _record_vectors(store, rows, layers, metric, dtype):
+    blocks = _record_vectors(store, rows, layers, metric, dtype, block_rows or BLOCK_ROWS)
+    for _, part, rec, vec in blocks:
         w = float(weight(rec.checkpoint))
         if w != 1.0:
             vec = vec * w
         finished: dict[str, list[str]] = {}  # owner part -> hashes whose rows are all in
         direct: dict[str, list[int]] = {}  # owner part -> rows of single-row samples
         for r, h in enumerate(rec.hashes):
+            if owner[h] not in parts:  # another rank's sample (a split build)
+                continue
             if left[h] == 1 and h not in pending:
                 direct.setdefault(owner[h], []).append(r)
                 left[h] = 0
@@ -236,6 +270,7 @@ def _record_vectors(
     layers: Sequence[str],
     metric: str,
     dtype: torch.dtype | None,
+    block_rows: int,
 ) -> Iterator[tuple[int, str, Any, torch.Tensor]]:
     """``(record index, part, RecordInfo, its prepared (n, D) float64 rows)`` per record.
 
@@ -252,7 +287,7 @@ def _record_vectors(
             yield index, part, rec, _prepare(block_vectors(g, layers, where), metric)
         return
     by_pos = {i: (part, rec) for i, part, rec in rows}
-    reader = VectorBlockReader(store, vlayers, dtype, BLOCK_ROWS)
+    reader = VectorBlockReader(store, vlayers, dtype, block_rows)
     for block in reader.blocks(positions):
         vec = _prepare(torch.cat([block.layers[v.name] for v in vlayers], dim=1), metric)
         r0 = 0

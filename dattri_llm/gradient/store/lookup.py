@@ -1,8 +1,10 @@
 """Finding samples in a gradient store by identity: locations, lookups, one sample's rows.
 
 :class:`SampleLookup` is mixed into :class:`~dattri_llm.GradientStorageManager`; it reads the
-manager's ordered index (``_ordered()``, the hash -> ``(record, row)`` map ``_hash_map()``) and its
-record loader (``_load``).
+manager's ordered index (``_ordered()``, its ``_sources`` / ``_extra`` / ``_order``), its record
+loader (``_load``), and finds a sample with a
+:class:`~dattri_llm.gradient.store.sample_locator.SampleLocator` (a sorted numpy array over
+the memory-mapped ``samples.bin`` files, no Python object per sample).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
+from dattri_llm.gradient.store.sample_locator import SampleLocator
 from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["SampleLocation", "SampleLookup"]
@@ -39,16 +42,32 @@ class SampleLookup:
     def _ordered(self) -> list:
         raise NotImplementedError
 
+    def _locator(self) -> SampleLocator:
+        """The sample locator of the current store order (built on first use)."""
+        ordered = self._ordered()
+        with self._lock:
+            built = getattr(self, "_located", None)
+            if built is None or built[0] is not self._order:
+                locator = SampleLocator(
+                    self._sources, self._extra, self._order, lambda p: ordered[p][1]["hashes"]
+                )
+                self._located = built = (self._order, locator)
+            return built[1]
+
     def _key(
         self, key: str | Mapping[str, Any] | torch.Tensor, hash_keys: Sequence[str] | None = None
     ) -> str:
         return key if isinstance(key, str) else hash_sample(key, keys=hash_keys)
 
     def locations(self, sample_hash: str) -> list[SampleLocation]:
-        """Every (record, step, row) at which a sample occurs, in store order (O(1) lookup)."""
+        """Every (record, step, row) at which a sample occurs, in store order.
+
+        The first lookup builds the store's sample locator (a sorted numpy array over the
+        partitions' ``samples.bin``, 20 bytes per sample row); each is then a binary search.
+        """
         ordered = self._ordered()
         out = []
-        for pos, row in self._hash_map().get(sample_hash, []):
+        for pos, row in self._locator().find(sample_hash):
             part, e = ordered[pos]
             out.append(
                 SampleLocation(
@@ -71,7 +90,7 @@ class SampleLookup:
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
-        return key in self._hash_map()
+        return bool(self._locator().find(key))
 
     def load_sample_steps(
         self,
