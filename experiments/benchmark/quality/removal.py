@@ -1,7 +1,7 @@
 """LDS by removal fraction: the small-removal regime (issue 24, item 2).
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.removal --setting gpt2 --quick \
-        [--fractions 1,5,10,50] [--part truth|scores|all]
+        [--fractions 1,5,10,50] [--part truth|scores|table|all]
 
 For each removal fraction ``f`` the harness draws subsets exactly as dattri's ``retrain_lds``
 does (``numpy default_rng(seed + i).choice(n, round(n (1 - f)), replace=False)`` kept, so the
