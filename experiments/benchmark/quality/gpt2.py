@@ -235,6 +235,7 @@ def make_setting(name: str = "gpt2") -> Setting:
         mask_index: int | None = None,
         observer: TrainObserver | None = None,
         mask_weight: float = 0.0,
+        remove: torch.Tensor | None = None,
         **_: Any,
     ) -> Any:
         """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
@@ -245,6 +246,9 @@ def make_setting(name: str = "gpt2") -> Setting:
         ``mask_weight`` ``w != 0`` it is kept with weight ``w`` in a weighted mean instead
         (a partial removal, ``quality/trajectory_check.py``).
         ``observer`` watches the loop (the trajectory methods record the reference run with it).
+        ``remove`` (small-removal LDS, ``quality/removal.py``): a set of train indices dropped
+        from every batch the same way; a batch left empty skips its update (the schedule
+        still advances).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
@@ -259,6 +263,9 @@ def make_setting(name: str = "gpt2") -> Setting:
         steps = HP["epochs"] * math.ceil(len(members) / bs)
         ckpts, step = [], 0
         observer = observer or TrainObserver()
+        dropped = torch.zeros(len(train), dtype=torch.bool)
+        if remove is not None:
+            dropped[torch.as_tensor(remove, dtype=torch.long)] = True
         model.train()
         with observer.run(model, opt):
             for _epoch in range(HP["epochs"]):
@@ -270,8 +277,11 @@ def make_setting(name: str = "gpt2") -> Setting:
                         idx = idx[idx != int(mask_index)]
                     elif mask_index is not None and bool((idx == int(mask_index)).any()):
                         weight = 1 - (1 - mask_weight) * (idx == int(mask_index)).float()
+                    idx = idx[~dropped[idx]] if remove is not None else idx
                     for group in opt.param_groups:
                         group["lr"] = lr_at(step, steps)
+                    if len(idx) == 0:
+                        continue
                     x, y = train.x[idx], train.y[idx]
                     observer.before_backward(step - 1, idx, {"x": x, "y": y})
                     ce = per_sample_ce(model, x, y)

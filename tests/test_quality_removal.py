@@ -1,0 +1,76 @@
+"""The small-removal LDS harness (``experiments/benchmark/quality/removal.py``): the removed
+samples are dropped from the reference run's own batches (common random numbers), the subsets
+are dattri's draw, and the LDS is dattri's with a bootstrap interval around it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+pytest.importorskip("sklearn")
+pytest.importorskip("dattri")
+
+from experiments.benchmark.quality import removal  # noqa: E402
+from experiments.benchmark.quality.common import TupleDataset, loader_index_batches  # noqa: E402
+
+
+def test_remove_drops_samples_from_the_full_runs_batches_and_skips_empty_ones():
+    ds = TupleDataset(torch.arange(10.0)[:, None], torch.arange(10))
+    loader = DataLoader(ds, batch_size=4)
+    full = [idx.tolist() for idx, _, _ in loader_index_batches(loader)]
+    assert full == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    got = [
+        idx.tolist() for idx, _, _ in loader_index_batches(loader, remove=torch.tensor([1, 8, 9]))
+    ]
+    # brute force: each full batch minus the removed indices, empty batches left out
+    want = [[i for i in b if i not in (1, 8, 9)] for b in full]
+    assert got == [b for b in want if b]
+    assert got == [[0, 2, 3], [4, 5, 6, 7]]
+    for idx, x, y in loader_index_batches(loader, remove=torch.tensor([1, 8, 9])):
+        assert torch.equal(x[:, 0].long(), idx) and torch.equal(y, idx)
+
+
+@pytest.mark.slow  # four 2400-step digits-LR runs: ~5 s quiet, ~100 s on the loaded machine
+def test_digits_remove_one_equals_the_trajectory_mask_and_remove_none_the_full_run():
+    from experiments.benchmark.quality.digits import make_setting
+
+    s = make_setting("digits-lr")
+    loader = DataLoader(s.train, batch_size=s.batch_size)
+    full = s.train_func(loader, seed=0).state_dict()
+    masked = s.train_func(loader, seed=0, mask_index=7).state_dict()
+    removed = s.train_func(loader, seed=0, remove=torch.tensor([7])).state_dict()
+    nothing = s.train_func(loader, seed=0, remove=torch.tensor([], dtype=torch.long)).state_dict()
+    for k in full:
+        assert torch.equal(masked[k], removed[k])
+        assert torch.equal(full[k], nothing[k])
+        assert not torch.equal(full[k], removed[k])
+
+
+def test_kept_indices_are_dattris_subset_draw():
+    # dattri's retrain_lds: default_rng(seed + i).choice(n, int(n * ratio), replace=False)
+    for i in range(3):
+        want = np.random.default_rng(1000 + i).choice(1000, 500, replace=False)
+        got = removal.kept_indices(1000, 0.5, 1000, i)
+        assert np.array_equal(got, np.sort(want))
+    assert len(removal.kept_indices(1000, 0.01, 1000, 0)) == 990
+
+
+def test_lds_with_ci_point_is_dattris_lds_and_brute_force():
+    from scipy.stats import spearmanr
+
+    gen = torch.Generator().manual_seed(0)
+    n, q, s = 30, 5, 12
+    scores = torch.randn(n, q, generator=gen, dtype=torch.float64)
+    kept = torch.stack([torch.randperm(n, generator=gen)[:27] for _ in range(s)])
+    gt = torch.stack([scores[k].sum(0) for k in kept]) + 0.5 * torch.randn(s, q, generator=gen)
+    got = removal.lds_with_ci(scores, gt, kept)
+    summed = torch.stack([scores[k].sum(0) for k in kept]).numpy()
+    want = np.mean([spearmanr(summed[:, t], gt[:, t].numpy())[0] for t in range(q)])
+    assert abs(got["mean"] - want) < 1e-12
+    assert (
+        got["lo"] <= got["mean"] + 0.05
+        and got["hi"] >= got["mean"] - 0.05
+        and got["lo"] < got["hi"]
+    )
