@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 from utils.env import header  # noqa: E402
-from utils.table import md_table  # noqa: E402
+from utils.table import emit, md_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -240,10 +240,7 @@ def main() -> None:
         f"{a.storage}, records of {a.batch}), {a.queries} queries, top_k={a.k}"
     )
     text = header(title, {"store": f"{nbytes / 2**20:.0f} MiB"}) + "\n" + table + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit(text, a.out)
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from utils.env import header  # noqa: E402
-from utils.table import md_table  # noqa: E402
+from utils.table import emit, md_table  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -145,10 +145,7 @@ def main() -> None:
         )
         + "\n"
     )
-    print(text)
-    if a.out:
-        with open(a.out, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit(text, a.out)
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -34,3 +34,11 @@ def fmt_s(t: float | None) -> str:
 def fmt_x(r: float | None) -> str:
     """A ratio."""
     return "n/a" if r is None else f"{r:.2f}x"
+
+
+def emit(text: str, out: str | None) -> None:
+    """Print a benchmark's report and, with ``--out``, append it to that file."""
+    print(text)
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
