@@ -287,7 +287,7 @@ def test_cli_round_trip_and_no_pickle_on_disk(stores, capsys):
     att = TracInAttributor(args(root), normalized_grad=True)
     same_top(got, att.attribute_from_cache(root / "train", root / "test", top_k=4), 4)
     meta = json.loads((root / "idx" / "index.json").read_text())
-    assert meta["format"] == "dattri_llm.gradient_index" and meta["version"] == 1
+    assert meta["format"] == "dattri_llm.gradient_index" and meta["version"] == 2
     assert meta["metric"] == "cosine" and meta["layers"] == list(DIMS) and meta["dims"] == [12, 20]
     for f in (root / "idx").iterdir():
         data = f.read_bytes()

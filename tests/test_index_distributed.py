@@ -17,6 +17,11 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.distributed
 faiss = pytest.importorskip("faiss")
 REPO = str(Path(__file__).resolve().parents[1])
+KINDS = (
+    ("flat", "flat", {}),
+    ("ivf", "ivf", {"nlist": 4, "train_size": 150, "seed": 7}),
+    ("ivfpq", "ivf", {"nlist": 4, "train_size": 150, "pq_m": 8, "pq_bits": 4, "rerank": 3}),
+)
 
 
 def _free_port() -> int:
@@ -48,13 +53,13 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         from dattri_llm.attribution.index import GradientIndex
 
         warnings.simplefilter("ignore")
-        for kind, params in (("flat", {}), ("ivf", {"nlist": 4, "train_size": 150, "seed": 7})):
+        for name, kind, params in KINDS:
             index = GradientIndex.build(
-                os.path.join(root, "train"), os.path.join(root, f"dist_{kind}"), "cosine", kind,
+                os.path.join(root, "train"), os.path.join(root, f"dist_{name}"), "cosine", kind,
                 block_rows=7, **params,
             )  # fmt: skip
             got = _top(index, os.path.join(root, "test"))
-            with open(os.path.join(root, f"{kind}_r{rank}.json"), "w") as f:
+            with open(os.path.join(root, f"{name}_r{rank}.json"), "w") as f:
                 json.dump(got, f)
     finally:
         dist.destroy_process_group()
@@ -68,12 +73,19 @@ def test_two_rank_build_and_search_equal_one_process(tmp_path):
     two_rank_store(tmp_path / "train")
     write(tmp_path / "test", train_vectors(6, seed=11), prefix="q")
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    for kind, params in (("flat", {}), ("ivf", {"nlist": 4, "train_size": 150, "seed": 7})):
-        one = GradientIndex.build(tmp_path / "train", tmp_path / kind, "cosine", kind, **params)
-        split = GradientIndex.open(tmp_path / f"dist_{kind}")
+    for name, kind, params in KINDS:
+        one = GradientIndex.build(tmp_path / "train", tmp_path / name, "cosine", kind, **params)
+        split = GradientIndex.open(tmp_path / f"dist_{name}")
         assert split.meta["parts"] == one.meta["parts"]
         assert faiss_bytes(split) == faiss_bytes(one)
+        for entry in one.meta["parts"]:  # IVF-PQ: each rank renamed its parts' re-rank files
+            if "rerank_file" in entry:
+                a, b = (
+                    tmp_path / name / entry["rerank_file"],
+                    split.directory / entry["rerank_file"],
+                )
+                assert a.read_bytes() == b.read_bytes()
         want = _top(one, str(tmp_path / "test"))
         for rank in (0, 1):
-            got = json.loads((tmp_path / f"{kind}_r{rank}.json").read_text())
-            assert got == want, (kind, rank)
+            got = json.loads((tmp_path / f"{name}_r{rank}.json").read_text())
+            assert got == want, (name, rank)

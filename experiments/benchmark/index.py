@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dattri_llm.attribution.index.kinds import import_faiss, make_index, set_search_params
+from dattri_llm.attribution.index.part_search import exact_rerank
 
 
 def data(
@@ -108,7 +109,13 @@ def main() -> None:
 
     def measure(name: str, index, kind: str, params: dict, build_s: float, size: int) -> None:
         set_search_params(index, kind, params)
-        t, (_, ids) = timed(lambda: index.search(q, k), repeat=2)
+        if params.get("pq_m") is None:
+            t, (_, ids) = timed(lambda: index.search(q, k), repeat=2)
+        else:  # the PQ short list re-ranked exactly, as GradientIndex does from its file
+            t, (_, ids) = timed(
+                lambda: exact_rerank(x, q, index.search(q, params["rerank"] * k)[1], k), repeat=2
+            )
+            ids = ids.numpy()
         recall = np.mean([len(set(ids[i]) & set(exact[i])) / k for i in range(a.queries)])
         rows.append(
             {

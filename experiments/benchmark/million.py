@@ -17,7 +17,10 @@ each phase's peak resident memory, ``VmHWM``, is its own), one thread, in one in
 4. ``faiss``: IVF-Flat (nprobe sweep) and IVF-PQ + exact re-ranking of a short list from the
    memory-mapped vectors, built in 64k-row chunks, one process per job (dot checked vs 2.).
 5. ``gindex``: the public ``GradientIndex.build / open / search`` (flat, ivf, hnsw) on the
-   ``logra`` store (``--logra-n`` samples): build time, size, ``search()`` per query, recall.
+   ``logra`` store (``--logra-n`` samples): build time, size, ``search()`` per query, recall;
+   plan step 8 runs it on the full ``sparse`` store (``--only 8 --gindex-kinds ivf``: IVF-PQ
+   with its re-rank file, an ``nprobe`` x ``rerank`` sweep, recall@10 vs the exact top-10 of
+   step 2's ``limit`` phase).
 
     OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 1000000  # --until: a time cap
 
@@ -290,7 +293,9 @@ def phase_limit(a) -> dict:
     exact = {m: best[m][1].numpy().tolist() for m in best}
     with open(os.path.join(a.scratch, "exact_topk.json"), "w") as f:
         json.dump({**exact, "test": test_hashes,
-                   "dot_hashes": [[hashes[j] for j in r] for r in exact["dot"]]}, f)  # fmt: skip
+                   "dot_hashes": [[hashes[j] for j in r] for r in exact["dot"]],
+                   "cosine_hashes": [[hashes[j] for j in r] for r in exact["cosine"]]},
+                  f)  # fmt: skip
     np.save(os.path.join(a.scratch, "queries.npy"), q.numpy())
     _read_files(a.store)  # first pass: bring the files into the page cache
     read_s2, read_cpu, nbytes = _read_files(a.store)
@@ -407,36 +412,65 @@ def _rerank(x: np.ndarray, q: np.ndarray, ids: np.ndarray, prep) -> np.ndarray:
     return out
 
 
+GINDEX_PARAMS = {  # the public API's kinds at this scale (ivf: sqrt(N) lists, 40 per list)
+    "flat": {},
+    "ivf": {"nlist": 1000, "train_size": 40_000, "pq_m": 128},
+    "ivf256": {"nlist": 1000, "train_size": 40_000, "pq_m": 256},
+    "hnsw": {},
+}
+
+
+def _exact_hashes(a, metric: str) -> list[list[str]] | None:
+    """The exact top-10 of each query (``limit`` phase, same store), as hashes; else None."""
+    path = os.path.join(a.scratch, "exact_topk.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        exact = json.load(f)
+    return exact.get(f"{metric}_hashes")
+
+
 def phase_gindex(a) -> dict:
+    """``GradientIndex.build / open / search`` per kind; recall@10 vs the exact top-10."""
     from dattri_llm import GradientIndex, GradientStorageManager
 
     store = GradientStorageManager(a.store)
     rows = []
-    exact = None
-    for kind, params in (("flat", {}), ("ivf", {}), ("hnsw", {})):
-        if kind not in a.gindex_kinds:
-            continue
-        d = os.path.join(a.scratch, f"gindex_{kind}")
+    exact = _exact_hashes(a, "cosine") if a.store.endswith("store_sparse_float32") else None
+    for name in a.gindex_kinds:
+        kind = "ivf" if name.startswith("ivf") else name
+        d = os.path.join(a.scratch, f"gindex_{name}")
         t0, c0 = time.perf_counter(), time.process_time()
-        GradientIndex.build(store, d, metric="cosine", kind=kind, overwrite=True, **params)
+        GradientIndex.build(store, d, metric="cosine", kind=kind, overwrite=True,
+                            **GINDEX_PARAMS[name])  # fmt: skip
         build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
-        idx = GradientIndex.open(d)
-        idx.search(a.store + "_test", k=K)  # warm-up
         t0, c0 = time.perf_counter(), time.process_time()
-        s = idx.search(a.store + "_test", k=K)
-        search_s, search_cpu = time.perf_counter() - t0, time.process_time() - c0
-        top = s.top_k(K)
-        if exact is None:
-            exact = top.proponent_hashes
-        recall = float(np.mean([len(set(p) & set(e)) / K
-                                for p, e in zip(top.proponent_hashes, exact)]))  # fmt: skip
-        rows.append({"kind": kind, "params": idx.params, "build_s": build_s,
-                     "build_cpu_s": build_cpu, "index_bytes": dir_bytes(d),
-                     "search_ms_per_query": 1e3 * search_s / s.num_test,
-                     "search_cpu_ms_per_query": 1e3 * search_cpu / s.num_test,
-                     "recall_vs_flat": recall, "n": store.num_samples})  # fmt: skip
-        log(f"gindex {kind}: build {build_s:.1f} s, {rows[-1]['search_ms_per_query']:.2f} ms/q, "
-            f"recall {recall:.3f}")  # fmt: skip
+        idx = GradientIndex.open(d)
+        open_s, open_cpu = time.perf_counter() - t0, time.process_time() - c0
+        sweep = [{}]
+        if kind == "ivf":
+            sweep = [{"nprobe": p, "rerank": r} for p in a.gindex_nprobe for r in a.gindex_rerank]
+        for over in sweep:
+            idx.search(a.store + "_test", k=K, **over)  # warm-up (page cache, FAISS buffers)
+            t0, c0 = time.perf_counter(), time.process_time()
+            s = idx.search(a.store + "_test", k=K, **over)
+            search_s, search_cpu = time.perf_counter() - t0, time.process_time() - c0
+            top = s.top_k(K)
+            if exact is None:
+                exact = top.proponent_hashes  # the first kind (flat) is the reference
+            recall = float(np.mean([len(set(p) & set(e)) / K
+                                    for p, e in zip(top.proponent_hashes, exact)]))  # fmt: skip
+            rows.append({"kind": kind, "name": name, "params": {**idx.params, **over},
+                         "build_s": build_s, "build_cpu_s": build_cpu, "open_s": open_s,
+                         "open_cpu_s": open_cpu, "index_bytes": dir_bytes(d),
+                         "search_ms_per_query": 1e3 * search_s / s.num_test,
+                         "search_cpu_ms_per_query": 1e3 * search_cpu / s.num_test,
+                         "recall_vs_flat": recall, "n": store.num_samples,
+                         "peak_rss_bytes_so_far": peak_rss()})  # fmt: skip
+            r = rows[-1]
+            log(f"gindex {name} {over}: build {build_s:.1f} s, {r['search_ms_per_query']:.2f} "
+                f"ms/q ({r['search_cpu_ms_per_query']:.2f} CPU), recall {recall:.3f}")  # fmt: skip
+        del idx
         shutil.rmtree(d, ignore_errors=True)
     return {"rows": rows}
 
@@ -525,6 +559,7 @@ def driver(a) -> None:
                 "store": st("logra", "bfloat16"),
             },
         ),  # fmt: skip
+        ("gindex", {"store": main}),  # 8: the public API at the full N (run with --only 8)
     ]
     for j, (phase, over) in enumerate(plan):
         if phase in a.skip or (a.only and j not in a.only):
@@ -555,7 +590,10 @@ def main() -> None:
     ap.add_argument("--pq-metrics", nargs="*", default=["cosine"])
     ap.add_argument("--nprobe-pq", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--rerank", type=int, nargs="*", default=[10, 50])
-    ap.add_argument("--gindex-kinds", nargs="*", default=["flat", "ivf", "hnsw"])
+    ap.add_argument("--gindex-kinds", nargs="*", default=["flat", "ivf", "hnsw"],
+                    help=f"of {sorted(GINDEX_PARAMS)}")  # fmt: skip
+    ap.add_argument("--gindex-nprobe", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--gindex-rerank", type=int, nargs="*", default=[4, 10, 25])
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--only", type=int, nargs="*", default=[], help="plan steps (0-7) to run")
     ap.add_argument("--tag", default="", help="suffix of the results files")

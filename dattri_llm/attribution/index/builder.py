@@ -17,7 +17,9 @@ sample vectors are buffered up to ``block_rows`` rows, then handed to FAISS:
   file in the index directory (deleted after); then one sequential pass over it gathers the
   sample, the index is trained, and a second pass adds the blocks. Peak: the index, the
   training sample (``train_size * D * 4`` bytes) and one block; disk: the vectors once more
-  while building.
+  while building. With product quantization (``pq_m``) the spill file is kept: fsynced and
+  renamed to the part's re-rank file (``part_search``), whose rows the search re-ranks
+  exactly.
 
 The result is the index an in-memory build of the same vectors gives (same training sample,
 same vectors in the same order): ``tests/test_index_build_stream.py`` checks identical top-k.
@@ -34,7 +36,8 @@ import numpy as np
 import torch
 
 from dattri_llm.attribution.index import kinds
-from dattri_llm.attribution.index.format import part_files, write_json
+from dattri_llm.attribution.index.format import part_files, rerank_file, write_json
+from dattri_llm.attribution.index.part_search import open_rerank_file, uses_rerank_file
 from dattri_llm.attribution.index.vectors import PartVectors
 
 __all__ = ["PartBuilder", "part_params", "check_block_rows", "write_parts", "weights_of"]
@@ -150,7 +153,10 @@ class PartBuilder(PartVectors):
                 yield chunk.reshape(-1, self.dim)
 
     def finish(self) -> Any:
-        """The filled index (an ``ivf`` one trained first; the spill file removed)."""
+        """The filled index (``ivf``: trained first; its spill file removed or kept).
+
+        With PQ the spill file is kept for :meth:`keep_spill` (the part's re-rank file).
+        """
         self._flush()
         if len(self.hashes) != self.n:
             raise self._changed()
@@ -158,15 +164,30 @@ class PartBuilder(PartVectors):
             self.index.ntotal = self.n
             self._flat = None
         if self._file is not None:
+            if self.keeps_spill:
+                self._file.flush()
+                os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
             if self.n:
                 self.index = kinds.train_index(self.index, self.params, self._sample())
                 for chunk in self._spilled():
                     self.index.add(chunk)
-            self.close()
+            if not self.keeps_spill:
+                self.close()
         kinds.set_search_params(self.index, self.kind, self.params)
         return self.index
+
+    @property
+    def keeps_spill(self) -> bool:
+        """Whether the spill file becomes the part's re-rank file (``ivf`` with PQ)."""
+        return self.spill is not None and uses_rerank_file(self.kind, self.params)
+
+    def keep_spill(self, path: Path) -> None:
+        """Rename the (fsynced) spill file to ``path``: the part's re-rank file."""
+        assert self.spill is not None and self._file is None
+        os.replace(self.spill, path)
+        self.spill = None
 
     def _sample(self) -> np.ndarray:
         """The training sample, gathered in one pass over the spill file."""
@@ -193,15 +214,19 @@ class PartBuilder(PartVectors):
 
 def write_parts(
     builders: dict[str, PartBuilder], number: dict[str, int], directory: Path
-) -> tuple[list, list]:
-    """Finish every partition and write it (FAISS file atomically, then its samples JSON).
+) -> tuple[list, list, list]:
+    """Finish every partition and write its files.
+
+    The FAISS file atomically, the re-rank file (``ivf`` with PQ: the spill file renamed),
+    then its samples JSON (``index.json``, written by the caller after all parts, makes them
+    valid).
 
     Returns:
         ``([(partition number, its entry of index.json's "parts")], [(index, hashes, steps,
-        checkpoints)])``.
+        checkpoints)], [its memory-mapped re-rank file, or None])``.
     """
     faiss = kinds.import_faiss()
-    entries, opened = [], []
+    entries, opened, rerank = [], [], []
     for rel, pb in builders.items():
         i = number[rel]
         index = pb.finish()
@@ -209,9 +234,6 @@ def write_parts(
         tmp = faiss_path.with_name(f".{faiss_path.name}.tmp")
         faiss.write_index(index, os.fspath(tmp))
         os.replace(tmp, faiss_path)
-        write_json(
-            samples_path, {"hashes": pb.hashes, "steps": pb.steps, "checkpoints": pb.checkpoints}
-        )
         entry = {
             "partition": rel,
             "samples": len(pb.hashes),
@@ -220,7 +242,17 @@ def write_parts(
             "params": pb.params,
             "bytes": faiss_path.stat().st_size,
         }
+        vectors = None
+        if pb.keeps_spill:
+            path = rerank_file(directory, i)
+            pb.keep_spill(path)
+            entry["rerank_file"] = path.name
+            vectors = open_rerank_file(path, len(pb.hashes), pb.dim)
+        write_json(
+            samples_path, {"hashes": pb.hashes, "steps": pb.steps, "checkpoints": pb.checkpoints}
+        )
         entries.append((i, entry))
         opened.append((index, pb.hashes, pb.steps, pb.checkpoints))
+        rerank.append(vectors)
         pb.index = None  # the caller holds it
-    return entries, opened
+    return entries, opened, rerank

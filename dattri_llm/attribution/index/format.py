@@ -8,7 +8,10 @@ An index directory holds, and nothing in it is pickled:
   dimensions, the capture fingerprint, and one entry per part (one per store partition);
 * ``part_<i>.faiss`` -- part ``i``'s FAISS index, in FAISS's own format (``faiss.write_index``);
 * ``part_<i>.samples.json`` -- part ``i``'s samples in FAISS id order: hashes, steps and
-  checkpoints (``-1`` where a sample's rows span several).
+  checkpoints (``-1`` where a sample's rows span several);
+* ``part_<i>.vectors.f32`` -- ``ivf`` with product quantization only (format version 2): the
+  part's indexed vectors, raw float32 ``(n, D)`` in FAISS id order, from which a search
+  re-ranks the PQ short list exactly (``part_search``; memory-mapped, never loaded whole).
 
 ``index.json`` is written last, so a directory without it is an interrupted build.
 
@@ -35,6 +38,7 @@ __all__ = [
     "IndexFormatError",
     "StaleIndexError",
     "part_files",
+    "rerank_file",
     "store_fingerprint",
     "fingerprint_difference",
     "write_json",
@@ -43,8 +47,10 @@ __all__ = [
 
 #: The format name written into ``index.json``.
 INDEX_FORMAT_NAME = "dattri_llm.gradient_index"
-#: The format version this code writes and the newest it reads.
-INDEX_FORMAT_VERSION = 1
+#: The format version this code writes and the newest it reads (2: an ``ivf`` index with PQ
+#: re-ranks from ``part_<i>.vectors.f32`` instead of an ``IndexRefineFlat`` inside the FAISS
+#: file; version 1 indexes are still read).
+INDEX_FORMAT_VERSION = 2
 META_NAME = "index.json"
 
 
@@ -59,6 +65,11 @@ class StaleIndexError(ValueError):
 def part_files(directory: Path, i: int) -> tuple[Path, Path]:
     """``(part_<i>.faiss, part_<i>.samples.json)`` of part ``i``."""
     return directory / f"part_{i}.faiss", directory / f"part_{i}.samples.json"
+
+
+def rerank_file(directory: Path, i: int) -> Path:
+    """``part_<i>.vectors.f32``: part ``i``'s re-rank file (``ivf`` with PQ)."""
+    return directory / f"part_{i}.vectors.f32"
 
 
 def _digest(path: Path) -> str:

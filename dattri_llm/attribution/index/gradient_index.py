@@ -60,6 +60,7 @@ from dattri_llm.attribution.index.format import (
     store_fingerprint,
     write_json,
 )
+from dattri_llm.attribution.index.part_search import open_rerank_file, search_part
 from dattri_llm.attribution.index.vectors import (
     BLOCK_ROWS,
     check_vector_schema,
@@ -99,11 +100,20 @@ class GradientIndex:
         store: The train ``GradientStorageManager`` it was built from (checked unchanged).
     """
 
-    def __init__(self, directory: Path, meta: dict[str, Any], store: Any, parts: list) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        meta: dict[str, Any],
+        store: Any,
+        parts: list,
+        rerank: list[np.ndarray | None] | None = None,
+    ) -> None:
         self.directory = directory
         self.meta = meta
         self.store = store
         self._parts = parts  # [(faiss index, hashes, steps, checkpoints)]
+        # per part: its memory-mapped re-rank file (ivf with PQ), else None
+        self._rerank = rerank if rerank is not None else [None] * len(parts)
 
     # ---- properties ------------------------------------------------------------------------
     @property
@@ -263,7 +273,7 @@ class GradientIndex:
                 last = done
             del rows, plan, stream
             read_s = time.perf_counter() - started
-            entries, opened = write_parts(builders, number, directory)
+            entries, opened, rerank = write_parts(builders, number, directory)
         finally:
             if bar is not None:
                 bar.close()
@@ -295,7 +305,7 @@ class GradientIndex:
         }
         if not dd.active():
             write_json(directory / META_NAME, meta)
-            return cls(directory, meta, store, opened)
+            return cls(directory, meta, store, opened, rerank)
         if dd.get_rank() == 0:
             write_json(directory / META_NAME, meta)
         dd.barrier()
@@ -346,7 +356,7 @@ class GradientIndex:
                 f"the capture settings of {store.save_dir} differ from the ones the index "
                 f"{directory} was built over; rebuild it."
             )
-        parts = []
+        parts, rerank = [], []
         for entry in meta["parts"]:
             faiss_path = directory / entry["faiss"]
             samples_path = directory / entry["samples_file"]
@@ -363,7 +373,13 @@ class GradientIndex:
                 )
             kinds.set_search_params(index, meta["kind"], entry["params"])
             parts.append((index, samples["hashes"], samples["steps"], samples["checkpoints"]))
-        return cls(directory, meta, store, parts)
+            name = entry.get("rerank_file")
+            rerank.append(
+                None
+                if name is None
+                else open_rerank_file(directory / name, index.ntotal, meta["dim"])
+            )
+        return cls(directory, meta, store, parts, rerank)
 
     def remove(self) -> None:
         """Delete the index directory's files (the store is untouched)."""
@@ -497,24 +513,11 @@ class GradientIndex:
         for i, ((index, hashes, _, _), entry) in enumerate(zip(self._parts, self.meta["parts"])):
             n = len(hashes)
             if n and i in ours:
-                kk = min(k, n)
-                if self.kind == "flat":
-                    # exact: one torch matmul over FAISS's own vectors (a view) gives both
-                    # directions, faster than IndexFlatIP.search on one thread
-                    full = torch.from_numpy(q) @ _flat_vectors(index).T
-                    runs = [(True, *full.topk(kk, dim=1)), (False, *full.topk(kk, 1, False))]
-                else:
-                    params = {**entry["params"], **{a: b for a, b in overrides.items() if b}}
-                    kinds.set_search_params(index, self.kind, params)
-                    runs = []
-                    for largest, sign in ((True, 1.0), (False, -1.0)):
-                        d, i = index.search(np.ascontiguousarray(sign * q), kk)
-                        runs.append((largest, sign * torch.from_numpy(d), torch.from_numpy(i)))
+                params = {**entry["params"], **{a: b for a, b in overrides.items() if b}}
+                runs = search_part(index, self.kind, params, self._rerank[i], q, min(k, n))
                 for largest, d, i in runs:
-                    i = i.to(torch.long)
                     missing = i < 0  # an approximate search found fewer than k
-                    fill = float("-inf") if largest else float("inf")
-                    found[largest][0].append(d.masked_fill(missing, fill))
+                    found[largest][0].append(d)
                     found[largest][1].append(
                         torch.where(missing, torch.full_like(i, -1), i + offset)
                     )
@@ -563,14 +566,6 @@ class GradientIndex:
             top_k_kept=k,
             num_train=len(all_hashes),
         )
-
-
-def _flat_vectors(index: Any) -> torch.Tensor:
-    """``(n, D)`` float32: the vectors of a flat FAISS index, as a view of its storage."""
-    faiss = kinds.import_faiss()
-    flat = faiss.downcast_index(index)
-    xb = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d)
-    return torch.from_numpy(xb).view(flat.ntotal, flat.d)
 
 
 def _precondition(queries: torch.Tensor, p: Preconditioner | None, dim: int) -> torch.Tensor:

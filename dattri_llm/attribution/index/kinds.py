@@ -9,11 +9,11 @@ kind       FAISS index                                   parameters (defaults)
 ``flat``   ``IndexFlatIP``: exact, brute force           none
 ``ivf``    ``IndexIVFFlat`` (``IndexIVFPQ`` with         ``nlist`` (``4·sqrt(n)``, at most
            ``pq_m``) over an inner-product coarse        ``n / 39``), ``nprobe`` (``nlist / 32``,
-           quantizer; with ``pq_m``, wrapped in          at least 8), ``train_size``
-                                                         (``min(n, 64·nlist)``
-           ``IndexRefineFlat``: the PQ short list of     vectors, sampled with ``seed``),
-           ``rerank·k`` candidates is re-ranked with     ``pq_m`` (``None``: no PQ; must divide
-           exact inner products                          the dimension), ``pq_bits`` (8),
+           quantizer; with ``pq_m``, the PQ short        at least 8), ``train_size``
+           list of ``rerank·k`` candidates is            (``min(n, 64·nlist)``
+           re-ranked with exact inner products read      vectors, sampled with ``seed``),
+           from the part's memory-mapped re-rank         ``pq_m`` (``None``: no PQ; must divide
+           file (``part_search``)                        the dimension), ``pq_bits`` (8),
                                                          ``rerank`` (4)
 ``hnsw``   ``IndexHNSWFlat`` (graph over the exact       ``M`` (32), ``efConstruction`` (80),
            vectors)                                      ``efSearch`` (64)
@@ -206,11 +206,11 @@ def training_rows(n: int, params: dict[str, Any]) -> np.ndarray | None:
 
 
 def train_index(index: Any, params: dict[str, Any], sample: np.ndarray) -> Any:
-    """Train an empty ``ivf`` index on ``sample``; with PQ, wrap it for exact re-ranking."""
+    """Train an empty ``ivf`` index on ``sample``.
+
+    With PQ, the exact re-ranking reads the part's re-rank file (``part_search``).
+    """
     index.train(np.ascontiguousarray(sample, dtype=np.float32))
-    if params["pq_m"] is not None:
-        faiss = import_faiss()
-        return faiss.IndexRefineFlat(index)  # keeps the exact vectors for re-ranking
     return index
 
 
@@ -220,10 +220,8 @@ def set_search_params(index: Any, kind: str, params: dict[str, Any]) -> None:
     if kind == "hnsw":
         index.hnsw.efSearch = int(params["efSearch"])
     elif kind == "ivf":
-        if params.get("pq_m") is not None:
-            refine = faiss.downcast_index(index)
-            refine.k_factor = float(params["rerank"])
-            base = faiss.downcast_index(refine.base_index)
-        else:
-            base = faiss.downcast_index(index)
+        base = faiss.downcast_index(index)
+        if isinstance(base, faiss.IndexRefine):  # format 1: the vectors inside the FAISS file
+            base.k_factor = float(params["rerank"])
+            base = faiss.downcast_index(base.base_index)
         base.nprobe = int(params["nprobe"])
