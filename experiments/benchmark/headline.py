@@ -12,13 +12,14 @@ and puts them side by side, one Markdown table per setting:
   fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
 
 Each benchmark names its rows its own way (``EK-FAC (damping=default)`` / ``EK-FAC``,
-``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): :data:`METHODS` maps them to one
-name per method (:func:`canonical_name`). A method a benchmark refused or skipped says so in
-its cells (``refused: <why>``), one it did not run says ``not run``; nothing is left blank.
+``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): ``headline_names.METHODS`` maps
+them to one name per method (``canonical_name``). A method a benchmark refused or skipped says
+so in its cells (``refused: <why>``), one it did not run says ``not run``; nothing is blank.
 
     python experiments/benchmark/headline.py            # print the tables
     python experiments/benchmark/headline.py --write    # replace the marked section of
                                                         # docs/BENCHMARKS.md
+    python experiments/benchmark/headline.py --names    # every result row -> its headline name
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: make ``experiments`` importable
     sys.path.insert(0, str(ROOT))
 
+from experiments.benchmark.headline_names import (  # noqa: E402
+    GROUND_TRUTH,
+    METHODS,
+    canonical_name,
+    pick,
+)
 from experiments.benchmark.tracing.metrics import mean_ci  # noqa: E402
 from experiments.benchmark.utils.table import md_table  # noqa: E402
 
@@ -42,140 +49,6 @@ RESULTS = ROOT / "experiments" / "benchmark" / "results"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 FRACTIONS = (1, 5, 10, 50)
-GROUND_TRUTH = "ground truth"
-PEERS = ("dattri 0.3.0", "kronfluence")
-
-#: One name per method, and the row names each benchmark gives it (``quality`` also covers the
-#: quick file; a peer's row is ``"<source>: <name>"``). The first listed name present wins.
-METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
-    (GROUND_TRUTH, {"tracing": ("carriers (ground truth)",)}),
-    ("Random", {"quality": ("Random",), "removal": ("Random",), "tracing": ("random",)}),
-    ("TF-IDF (scikit-learn, lexical)", {"tracing": ("TF-IDF (scikit-learn)",)}),
-    ("Grad-Dot", {"quality": ("Grad-Dot",), "removal": ("Grad-Dot",), "tracing": ("Grad-Dot",)}),
-    ("Grad-Cos", {"quality": ("Grad-Cos",), "removal": ("Grad-Cos",), "tracing": ("Grad-Cos",)}),
-    ("Grad-Dot, dense-256 projection", {"quality": ("Grad-Dot proj dense-256",)}),
-    ("Grad-Dot, logra-256 projection", {"quality": ("Grad-Dot proj logra-256",)}),
-    ("Grad-Cos, sparse-1024 projection", {"tracing": ("Grad-Cos sparse-1024",)}),
-    ("Grad-Cos, logra-256 projection", {"tracing": ("Grad-Cos logra-256",)}),
-    ("Grad-Dot mask-2048 + second moment", {"quality": ("Grad-Dot mask-2048 + second moment",)}),
-    (
-        "Grad-Cos mask-2048 + second moment (TrackStar, R = I)",
-        {"quality": ("Grad-Cos mask-2048 + second moment (TrackStar, R = I)",)},
-    ),
-    (
-        "TracIn (checkpoints, w = lr)",
-        {"quality": ("TracIn (4 ckpts, w=lr)",), "removal": ("TracIn (4 ckpts, w=lr)",)},
-    ),
-    ("TracIn-Cos (checkpoints)", {"tracing": ("TracIn-Cos (3 ckpts)",)}),
-    (
-        "K-FAC (default damping)",
-        {"quality": ("K-FAC (damping=default)",), "removal": ("K-FAC (damping=default)",)},
-    ),
-    (
-        "EK-FAC (default damping)",
-        {
-            "quality": ("EK-FAC (damping=default)",),
-            "removal": ("EK-FAC (damping=default)",),
-            "tracing": ("EK-FAC",),
-        },
-    ),
-    (
-        "EK-FAC, unit-normalized",
-        {
-            "quality": ("EK-FAC unit-normalized (normalized_grad=True) (damping=default)",),
-            "tracing": ("EK-FAC unit",),
-        },
-    ),
-    ("EK-FAC + diagonal embeddings / norms", {"quality": ("EK-FAC + diagonal (damping=default)",)}),
-    (
-        "EK-FAC unit-normalized + diagonal embeddings / norms",
-        {"tracing": ("EK-FAC unit, diagonal non-Kronecker",)},
-    ),
-    (
-        "EK-FAC fit on train + queries (mix=0.5)",
-        {"quality": ("EK-FAC fit on train + queries (mix=0.5) (damping=default)",)},
-    ),
-    ("EK-FAC unit-normalized, mix=0.5", {"tracing": ("EK-FAC unit mix=0.5",)}),
-    (
-        "LESS (checkpoints, frozen form)",
-        {"quality": ("LESS (4 ckpts, frozen form)",), "removal": ("LESS (4 ckpts, frozen form)",)},
-    ),
-    (
-        "DVEmb (empirical Fisher)",
-        {
-            "quality": ("DVEmb (empirical Fisher)", "DVEmb (assumes SGD)"),
-            "removal": ("DVEmb (empirical Fisher)", "DVEmb (assumes SGD)"),
-        },
-    ),
-    ("DVEmb (Monte-Carlo Fisher)", {"quality": ("DVEmb (MC Fisher)",)}),
-    (
-        "AdamW-influence (empirical Fisher)",
-        {
-            "quality": ("AdamW-influence (every step, all coordinates)", "AdamW-influence"),
-            "removal": ("AdamW-influence (every step, all coordinates)", "AdamW-influence"),
-        },
-    ),
-    ("AdamW-influence, mask-2048", {"quality": ("AdamW-influence mask-2048",)}),
-    ("AdamW-influence, mask-256", {"quality": ("AdamW-influence mask-256",)}),
-    (
-        "AdamW-influence, `ExactHessian`",
-        {
-            "quality": ("AdamW-influence, exact Hessian (every step, all coordinates)",),
-            "removal": ("AdamW-influence, exact Hessian (every step, all coordinates)",),
-        },
-    ),
-    (
-        "reference: exact IF (explicit Hessian, float64)",
-        {"quality": ("Exact IF (explicit Hessian)",), "removal": ("Exact IF (explicit Hessian)",)},
-    ),
-    (
-        "reference: exact unrolled influence (per-step Hessians, float64)",
-        {
-            "quality": ("Exact unrolled influence (explicit per-step Hessians)",),
-            "removal": ("Exact unrolled influence (explicit per-step Hessians)",),
-        },
-    ),
-    (
-        "peer: dattri 0.3.0 TRAK, 5 half-data models",
-        {"quality": ("dattri 0.3.0: TRAK-5 (half-data models)",)},
-    ),
-    (
-        "peer: kronfluence EK-FAC (its heuristic damping)",
-        {"quality": ("kronfluence: EK-FAC (damping=heuristic 0.1 x mean eig)",)},
-    ),
-]
-
-
-def raw_key(method: str, source: str | None = None) -> str:
-    """A benchmark row's lookup key: its name, prefixed by ``"<source>: "`` for a peer."""
-    return f"{source}: {method}" if source in PEERS else method
-
-
-def canonical_name(bench: str, method: str, source: str | None = None) -> str | None:
-    """The headline name of a benchmark's row (``None``: not a headline row).
-
-    Args:
-        bench: ``"quality"``, ``"removal"`` or ``"tracing"``.
-        method: The row's name in that benchmark's JSON.
-        source: The row's ``source`` (a peer's rows share names with ours).
-    """
-    key = raw_key(method, source)
-    for name, raw in METHODS:
-        if key in raw.get(bench, ()):
-            return name
-    return None
-
-
-def pick(bench: str, rows: list[dict]) -> dict[str, dict]:
-    """Headline name -> the benchmark row standing for it (the first listed name present)."""
-    by_key = {raw_key(r["method"], r.get("source")): r for r in rows}
-    out = {}
-    for name, raw in METHODS:
-        for key in raw.get(bench, ()):
-            if key in by_key:
-                out[name] = by_key[key]
-                break
-    return out
 
 
 # ---- cells --------------------------------------------------------------------------------
@@ -610,6 +483,27 @@ def write_section(doc: Path, text: str) -> None:
     doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
 
 
+def name_report(results: Path = RESULTS) -> str:
+    """Every row of the result files the tables read, and the headline name it maps to."""
+    out = []
+    for s in SETTINGS:
+        files = [("quality", f"quality_{s.quality}")] if s.quality else []
+        files += [("removal", f"removal_{s.removal}")] if s.removal else []
+        files += [("tracing", s.tracing)] if s.tracing else []
+        for bench, stem in files:
+            for suffix, result in zip(("", "-quick"), load(stem, results)):
+                if result is None:
+                    continue
+                raw = result.get("rows") or [
+                    {"method": m} for sd in result["seeds"] for m in sd["rows"]
+                ]
+                for r in {(r["method"], r.get("source")): r for r in raw}.values():
+                    name = canonical_name(bench, r["method"], r.get("source"))
+                    src = f" ({r['source']})" if r.get("source") else ""
+                    out.append([f"{stem}{suffix}", f"{r['method']}{src}", name or "—"])
+    return md_table(["file", "row (source)", "headline name"], out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"replace the marked section of {DOC}")
@@ -620,7 +514,11 @@ def main(argv: list[str] | None = None) -> None:
         default="run0",
         help="LDS by removal fraction against run 0 (the attributed run) or the mean of the runs",
     )
+    parser.add_argument("--names", action="store_true", help="print the row -> name mapping")
     ns = parser.parse_args(argv)
+    if ns.names:
+        print(name_report(ns.results))
+        return
     text = headline(ns.results, ns.removal_truth)
     if ns.write:
         write_section(DOC, text)
