@@ -223,6 +223,7 @@ class Part:
     header: list[str] = field(default_factory=list)
     footnotes: list[str] = field(default_factory=list)
     warned: dict[str, str] = field(default_factory=dict)  # a warning the library recorded
+    missing: list[str] = field(default_factory=list)  # metrics this setting's file lacks
 
     def add_rows(self, picked: dict[str, dict]) -> None:
         self.names.update(picked)
@@ -282,8 +283,12 @@ def quality_part(s: Setting, results: Path) -> Part | None:
         part.columns.append((label, cell(lds, fmt_ci(rel.get(variant)) or "not measured")))
     if main.get("loo_ground_truth"):
         part.columns.append(("LOO (dattri's)", cell(lambda r: fmt_ci(r.get("loo")), "—")))
+    else:
+        part.missing.append("dattri's LOO")
     if main.get("trajectory_loo_ground_truth"):
         part.columns.append(("trajectory LOO", cell(lambda r: fmt_ci(r.get("tsloo")), "—")))
+    else:
+        part.missing.append("trajectory LOO")
 
     def cost(name: str) -> str:
         if name == GROUND_TRUTH:
@@ -425,7 +430,7 @@ def setting_table(s: Setting, results: Path = RESULTS, removal_truth: str = "run
     names = set().union(*(p.names for p in parts))
     warned = {k: v for p in parts for k, v in p.warned.items()}
     lines += [h for p in parts for h in p.header]
-    missing = []
+    missing = [m for p in parts for m in p.missing]
     if tracing is None:
         if removal is None:
             missing.append("LDS by removal fraction")
