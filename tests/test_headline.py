@@ -158,7 +158,7 @@ def test_setting_table_on_synthetic_results(tmp_path):
     assert "Random" in rows and "Grad-Cos" not in rows  # only rows some benchmark has
     assert "- Not measured on this setting: dattri's LOO; fact tracing" in text
     assert "(q): run on the quick protocol only" in text and "Grad-Dot 0.140" in text
-    assert "`python -m q --setting s` + 1 later `--update` run(s)" in text
+    assert "`python -m q --setting s` + 1 more command(s)" in text
     mean = hl.setting_table(setting, tmp_path, removal_truth="mean")
     assert "-0.010 [-0.110, 0.090]" in mean
     assert hl.setting_table(setting, tmp_path) == text  # deterministic

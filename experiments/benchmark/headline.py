@@ -192,11 +192,7 @@ def load(stem: str, results: Path) -> tuple[dict | None, dict | None]:
 def _commands(result: dict) -> str:
     cmds = result.get("commands") or [result.get("command", "")]
     cmds = [re.sub(r"^OMP_NUM_THREADS=1 ", "", c) for c in cmds if c]
-    extra = (
-        f" + {len(cmds) - 1} later `--update` run(s) (the JSON's `commands`)"
-        if len(cmds) > 1
-        else ""
-    )
+    extra = f" + {len(cmds) - 1} more command(s) (the JSON's `commands`)" if len(cmds) > 1 else ""
     return f"`{cmds[0]}`{extra}" if cmds else "command not recorded"
 
 
