@@ -157,7 +157,8 @@ def test_setting_table_on_synthetic_results(tmp_path):
     assert truth[1] == "0.650 [0.550, 0.750]" and truth[6] == "0.780 [0.680, 0.880]"
     assert "Random" in rows and "Grad-Cos" not in rows  # only rows some benchmark has
     assert "- Not measured on this setting: dattri's LOO; fact tracing" in text
-    assert "(q): run on the quick protocol only" in text and "Grad-Dot 0.140" in text
+    assert "(q): run on the quick protocol only" in text and "baselines, Grad-Dot 0.140" in text
+    assert "run on both: +0.060 to +0.060" in text
     assert "`python -m q --setting s` + 1 more command(s)" in text
     mean = hl.setting_table(setting, tmp_path, removal_truth="mean")
     assert "-0.010 [-0.110, 0.090]" in mean

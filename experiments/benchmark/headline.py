@@ -196,6 +196,26 @@ def _commands(result: dict) -> str:
     return f"`{cmds[0]}`{extra}" if cmds else "command not recorded"
 
 
+def _gap(full: dict, quick: dict) -> str:
+    """Range of the full protocol's half-data LDS minus the quick one's, over shared rows."""
+    lds = {(r.get("source"), r["method"]): (r.get("lds") or {}).get("mean") for r in full["rows"]}
+    gaps = [
+        lds[k] - m
+        for r in quick["rows"]
+        if (m := (r.get("lds") or {}).get("mean")) is not None
+        and lds.get(k := (r.get("source"), r["method"])) is not None
+    ]
+    return f"{min(gaps):+.3f} to {max(gaps):+.3f}" if gaps else "no shared row"
+
+
+def _per_fraction(n: int | dict) -> str:
+    """Subsets per removal fraction: ``12`` or ``8 / 6 / 6 / 6 at 1 / 5 / 10 / 50 %``."""
+    if not isinstance(n, dict):
+        return f"{n} per fraction"
+    pcts = sorted(n, key=float)
+    return f"{' / '.join(str(n[k]) for k in pcts)} at {' / '.join(pcts)} %"
+
+
 def _quality_protocol(q: dict) -> str:
     p = q["protocol"]
     parts = [f"{p['num_subsets']} half-data subsets x {p['runs']} runs"]
@@ -309,8 +329,9 @@ def quality_part(s: Setting, results: Path) -> Part | None:
         )
         part.footnotes.append(
             f"(q): run on the quick protocol only (`results/quality_{s.quality}-quick.json`, "
-            f"{_quality_protocol(q_quick)}; {_commands(q_quick)}), whose half-data LDS is lower "
-            f"across the board: there {refs}."
+            f"{_quality_protocol(q_quick)}; {_commands(q_quick)}): compare them with the quick "
+            f"values of the same baselines, {refs} (full minus quick half-data LDS on the rows "
+            f"run on both: {_gap(q_full, q_quick)})."
         )
     return part
 
@@ -347,7 +368,7 @@ def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
     against = "run 0, the attributed run" if truth == "run0" else "the mean of the runs"
     part.header.append(
         f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
-        f".json`, **{kind} protocol** (subsets per fraction {p['num_subsets']}, {p['runs']} "
+        f".json`, **{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
         f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS against "
         f"{against}); `python -m experiments.benchmark.quality.removal --setting {s.removal}"
         f"{'' if r_full else ' --quick'}` (`--part truth`, `--part scores`, `--part table`)."
@@ -419,7 +440,7 @@ def setting_table(s: Setting, results: Path = RESULTS, removal_truth: str = "run
     quality = quality_part(s, results)
     tracing = tracing_part(s, results)
     parts = [p for p in (removal, quality, tracing) if p is not None]
-    lines = [f"#### {s.title}", ""]
+    lines = [f"### {s.title}", ""]
     if not parts:
         return "\n".join(lines + ["No result file for this setting.", ""])
     columns = [c for p in parts for c in p.columns]
