@@ -189,6 +189,15 @@ def load(stem: str, results: Path) -> tuple[dict | None, dict | None]:
     return read(results / f"{stem}.json"), read(results / f"{stem}-quick.json")
 
 
+def _result(stem: str | None, results: Path) -> tuple[dict, dict | None, dict | None] | None:
+    """(the file a table reads: full if present, else quick; full; quick), or ``None``."""
+    if not stem:
+        return None
+    full, quick = load(stem, results)
+    main = full or quick
+    return None if main is None else (main, full, quick)
+
+
 def _commands(result: dict) -> str:
     cmds = result.get("commands") or [result.get("command", "")]
     cmds = [re.sub(r"^OMP_NUM_THREADS=1 ", "", c) for c in cmds if c]
@@ -267,12 +276,10 @@ def cost_cell(row: dict | None, rows: list[dict]) -> str:
 
 def quality_part(s: Setting, results: Path) -> Part | None:
     """Half-data LDS (per ground-truth variant), dattri's LOO and the trajectory LOO."""
-    if s.quality is None:
+    found = _result(s.quality and f"quality_{s.quality}", results)
+    if found is None:
         return None
-    q_full, q_quick = load(f"quality_{s.quality}", results)
-    main = q_full or q_quick
-    if main is None:
-        return None
+    main, q_full, q_quick = found
     part = Part()
     rows = pick("quality", main["rows"])
     extra = pick("quality", q_quick["rows"]) if q_full and q_quick else {}
@@ -338,12 +345,10 @@ def quality_part(s: Setting, results: Path) -> Part | None:
 
 def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
     """LDS at each removal fraction, against run 0 (``truth="run0"``) or the runs' mean."""
-    if s.removal is None:
+    found = _result(s.removal and f"removal_{s.removal}", results)
+    if found is None:
         return None
-    r_full, r_quick = load(f"removal_{s.removal}", results)
-    result = r_full or r_quick
-    if result is None:
-        return None
+    result, r_full, _ = found
     part = Part()
     rows = pick("removal", result["rows"])
     part.add_rows(rows)
@@ -378,12 +383,10 @@ def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
 
 def tracing_part(s: Setting, results: Path) -> Part | None:
     """recall@10, MRR and causal drop, pooled over seeds x facts, and the scoring cost."""
-    if s.tracing is None:
+    found = _result(s.tracing, results)
+    if found is None:
         return None
-    t_full, t_quick = load(s.tracing, results)
-    result = t_full or t_quick
-    if result is None:
-        return None
+    result, t_full, _ = found
     part = Part()
     seeds = result["seeds"]
     present = list(dict.fromkeys(k for sd in seeds for k in sd["rows"]))
