@@ -488,7 +488,7 @@ def headline(results: Path = RESULTS, removal_truth: str = "run0") -> str:
         "hooks, not in the row's own time."
     )
     body = [intro, ""] + [setting_table(s, results, removal_truth) for s in SETTINGS]
-    return "\n".join(body).rstrip() + "\n"
+    return "\n".join(body).rstrip() + "\n\n"  # a blank line before the end marker
 
 
 def write_section(doc: Path, text: str) -> None:
