@@ -45,24 +45,27 @@ def write_report(result: dict[str, Any]) -> str:
         + "; top-1 over the vocabulary "
         + ", ".join(f"{r['top1_vocab']:.2f}" for r in recall),
         "",
-        "| method | recall@10 | MRR | causal drop (nats) | docs removed / group | score s |",
-        "|---|---|---|---|---|---|",
+        "| method | recall@10 | MRR | causal drop (nats) | docs removed / group | score s "
+        "| peak MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         per_seed = [s["rows"][row] for s in result["seeds"]]
         errors = [p["error"] for p in per_seed if "error" in p]
         if errors:
-            lines.append(f"| {row} | failed: {errors[0]} | | | | |")
+            lines.append(f"| {row} | failed: {errors[0]} | | | | | |")
             continue
         removed = np.mean([r for p in per_seed for r in p["removed_per_group"]])
         secs = [p["score_s"] for p in per_seed if "score_s" in p]
+        peaks = [p["peak_mb"] for p in per_seed if p.get("peak_mb") is not None]
+        peak = f"{max(peaks):.0f}" if peaks else "not recorded"
         lines.append(
             f"| {row} | {_cell(pooled(result, row, 'recall@10'))} | "
             f"{_cell(pooled(result, row, 'mrr'))} | {_cell(pooled(result, row, 'causal_drop'))} | "
-            f"{removed:.1f} | {np.mean(secs):.1f} |"
+            f"{removed:.1f} | {np.mean(secs):.1f} | {peak} |"
             if secs
             else f"| {row} | — | — | {_cell(pooled(result, row, 'causal_drop'))} | "
-            f"{removed:.1f} | — |"
+            f"{removed:.1f} | — | — |"
         )
     failed = {r for s in result["seeds"] for r, v in s["rows"].items() if "error" in v}
     grads = [r for r in rows if r not in NOT_GRADIENT and r not in failed]

@@ -28,8 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from experiments.benchmark.quality.gpt2 import TinyGPT2  # noqa: E402
 from experiments.benchmark.tracing import data as tdata  # noqa: E402
 from experiments.benchmark.tracing import metrics as tm  # noqa: E402
 from experiments.benchmark.tracing.report import write_report  # noqa: E402
+from experiments.benchmark.utils.memory import peak_rss_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -268,6 +272,13 @@ def methods(quick: bool) -> dict[str, Any]:
 
 
 # ---- one seed -----------------------------------------------------------------------------
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its wall time in seconds."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
 def run_seed(cfg: dict, seed: int, rows: dict[str, Any], log: Any) -> dict[str, Any]:
     d = tdata.build(
         cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], seed
@@ -293,14 +304,15 @@ def run_seed(cfg: dict, seed: int, rows: dict[str, Any], log: Any) -> dict[str, 
     for name, fn in causal_rows.items():
         row: dict[str, Any] = {}
         if fn is not None:
-            t0 = time.perf_counter()
             try:
-                scores = fn(d, states, seed)
+                peak, (scores, row["score_s"]) = peak_rss_bytes(
+                    partial(_timed, fn, d, states, seed)
+                )
             except Exception as err:  # recorded in the table, the other rows still run
                 out["rows"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
                 log(f"  {name:24s} FAILED {out['rows'][name]['error']}")
                 continue
-            row["score_s"] = time.perf_counter() - t0
+            row["peak_mb"] = peak / 1e6  # resident-set high-water mark above the level before
             row["recall@10"] = tm.recall_at_k(scores, relevant, cfg["k"]).tolist()
             row["mrr"] = tm.reciprocal_rank(scores, relevant).tolist()
             tops = tm.top_k(scores, cfg["k"])
@@ -342,6 +354,10 @@ def combine(paths: list[str], name: str) -> dict[str, Any]:
     result["seeds"] = list(by_seed.values())
     result["config"] = {**parts[0]["config"], "seeds": [s["seed"] for s in result["seeds"]]}
     result["wall_s"] = max(part["wall_s"] for part in parts)
+    result["commands"] = [p.get("command", "command not recorded") for p in parts] + [
+        shlex.join(["python", "-m", "experiments.benchmark.tracing.run", "--combine", *paths])
+    ]
+    result.pop("command", None)
     result["parallel_processes"] = len(parts)
     _write(result, name)
     return result
@@ -380,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     seeds = [run_seed(cfg, s, rows, lambda m: print(m, flush=True)) for s in cfg["seeds"]]
     result = {
+        "command": shlex.join(
+            ["python", "-m", "experiments.benchmark.tracing.run", *(argv or sys.argv[1:])]
+        ),
         "config": cfg,
         "model": MODEL,
         "threads": torch.get_num_threads(),

@@ -1,0 +1,556 @@
+"""Headline quality table (issue 24, item 5): every method x every quality metric, per setting.
+
+Reads the result files the quality benchmarks already wrote (nothing is retrained or re-scored)
+and puts them side by side, one Markdown table per setting:
+
+* ``results/quality_<setting>[-quick].json`` (``quality/run.py``): half-data LDS, dattri's LOO
+  and the trajectory-specific LOO, each with its 95 % interval, and the row's scoring time and
+  peak memory;
+* ``results/removal_<setting>[-quick].json`` (``quality/removal.py``): LDS at 1 / 5 / 10 / 50 %
+  removals (common random numbers), with intervals, time and memory;
+* ``results/tracing[-quick].json`` (``tracing/run.py``): recall@10, MRR and the causal drop of
+  fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
+
+Each benchmark names its rows its own way (``EK-FAC (damping=default)`` / ``EK-FAC``,
+``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): ``headline_names.METHODS`` maps
+them to one name per method (``canonical_name``). A method a benchmark refused or skipped says
+so in its cells (``refused: <why>``), one it did not run says ``not run``; nothing is blank.
+
+    python experiments/benchmark/headline.py            # print the tables
+    python experiments/benchmark/headline.py --write    # replace the marked section of
+                                                        # docs/BENCHMARKS.md
+    python experiments/benchmark/headline.py --names    # every result row -> its headline name
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make ``experiments`` importable
+    sys.path.insert(0, str(ROOT))
+
+from experiments.benchmark.headline_names import (  # noqa: E402
+    GROUND_TRUTH,
+    METHODS,
+    canonical_name,
+    pick,
+)
+from experiments.benchmark.tracing.metrics import mean_ci  # noqa: E402
+from experiments.benchmark.utils.table import md_table  # noqa: E402
+
+RESULTS = ROOT / "experiments" / "benchmark" / "results"
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+FRACTIONS = (1, 5, 10, 50)
+
+
+# ---- cells --------------------------------------------------------------------------------
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _short(text: str, limit: int = 110) -> str:
+    text = text.strip().rstrip(".")
+    if len(text) <= limit:
+        return text
+    return text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " …"
+
+
+def fmt_ci(stat: dict | None) -> str | None:
+    """``{"mean", "lo", "hi"}`` as ``0.195 [0.168, 0.227]`` (``None`` if absent)."""
+    if not stat or stat.get("mean") is None:
+        return None
+    return f"{stat['mean']:.3f} [{stat['lo']:.3f}, {stat['hi']:.3f}]"
+
+
+def fmt_pm(values: list[float]) -> str:
+    """Mean ± the half-width of its normal 95 % interval, as in the tracing report."""
+    m, h = mean_ci(values)
+    return f"{m:.3f} ± {h:.3f}"
+
+
+def refusal(row: dict) -> str | None:
+    """``refused: <why>`` / ``skipped: <why>`` for a row that did not run, else ``None``."""
+    if row.get("error"):
+        return f"failed: {_md(_short(row['error']))}"
+    if row.get("status", "ok") == "ok":
+        return None
+    note = (row.get("note") or "").strip()
+    if "refused by the library:" in note:
+        why = note.split("refused by the library:", 1)[1].strip()
+        why = re.sub(r"^\w+Attributor:\s*", "", why).split(". ")[0].split("; ")[0]
+        return f"refused: {_md(_short(why))}"
+    why = re.sub(r"^N/A,?\s*", "", note).split("; ")[0]
+    return f"skipped: {_md(_short(why))}" if why else "skipped"
+
+
+def warning_of(row: dict) -> str | None:
+    """The library's warning recorded in a row's note (``warned: Class: message; ...``)."""
+    note = row.get("note") or ""
+    if not note.startswith("warned:"):
+        return None
+    msg = re.sub(r"^\w+Attributor:\s*", "", note[len("warned:") :].strip()).split("; ")[0]
+    return _md(_short(msg, 80))
+
+
+_RECORDING = re.compile(
+    r"recording \(shared by the rows on it\):[^;()]*?(\d+) s, peak RSS \+(\d+) MB"
+)
+
+
+def fmt_cost(seconds: float | None, peak_mb: float | None, note: str = "") -> str:
+    """``43 s / 1693 MB`` (scoring), plus the shared recordings the note names, if any."""
+    if seconds is None:
+        t = "not recorded"
+    else:
+        t = (
+            f"{seconds:.0f} s"
+            if seconds >= 10
+            else f"{seconds:.1f} s"
+            if seconds >= 0.1
+            else "< 0.1 s"
+        )
+    m = "not recorded" if peak_mb is None else f"{peak_mb:.0f} MB"
+    out = f"{t} / {m}"
+    recs = _RECORDING.findall(note or "")
+    if recs:
+        out += " + recording " + " + ".join(f"{s} s / {mb} MB" for s, mb in recs)
+    return out
+
+
+def metric_cell(row: dict | None, stat: Callable[[dict], str | None]) -> str:
+    """One metric of one benchmark row: the value, why it is missing, or ``not run``."""
+    if row is None:
+        return "not run"
+    why = refusal(row)
+    if why:
+        return why
+    return stat(row) or "not scored"
+
+
+# ---- sources ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """A headline table: which result files describe it."""
+
+    key: str
+    title: str
+    quality: str | None = None  # quality_<quality>[-quick].json
+    removal: str | None = None  # removal_<removal>[-quick].json
+    tracing: str | None = None  # <tracing>[-quick].json
+    lds_variants: tuple[tuple[str, str], ...] = (("default", "half-data LDS"),)
+
+
+SETTINGS = (
+    Setting("gpt2", "GPT-2 fine-tuning (AdamW)", quality="gpt2", removal="gpt2"),
+    Setting("digits-lr", "digits-LR (SGD)", quality="digits-lr", removal="digits-lr"),
+    Setting("digits-mlp", "digits-MLP (SGD)", quality="digits-mlp", removal="digits-mlp"),
+    Setting(
+        "char-gpt",
+        "char-GPT on Shakespeare (AdamW, trained from scratch)",
+        quality="char-gpt",
+        lds_variants=(
+            ("independent", "half-data LDS, independent seeds"),
+            ("crn", "half-data LDS, CRN"),
+        ),
+    ),
+    Setting(
+        "tracing", "fact tracing (AdamW, tiny GPT-2 trained on planted facts)", tracing="tracing"
+    ),
+)
+
+#: tracing.json holds no command (written before it did): the documented ones.
+TRACING_COMMAND = (
+    "`python -m experiments.benchmark.tracing.run --seeds S --tag sS` (S = 0, 1, 2) and "
+    '`--seeds S --tag mix-sS --rows "EK-FAC unit mix=0.5"`, merged with `--combine`'
+)
+
+
+def load(stem: str, results: Path) -> tuple[dict | None, dict | None]:
+    """The full and the quick result of a benchmark file stem (either may be missing)."""
+
+    def read(path: Path) -> dict | None:
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise SystemExit(
+                f"{path}: not valid JSON ({e}); regenerate it with its benchmark."
+            ) from None
+
+    return read(results / f"{stem}.json"), read(results / f"{stem}-quick.json")
+
+
+def _result(stem: str | None, results: Path) -> tuple[dict, dict | None, dict | None] | None:
+    """(the file a table reads: full if present, else quick; full; quick), or ``None``."""
+    if not stem:
+        return None
+    full, quick = load(stem, results)
+    main = full or quick
+    return None if main is None else (main, full, quick)
+
+
+def _commands(result: dict) -> str:
+    cmds = result.get("commands") or [result.get("command", "")]
+    cmds = [re.sub(r"^OMP_NUM_THREADS=1 ", "", c) for c in cmds if c]
+    extra = f" + {len(cmds) - 1} more command(s) (the JSON's `commands`)" if len(cmds) > 1 else ""
+    return f"`{cmds[0]}`{extra}" if cmds else "command not recorded"
+
+
+def _gap(full: dict, quick: dict) -> str:
+    """Range of the full protocol's half-data LDS minus the quick one's, over shared rows."""
+    lds = {(r.get("source"), r["method"]): (r.get("lds") or {}).get("mean") for r in full["rows"]}
+    gaps = [
+        lds[k] - m
+        for r in quick["rows"]
+        if (m := (r.get("lds") or {}).get("mean")) is not None
+        and lds.get(k := (r.get("source"), r["method"])) is not None
+    ]
+    return f"{min(gaps):+.3f} to {max(gaps):+.3f}" if gaps else "no shared row"
+
+
+def _per_fraction(n: int | dict) -> str:
+    """Subsets per removal fraction: ``12`` or ``8 / 6 / 6 / 6 at 1 / 5 / 10 / 50 %``."""
+    if not isinstance(n, dict):
+        return f"{n} per fraction"
+    pcts = sorted(n, key=float)
+    return f"{' / '.join(str(n[k]) for k in pcts)} at {' / '.join(pcts)} %"
+
+
+def _quality_protocol(q: dict) -> str:
+    p = q["protocol"]
+    parts = [f"{p['num_subsets']} half-data subsets x {p['runs']} runs"]
+    if p.get("loo_indices"):
+        parts.append(f"LOO of {len(p['loo_indices'])} samples")
+    if p.get("trajectory_loo_indices"):
+        parts.append(f"{len(p['trajectory_loo_indices'])} masked samples (trajectory LOO)")
+    return ", ".join(parts)
+
+
+# ---- one setting --------------------------------------------------------------------------
+Column = tuple[str, Callable[[str], str]]
+
+
+@dataclass
+class Part:
+    """What one benchmark's result file contributes to a setting's table."""
+
+    columns: list[Column] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # the headline rows it has
+    header: list[str] = field(default_factory=list)
+    footnotes: list[str] = field(default_factory=list)
+    warned: dict[str, str] = field(default_factory=dict)  # a warning the library recorded
+    missing: list[str] = field(default_factory=list)  # metrics this setting's file lacks
+
+    def add_rows(self, picked: dict[str, dict]) -> None:
+        self.names.update(picked)
+        for name, row in picked.items():
+            w = warning_of(row)
+            if w:
+                self.warned.setdefault(name, w)
+
+
+def cost_cell(row: dict | None, rows: list[dict]) -> str:
+    """A row's scoring cost; a peer row's share of one subprocess timed on another row."""
+    if row is None:
+        return "not run"
+    if refusal(row):
+        return "—"
+    whole = [
+        r
+        for r in rows
+        if r.get("source") == row.get("source") and "whole subprocess" in (r.get("note") or "")
+    ]
+    if whole and whole[0] is not row:  # a peer timed once for all its rows
+        return f"in the {row['source']} subprocess's {whole[0]['seconds']:.0f} s (all its rows)"
+    return fmt_cost(row.get("seconds"), row.get("peak_mb"), row.get("note", ""))
+
+
+def quality_part(s: Setting, results: Path) -> Part | None:
+    """Half-data LDS (per ground-truth variant), dattri's LOO and the trajectory LOO."""
+    found = _result(s.quality and f"quality_{s.quality}", results)
+    if found is None:
+        return None
+    main, q_full, q_quick = found
+    part = Part()
+    rows = pick("quality", main["rows"])
+    extra = pick("quality", q_quick["rows"]) if q_full and q_quick else {}
+    extra = {n: r for n, r in extra.items() if n not in rows}  # quick-only rows, marked (q)
+    part.add_rows(rows)
+    part.add_rows(extra)
+
+    def cell(stat: Callable[[dict], str | None], truth: str) -> Callable[[str], str]:
+        def fn(name: str) -> str:
+            if name == GROUND_TRUTH:
+                return truth
+            if name in extra:
+                return metric_cell(extra[name], stat) + " (q)"
+            return metric_cell(rows.get(name), stat)
+
+        return fn
+
+    rel = main.get("reliability_variants") or {"default": main.get("reliability")}
+    for variant, label in s.lds_variants:
+
+        def lds(r: dict, v: str = variant) -> str | None:
+            return fmt_ci((r.get("lds_variants") or {}).get(v) or r.get("lds"))
+
+        part.columns.append((label, cell(lds, fmt_ci(rel.get(variant)) or "not measured")))
+    if main.get("loo_ground_truth"):
+        part.columns.append(("LOO (dattri's)", cell(lambda r: fmt_ci(r.get("loo")), "—")))
+    else:
+        part.missing.append("dattri's LOO")
+    if main.get("trajectory_loo_ground_truth"):
+        part.columns.append(("trajectory LOO", cell(lambda r: fmt_ci(r.get("tsloo")), "—")))
+    else:
+        part.missing.append("trajectory LOO")
+
+    def cost(name: str) -> str:
+        if name == GROUND_TRUTH:
+            return "—"
+        if name in extra:
+            return cost_cell(extra[name], q_quick["rows"]) + " (q)"
+        return cost_cell(rows.get(name), main["rows"])
+
+    part.columns.append(("time / peak RSS (LDS, LOO scoring)", cost))
+    stem = f"quality_{s.quality}{'' if q_full else '-quick'}"
+    part.header.append(
+        f"- *half-data LDS, LOO, trajectory LOO*: `results/{stem}.json`, **"
+        f"{'full' if q_full else 'quick'} protocol** ({_quality_protocol(main)}); "
+        f"{_commands(main)}."
+    )
+    if extra:
+        quick_rows = pick("quality", q_quick["rows"])
+        refs = "; ".join(
+            f"{n} {metric_cell(quick_rows[n], lambda r: fmt_ci(r.get('lds')))}"
+            for n in ("Grad-Dot", "EK-FAC (default damping)")
+            if n in quick_rows
+        )
+        part.footnotes.append(
+            f"(q): run on the quick protocol only (`results/quality_{s.quality}-quick.json`, "
+            f"{_quality_protocol(q_quick)}; {_commands(q_quick)}): compare them with the quick "
+            f"values of the same baselines, {refs} (full minus quick half-data LDS on the rows "
+            f"run on both: {_gap(q_full, q_quick)})."
+        )
+    return part
+
+
+def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
+    """LDS at each removal fraction, against run 0 (``truth="run0"``) or the runs' mean."""
+    found = _result(s.removal and f"removal_{s.removal}", results)
+    if found is None:
+        return None
+    result, r_full, _ = found
+    part = Part()
+    rows = pick("removal", result["rows"])
+    part.add_rows(rows)
+    key = "lds_run0" if truth == "run0" else "lds"
+    for pct in FRACTIONS:
+
+        def fn(name: str, pct: int = pct) -> str:
+            if name == GROUND_TRUTH:
+                gt = (result.get("truth") or {}).get(f"{pct} %") or {}
+                return fmt_ci(gt.get("reliability")) or "not measured"
+            return metric_cell(rows.get(name), lambda r: fmt_ci((r.get(key) or {}).get(f"{pct} %")))
+
+        part.columns.append((f"LDS {pct} %", fn))
+    part.columns.append(
+        (
+            "time / peak RSS (removal scoring)",
+            lambda n: "—" if n == GROUND_TRUTH else cost_cell(rows.get(n), result["rows"]),
+        )
+    )
+    p = result["protocol"]
+    kind = "full" if r_full else "quick"
+    against = "run 0, the attributed run" if truth == "run0" else "the mean of the runs"
+    part.header.append(
+        f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
+        f".json`, **{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
+        f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS against "
+        f"{against}); `python -m experiments.benchmark.quality.removal --setting {s.removal}"
+        f"{'' if r_full else ' --quick'}` (`--part truth`, `--part scores`, `--part table`)."
+    )
+    return part
+
+
+def tracing_part(s: Setting, results: Path) -> Part | None:
+    """recall@10, MRR and causal drop, pooled over seeds x facts, and the scoring cost."""
+    found = _result(s.tracing, results)
+    if found is None:
+        return None
+    result, t_full, _ = found
+    part = Part()
+    seeds = result["seeds"]
+    present = list(dict.fromkeys(k for sd in seeds for k in sd["rows"]))
+    rows = pick("tracing", [{"method": r} for r in present])
+    part.add_rows(rows)
+
+    def per_seed(name: str) -> list[dict] | None:
+        if name not in rows:
+            return None
+        raw = rows[name]["method"]
+        return [sd["rows"][raw] for sd in seeds if raw in sd["rows"]]
+
+    def metric(key: str) -> Callable[[str], str]:
+        def fn(name: str) -> str:
+            parts = per_seed(name)
+            if parts is None:
+                return "not run"
+            why = next((w for w in map(refusal, parts) if w), None)
+            values = [v for p in parts for v in p.get(key, [])]
+            return why or (fmt_pm(values) if values else "—")
+
+        return fn
+
+    def cost(name: str) -> str:
+        parts = per_seed(name)
+        if parts is None:
+            return "not run"
+        secs = [p["score_s"] for p in parts if "score_s" in p]
+        peaks = [p["peak_mb"] for p in parts if p.get("peak_mb") is not None]
+        if not secs:
+            return "—"
+        return fmt_cost(sum(secs) / len(secs), max(peaks) if peaks else None)
+
+    part.columns += [
+        ("recall@10", metric("recall@10")),
+        ("MRR", metric("mrr")),
+        ("causal drop (nats)", metric("causal_drop")),
+        ("time / peak RSS (tracing scoring)", cost),
+    ]
+    cfg = result["config"]
+    command = _commands(result) if result.get("command") else TRACING_COMMAND
+    part.header.append(
+        f"- *recall@10, MRR, causal drop*: `results/{s.tracing}{'' if t_full else '-quick'}.json`,"
+        f" **{'full' if t_full else 'quick'} protocol** ({len(cfg['seeds'])} seeds x "
+        f"{cfg['n_facts']} facts, {cfg['n_docs']} documents; mean ± 95 % over seeds x facts; "
+        f"time = mean over seeds, peak = max); {command}."
+    )
+    return part
+
+
+def setting_table(s: Setting, results: Path = RESULTS, removal_truth: str = "run0") -> str:
+    """The headline table of one setting, with the sources of its columns, as Markdown."""
+    removal = removal_part(s, results, removal_truth)
+    quality = quality_part(s, results)
+    tracing = tracing_part(s, results)
+    parts = [p for p in (removal, quality, tracing) if p is not None]
+    lines = [f"### {s.title}", ""]
+    if not parts:
+        return "\n".join(lines + ["No result file for this setting.", ""])
+    columns = [c for p in parts for c in p.columns]
+    names = set().union(*(p.names for p in parts))
+    warned = {k: v for p in parts for k, v in p.warned.items()}
+    lines += [h for p in parts for h in p.header]
+    missing = [m for p in parts for m in p.missing]
+    if tracing is None:
+        if removal is None:
+            missing.append("LDS by removal fraction")
+        missing.append("fact tracing (its own setting, the last table)")
+    else:
+        missing.append("LDS and LOO (a retrieval setting: one retraining per method, no subsets)")
+    lines.append(f"- Not measured on this setting: {'; '.join(missing)}.")
+    truth_label = (
+        "ground truth: retrained without the planted carriers"
+        if tracing is not None
+        else "ground truth: split-run reliability (run 0 vs run 1 of the same subsets)"
+    )
+    rows = []
+    for name, _ in METHODS:
+        if name in names or name == GROUND_TRUTH:
+            label = truth_label if name == GROUND_TRUTH else name
+            if name in warned:
+                label += f" — warned: {warned[name]}"
+            rows.append([label] + [fn(name) for _, fn in columns])
+    table = md_table(["method"] + [c for c, _ in columns], rows)
+    notes = [f for p in parts for f in p.footnotes]
+    return "\n".join(lines + ["", table] + notes + ([""] if notes else []))
+
+
+def headline(results: Path = RESULTS, removal_truth: str = "run0") -> str:
+    """Every setting's table, in :data:`SETTINGS` order."""
+    intro = (
+        "Generated by `python experiments/benchmark/headline.py --write` from the result files "
+        "below (no retraining). Cells: value [95 % interval] (mean ± 95 % on tracing); "
+        "`not run`: the benchmark has no such row on this setting; `refused` / `skipped`: the "
+        "benchmark ran it and the library (or the machine) declined, with the reason. Time / "
+        "peak RSS: the row's scoring wall time and resident-set high-water mark above the "
+        "process's before it, on the shared 2-core machine (load 1-16: times move by up to "
+        "~3x); `+ recording`: the trajectory methods' shared re-run of training under the "
+        "hooks, not in the row's own time."
+    )
+    body = [intro, ""] + [setting_table(s, results, removal_truth) for s in SETTINGS]
+    return "\n".join(body).rstrip() + "\n\n"  # a blank line before the end marker
+
+
+def write_section(doc: Path, text: str) -> None:
+    """Replace what lies between the ``headline`` markers of ``doc`` with ``text``."""
+    content = doc.read_text()
+    if (
+        content.count(BEGIN) != 1
+        or content.count(END) != 1
+        or content.index(BEGIN) > content.index(END)
+    ):
+        raise SystemExit(
+            f"{doc}: expected one '{BEGIN}' followed by one '{END}'; add the two marker lines "
+            "where the headline tables go."
+        )
+    head, rest = content.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def name_report(results: Path = RESULTS) -> str:
+    """Every row of the result files the tables read, and the headline name it maps to."""
+    out = []
+    for s in SETTINGS:
+        files = [("quality", f"quality_{s.quality}")] if s.quality else []
+        files += [("removal", f"removal_{s.removal}")] if s.removal else []
+        files += [("tracing", s.tracing)] if s.tracing else []
+        for bench, stem in files:
+            for suffix, result in zip(("", "-quick"), load(stem, results)):
+                if result is None:
+                    continue
+                raw = result.get("rows") or [
+                    {"method": m} for sd in result["seeds"] for m in sd["rows"]
+                ]
+                for r in {(r["method"], r.get("source")): r for r in raw}.values():
+                    name = canonical_name(bench, r["method"], r.get("source"))
+                    src = f" ({r['source']})" if r.get("source") else ""
+                    out.append([f"{stem}{suffix}", f"{r['method']}{src}", name or "—"])
+    return md_table(["file", "row (source)", "headline name"], out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"replace the marked section of {DOC}")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the result JSONs")
+    parser.add_argument(
+        "--removal-truth",
+        choices=("run0", "mean"),
+        default="run0",
+        help="LDS by removal fraction against run 0 (the attributed run) or the mean of the runs",
+    )
+    parser.add_argument("--names", action="store_true", help="print the row -> name mapping")
+    ns = parser.parse_args(argv)
+    if ns.names:
+        print(name_report(ns.results))
+        return
+    text = headline(ns.results, ns.removal_truth)
+    if ns.write:
+        write_section(DOC, text)
+        print(f"wrote the headline section of {DOC}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
