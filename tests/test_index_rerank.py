@@ -95,3 +95,43 @@ def test_a_format_1_index_is_still_read(built):
     assert v1.proponent_hashes == v2.proponent_hashes
     assert v1.opponent_hashes == v2.opponent_hashes
     torch.testing.assert_close(v1.proponent_scores, v2.proponent_scores, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_above_the_flat_limit_is_fast_scan_ivf_pq_with_exact_scores(tmp_path, monkeypatch):
+    from dattri_llm.attribution.index import kinds
+    from tests.test_index import clustered
+
+    monkeypatch.setattr(kinds, "AUTO_FLAT_MAX", 1000)  # 2000 x 32 numbers: above it
+    train, queries = clustered(2000, 20, 32, seed=0), clustered(20, 20, 32, seed=1)
+    write(tmp_path / "train", train, batch=100)
+    write(tmp_path / "test", queries, prefix="q")
+    index = GradientIndex.build(tmp_path / "train", tmp_path / "idx", "cosine")
+    assert index.kind == "ivf" and index.meta["requested_kind"] == "auto"
+    assert {k: index.params[k] for k in ("nlist", "pq_m", "pq_bits", "rerank")} == {
+        "nlist": 44,  # sqrt(2000)
+        "pq_m": 8,  # D / 4
+        "pq_bits": 4,
+        "rerank": 25,
+    }
+    assert isinstance(faiss.downcast_index(index._parts[0][0]), faiss.IndexIVFPQFastScan)
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=10).top_k(10)
+    exact = unit(queries) @ unit(train).T
+    for q, (ids, vals) in enumerate(zip(got.proponent_hashes, got.proponent_scores)):
+        torch.testing.assert_close(
+            vals.double(), exact[q, [int(h[1:]) for h in ids]], rtol=0, atol=1e-5
+        )
+    # every list probed and every vector in the short list: the exact top-k (the defaults'
+    # recall on real gradients is benchmarked, docs/benchmarks/index.md)
+    full = index.search(tmp_path / "test", k=10, nprobe=44, rerank=200).top_k(10)
+    want = exact.topk(10, dim=1)  # values: ties at float32 round-off may swap two samples
+    torch.testing.assert_close(full.proponent_scores.double(), want.values, rtol=0, atol=1e-5)
+    same = [
+        set(g) == {f"t{i}" for i in w} for g, w in zip(full.proponent_hashes, want.indices.tolist())
+    ]
+    assert sum(same) >= len(same) - 2
+
+
+def test_fast_scan_wants_an_even_pq_m(built):
+    root, *_ = built
+    with pytest.raises(ValueError, match=r"pq_m=1 with pq_bits=4 .* must be even"):
+        GradientIndex.build(root / "train", root / "odd", "dot", "ivf", nlist=2, pq_m=1, pq_bits=4)

@@ -23,9 +23,9 @@ index refuses a store that changed since it was built: rebuild it with --overwri
 
 BUILD = """Build the index of a projected train store (FAISS files + index.json, no pickle).
 
-Kinds: auto (flat while samples x dimension <= 2.5e8, else hnsw), flat (exact), ivf (--nlist,
---nprobe; --pq-m for product quantization with exact re-ranking of --rerank x k candidates),
-hnsw (--M, --ef-construction, --ef-search)."""
+Kinds: auto (flat while samples x dimension <= 2.5e8, else IVF-PQ with exact re-ranking),
+flat (exact), ivf (--nlist, --nprobe; --pq-m for product quantization with exact re-ranking
+of --rerank x k candidates), hnsw (--M, --ef-construction, --ef-search)."""
 
 SEARCH = """Search an index with the queries of a test store; writes an AttributionScore (top-k
 proponents and opponents per query) to --out, readable by `dattri-llm top` and `report`."""

@@ -417,6 +417,8 @@ GINDEX_PARAMS = {  # the public API's kinds at this scale (ivf: sqrt(N) lists, 4
     "ivf": {"nlist": 1000, "train_size": 40_000, "pq_m": 128},
     "ivf256": {"nlist": 1000, "train_size": 40_000, "pq_m": 256},
     "hnsw": {},
+    "ivf512x4": {"nlist": 1000, "train_size": 40_000, "pq_m": 512, "pq_bits": 4},
+    "auto": {},  # above 2.5e8 numbers: kinds.auto_ivf_params (IVF-PQ 4-bit fast scan, re-rank)
 }
 
 
@@ -428,6 +430,15 @@ def _exact_hashes(a, metric: str) -> list[list[str]] | None:
     with open(path) as f:
         exact = json.load(f)
     return exact.get(f"{metric}_hashes")
+
+
+def rss_anon() -> int:
+    """Current anonymous resident memory (not the page cache a memory map touches)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return -1
 
 
 def phase_gindex(a) -> dict:
@@ -442,14 +453,15 @@ def phase_gindex(a) -> dict:
         d = os.path.join(a.scratch, f"gindex_{name}")
         t0, c0 = time.perf_counter(), time.process_time()
         GradientIndex.build(store, d, metric="cosine", kind=kind, overwrite=True,
-                            **GINDEX_PARAMS[name])  # fmt: skip
+                            show_progress=False, **GINDEX_PARAMS[name])  # fmt: skip
         build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
+        anon_built = rss_anon()
         t0, c0 = time.perf_counter(), time.process_time()
         idx = GradientIndex.open(d)
         open_s, open_cpu = time.perf_counter() - t0, time.process_time() - c0
         sweep = [{}]
-        if kind == "ivf":
-            sweep = [{"nprobe": p, "rerank": r} for p in a.gindex_nprobe for r in a.gindex_rerank]
+        if idx.kind == "ivf":
+            sweep += [{"nprobe": p, "rerank": r} for p in a.gindex_nprobe for r in a.gindex_rerank]
         for over in sweep:
             idx.search(a.store + "_test", k=K, **over)  # warm-up (page cache, FAISS buffers)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -466,7 +478,8 @@ def phase_gindex(a) -> dict:
                          "search_ms_per_query": 1e3 * search_s / s.num_test,
                          "search_cpu_ms_per_query": 1e3 * search_cpu / s.num_test,
                          "recall_vs_flat": recall, "n": store.num_samples,
-                         "peak_rss_bytes_so_far": peak_rss()})  # fmt: skip
+                         "peak_rss_bytes_so_far": peak_rss(), "rss_anon_bytes": rss_anon(),
+                         "rss_anon_after_build_bytes": anon_built})  # fmt: skip
             r = rows[-1]
             log(f"gindex {name} {over}: build {build_s:.1f} s, {r['search_ms_per_query']:.2f} "
                 f"ms/q ({r['search_cpu_ms_per_query']:.2f} CPU), recall {recall:.3f}")  # fmt: skip

@@ -133,26 +133,34 @@ def faiss_table(phases: list[dict], facts: dict) -> str:
         "of the queries."  # fmt: skip
 
 
-def gindex_table(phases: list[dict]) -> str:
+def gindex_table(phases: list[dict], facts: dict | None = None) -> str:
+    """The public API's rows; with the exact ``top_k``'s facts, the speed-up per query."""
     rows = []
+    keys = ("nlist", "nprobe", "pq_m", "pq_bits", "rerank", "M", "efConstruction", "efSearch")
     for p in phases:
         if p["phase"] != "gindex" or "rows" not in p["result"]:
             continue
         for r in p["result"]["rows"]:
-            params = ", ".join(
-                f"{k}={v}"
-                for k, v in r["params"].items()
-                if k in ("nlist", "nprobe", "M", "efConstruction", "efSearch")
-            )
-            rows.append([r["kind"], params or "—", f"{r['n']:,}",
+            params = ", ".join(f"{k}={v}" for k, v in r["params"].items()
+                               if k in keys and v is not None)  # fmt: skip
+            speed = "—"
+            if facts:
+                cpu = facts["exact_cpu_ms_per_query"] / r["search_cpu_ms_per_query"]
+                speed = (
+                    f"{cpu:.1f}x ({facts['exact_ms_per_query'] / r['search_ms_per_query']:.1f}x)"
+                )
+            rows.append([r.get("name", r["kind"]), params or "—", f"{r['n']:,}",
                          f"{r['build_s']:.1f} s ({r.get('build_cpu_s', float('nan')):.1f} s)",
                          _mb(r["index_bytes"]),
                          f"{r['search_ms_per_query']:.2f} "
                          f"({r.get('search_cpu_ms_per_query', float('nan')):.2f})",
-                         f"{r['recall_vs_flat']:.3f}"])  # fmt: skip
-        rows.append(["(phase peak RSS)", "", "", "", "", "", _mb(p["result"]["peak_rss_bytes"])])
+                         f"{r['recall_vs_flat']:.3f}", speed])  # fmt: skip
+        rows.append(
+            ["(phase peak RSS)", "", "", "", "", "", _mb(p["result"]["peak_rss_bytes"]), ""]
+        )
     return md_table(["kind", "parameters", "N", "`build()` wall (CPU)", "index dir",
-                     "`search()` ms / query wall (CPU)", "recall@10 vs flat"], rows)  # fmt: skip
+                     "`search()` ms / query wall (CPU)", "recall@10 vs exact",
+                     "speed-up vs exact `top_k`, CPU (wall)"], rows)  # fmt: skip
 
 
 def bergson_table(path: str | None) -> str:
@@ -198,7 +206,7 @@ def main() -> None:
                 *side_ph,
                 {"phase": "gindex", "result": json.loads(f.read().splitlines()[-1])},
             ]
-    print("\n### `GradientIndex` (public API)\n\n" + gindex_table(side_ph))
+    print("\n### `GradientIndex` (public API)\n\n" + gindex_table(main_ph + side_ph, facts))
     print("\n### bergson\n\n" + bergson_table(a.bergson))
 
 

@@ -81,12 +81,18 @@ def exact_rerank(
     """
     cand = torch.from_numpy(np.ascontiguousarray(candidates, dtype=np.int64))
     valid = cand >= 0
-    rows = torch.unique(cand[valid])  # sorted: the memory map is read in file order
+    rows = torch.unique(cand[valid])  # sorted: the memory map is read once, in file order
     x = torch.from_numpy(np.ascontiguousarray(vectors[rows.numpy()], dtype=np.float32))
     qt = torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
-    full = qt @ x.T  # (M, |rows|): each candidate row once for all queries
-    pos = torch.searchsorted(rows, cand.clamp_min(0))
-    vals = full.gather(1, pos.clamp_max(max(len(rows) - 1, 0))) if len(rows) else cand.float()
+    pos = torch.searchsorted(rows, cand.clamp_min(0)).clamp_max(max(len(rows) - 1, 0))
+    vals = torch.full(cand.shape, float("-inf"))
+    if len(rows):
+        # each query against its own candidates only (a batched GEMV over a gathered copy,
+        # in chunks of about 64 MiB), not every query against every candidate
+        per = max(1, (64 << 20) // max(1, cand.shape[1] * x.shape[1] * 4))
+        for lo in range(0, len(cand), per):
+            own = x[pos[lo : lo + per]]  # (c, R, D)
+            vals[lo : lo + per] = torch.bmm(own, qt[lo : lo + per].unsqueeze(2)).squeeze(2)
     vals = vals.masked_fill(~valid, float("-inf"))
     top, j = vals.topk(min(k, vals.shape[1]), dim=1)
     ids = cand.gather(1, j)
