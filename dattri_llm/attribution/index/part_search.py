@@ -9,13 +9,16 @@ A part answers, for a batch of queries ``(M, D)``, its ``k`` largest inner produ
 - ``ivf`` with product quantization (``pq_m``): the PQ codes rank a short list of
   ``rerank * k`` candidates per query, whose exact inner products are then computed from the
   part's **re-rank file** ``part_<i>.vectors.f32``: the indexed vectors, float32, row-major
-  ``(n, D)``, in FAISS id order, read through a read-only memory map. Only the candidates'
-  rows are touched, so the page cache, not the process, holds the vectors: opening the index
-  reads the small PQ file only (158 B per vector at ``D = 2048``, ``pq_m = 128``) and its
-  resident memory stays that size. The scores returned are exact (float32) inner products;
-  only the candidate list is approximate. (Format version 1 kept the vectors inside the FAISS
-  file, as an ``IndexRefineFlat``, which loads them all into memory; such indexes are still
-  read and searched as before.)
+  ``(n, D)``, in FAISS id order, read through a read-only memory map (``MADV_RANDOM``: a
+  cold file is read row by row, without the kernel's read-around). Only the candidates' rows
+  are read, so the page cache, not the process, holds the vectors: opening the index reads the
+  small PQ file only (256 B per vector at ``D = 2048`` with ``kind="auto"``) and the process's
+  own (anonymous) memory stays about that size. (Its resident set, ``VmRSS`` / ``VmHWM``,
+  also counts the page-cache pages the kernel maps around each touched row when they are
+  already cached: shared, clean, reclaimable.) The scores returned are exact (float32) inner
+  products; only the candidate list is approximate. (Format version 1 kept the vectors inside
+  the FAISS file, as an ``IndexRefineFlat``, which loads them all into memory; such indexes
+  are still read and searched as before.)
 
 The re-rank file is the build's spill file (``builder``: every vector of an ``ivf`` part is
 spilled to disk before FAISS is trained), fsynced and renamed into place, so it costs the
@@ -24,7 +27,7 @@ build no extra pass.
 
 from __future__ import annotations
 
-import os
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +64,13 @@ def open_rerank_file(path: Path, n: int, dim: int) -> np.ndarray:
         )
     if not n:
         return np.zeros((0, dim), np.float32)
-    return np.memmap(os.fspath(path), dtype=np.float32, mode="r", shape=(n, dim))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        # a re-rank touches a few scattered rows: no read-around of the neighbouring pages
+        # from disk on a cold file (the kernel's default for a mapped file's page fault)
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=np.float32).reshape(n, dim)  # read-only view
 
 
 def exact_rerank(
