@@ -135,3 +135,16 @@ def test_fast_scan_wants_an_even_pq_m(built):
     root, *_ = built
     with pytest.raises(ValueError, match=r"pq_m=1 with pq_bits=4 .* must be even"):
         GradientIndex.build(root / "train", root / "odd", "dot", "ivf", nlist=2, pq_m=1, pq_bits=4)
+
+
+def test_cli_builds_a_fast_scan_index(built, capsys):
+    from dattri_llm.cli import main
+
+    root, *_ = built
+    argv = ["index", "build", str(root / "train"), "-o", str(root / "cli"), "--kind", "ivf"]
+    argv += ["--nlist", "4", "--pq-m", "8", "--pq-bits", "4", "--rerank", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    index = GradientIndex.open(root / "cli")
+    assert index.params["pq_bits"] == 4 and index.params["rerank"] == 3
+    assert isinstance(faiss.downcast_index(index._parts[0][0]), faiss.IndexIVFPQFastScan)
+    assert (root / "cli" / "part_0.vectors.f32").stat().st_size == 300 * 32 * 4

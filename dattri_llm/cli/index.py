@@ -52,6 +52,7 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--nlist", type=int, help="ivf: inverted lists (default 4 sqrt(n))")
     b.add_argument("--nprobe", type=int, help="ivf: lists searched (default max(8, nlist / 32))")
     b.add_argument("--pq-m", type=int, help="ivf: PQ sub-quantizers (must divide the dimension)")
+    b.add_argument("--pq-bits", type=int, help="ivf with PQ: bits per code (8; 4: fast scan)")
     b.add_argument("--rerank", type=int, help="ivf with PQ: re-rank rerank x k exactly (4)")
     b.add_argument("--M", type=int, dest="M", help="hnsw: graph degree (32)")
     b.add_argument("--ef-construction", type=int, help="hnsw: build candidate list (80)")
@@ -95,6 +96,7 @@ def run_build(args: argparse.Namespace) -> int:
     from dattri_llm.cli._common import show_progress
 
     flags = {"nlist": "--nlist", "nprobe": "--nprobe", "pq_m": "--pq-m", "rerank": "--rerank"}
+    flags |= {"pq_bits": "--pq-bits"}
     flags |= {"M": "--M", "ef_construction": "--ef-construction", "ef_search": "--ef-search"}
     _positive(args, {**flags, "block_rows": "--block-rows"})
     store = open_store(args.store, "STORE")
