@@ -59,12 +59,17 @@ def log(msg: str) -> None:
     print(f"[million {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def peak_rss() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmHWM``, ``RssAnon``, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return -1
+
+
+def peak_rss() -> int:
+    return _status_bytes("VmHWM")
 
 
 def dir_bytes(path: str) -> int:
@@ -434,11 +439,7 @@ def _exact_hashes(a, metric: str) -> list[list[str]] | None:
 
 def rss_anon() -> int:
     """Current anonymous resident memory (not the page cache a memory map touches)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return -1
+    return _status_bytes("RssAnon")
 
 
 def phase_gindex(a) -> dict:
