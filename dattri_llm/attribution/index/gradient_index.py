@@ -181,8 +181,9 @@ class GradientIndex:
             index_dir: Where to write the index (created; beside the store, or inside it).
             metric: ``"dot"`` (TracIn / Grad-Dot inner products) or ``"cosine"`` (Grad-Cos).
             kind: ``"auto"`` (exact ``flat`` for small stores, see
-                :data:`~dattri_llm.attribution.index.kinds.AUTO_FLAT_MAX`), ``"flat"``,
-                ``"ivf"`` or ``"hnsw"``.
+                :data:`~dattri_llm.attribution.index.kinds.AUTO_FLAT_MAX`; above it IVF-PQ
+                with exact re-ranking, :func:`~dattri_llm.attribution.index.kinds.auto_ivf_params`),
+                ``"flat"``, ``"ivf"`` or ``"hnsw"``.
             layers: Index only these layers (default: all, in the store's order).
             checkpoints: Index only records with these checkpoint labels (default: all).
             checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
