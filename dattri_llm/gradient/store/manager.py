@@ -46,6 +46,7 @@ from dattri_llm.gradient.store.shard import (
     read_gradient,
     shard_dtype,
 )
+from dattri_llm.gradient.store.verified import VerifiedShards, identity
 from dattri_llm.gradient.store.writer import PartitionWriter
 from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
 
@@ -120,8 +121,9 @@ class GradientStorageManager(SampleLookup):
         max_pending: Records accepted by :meth:`write` but not yet durable (so a crash loses at
             most this many; default 1: only the in-flight record).
         fsync: fsync shards and index lines (turn off only for scratch stores).
-        verify: Check a shard's CRC-32 against the index the first time this manager reads it
-            (size, header and hashes are checked on every read); ``False`` skips the
+        verify: Check a shard's CRC-32 against the index the first time this process reads
+            that file (``store/verified.py``: by file identity, so a replaced shard is checked
+            again; size, header and hashes are checked on every read); ``False`` skips the
             full-file checksum (faster first reads, but a flipped bit in a tensor goes unseen).
         allow_duplicate_records: Accept byte-identical records in two partitions (two ranks
             that computed the very same batch); by default that is refused as a copied
@@ -168,7 +170,7 @@ class GradientStorageManager(SampleLookup):
         self._by_hash_built = False
         self._by_hash: dict[str, list[tuple[int, int]]] = {}
         self._headers: dict[tuple[int, str], dict] = {}
-        self._verified: set[Path] = set()
+        self._verified = VerifiedShards()  # process-wide, by file identity
         #: Storage settings a writer puts into a new partition's ``meta.json`` (``OffloadCallback``
         #: sets ``{"storage": {...}}``); informational, the shard headers are authoritative.
         self.storage_settings: dict[str, Any] = {}
@@ -499,9 +501,10 @@ class GradientStorageManager(SampleLookup):
         device: str | torch.device = "cpu",
     ) -> Any:
         path = part.directory / entry["shard"]
-        handle = open_shard(path, entry, check_crc and path not in self._verified, device)
+        ident = identity(path, entry["crc32"]) if check_crc else None
+        handle = open_shard(path, entry, check_crc and not self._verified.seen(path, ident), device)
         if check_crc:
-            self._verified.add(path)
+            self._verified.add(path, ident)
         return handle
 
     def check_layers(self, layers: Sequence[str] | None) -> list[str] | None:

@@ -39,6 +39,7 @@ from dattri_llm.gradient.store.format import (
     decode_schema,
 )
 from dattri_llm.gradient.store.shard import _capture_dtype, check_header_matches
+from dattri_llm.gradient.store.verified import identity
 
 __all__ = [
     "VectorLayer",
@@ -232,7 +233,6 @@ class VectorBlockReader:
         """
         path = part.directory / entry["shard"]
         store = self.store
-        check_crc = bool(store.verify) and path not in store._verified
         n = int(entry["n"])
         try:
             f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
@@ -241,7 +241,10 @@ class VectorBlockReader:
                 f"shard {path} is missing although its partition's index lists it."
             ) from None
         with f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            ident = identity(path, entry["crc32"], st) if store.verify else None
+            check_crc = bool(store.verify) and not store._verified.seen(path, ident)
             if size != entry["bytes"]:
                 raise StoreFormatError(
                     f"shard {path} is truncated or corrupted: {size} bytes, the index recorded "
@@ -335,7 +338,7 @@ class VectorBlockReader:
                 raise StoreFormatError(
                     f"shard {path} is corrupted: its CRC-32 does not match the index."
                 )
-            store._verified.add(path)
+            store._verified.add(path, ident)
         self.bytes_read += size
         assert stored is not None
         return stored, header, capture_dtype
