@@ -96,8 +96,8 @@ def test_report_pairs_every_gradient_row_with_each_lexical_row():
     from experiments.benchmark.tracing.report import write_report
 
     def row(recall, drop):
-        return {"recall@10": recall, "mrr": [1.0] * 3, "causal_drop": drop,
-                "removed_per_group": [10], "score_s": 1.0}  # fmt: skip
+        keys = ("recall@10", "mrr", "causal_drop", "removed_per_group", "score_s")
+        return dict(zip(keys, (recall, [1.0] * 3, drop, [10], 1.0)))
 
     rows = {
         "TF-IDF (scikit-learn)": row([1.0, 1.0, 1.0], [3.0, 2.0, 1.0]),
@@ -105,15 +105,7 @@ def test_report_pairs_every_gradient_row_with_each_lexical_row():
         "G": row([1.0, 1.0, 2 / 3], [4.0, 2.5, 1.5]),
     }
     result = {
-        "config": {
-            "seeds": [0],
-            "n_docs": 9,
-            "n_facts": 3,
-            "copies": 3,
-            "block": 4,
-            "epochs": 1,
-            "group": 3,
-        },  # fmt: skip
+        "config": dict(seeds=[0], n_docs=9, n_facts=3, copies=3, block=4, epochs=1, group=3),
         "wall_s": 1.0,
         "omp_num_threads": "1",
         "seeds": [{"seed": 0, "recall": {"multiple_choice": 0, "top1_vocab": 0}, "rows": rows}],
