@@ -10,7 +10,7 @@ rows named in ``--rows`` (their names in :func:`.run.methods`):
 
 Each fact's drop ``log p_full(a) − log p_removed(a)`` as in :mod:`.run` (same initialisation,
 same batch-order seed). Run (one process; 1 training per seed, 2 retrainings per seed and row;
-~10 min for 3 rows x 3 seeds here)::
+204 s wall for 3 rows x 3 seeds here)::
 
     python -m experiments.benchmark.tracing.diagnose --rows "BM25 (rank-bm25)"
 
