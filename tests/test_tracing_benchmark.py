@@ -57,3 +57,66 @@ def test_planting_puts_each_fact_in_its_carriers_only():
     assert d.docs.shape == (40, 49)
     labelled = (d.query_y != -100).sum(1)
     assert labelled.tolist() == [1, 1, 1, 1]
+
+
+def test_bm25_row_against_hand_computed_okapi():
+    """The BM25 row: Okapi BM25 (k1 = 1.5, b = 0.75, rank-bm25's idf floor), written out."""
+    import math
+    from types import SimpleNamespace
+
+    pytest.importorskip("rank_bm25")
+    from experiments.benchmark.tracing.run import bm25
+
+    docs = [["a", "b"], ["a", "c", "c"], ["d"]]
+    d = SimpleNamespace(doc_words=docs, query_words=[["c"], ["a", "c"]])
+    scores = bm25(d)
+    assert scores.shape == (3, 2)  # (documents, queries)
+    k1, b, n, avgdl = 1.5, 0.75, 3, 2.0
+
+    def tf_part(tf: int, dl: int) -> float:
+        return tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl))
+
+    idf_rare = math.log((n - 1 + 0.5) / (1 + 0.5))  # b, c, d: one document each
+    idf_a = math.log((n - 2 + 0.5) / (2 + 0.5))  # "a" is in 2 of 3 documents: negative
+    assert idf_a < 0
+    floor = 0.25 * (idf_a + 3 * idf_rare) / 4  # 0.25 x the mean idf over the 4 terms
+    want = torch.tensor(
+        [
+            [0.0, floor * tf_part(1, 2)],
+            [idf_rare * tf_part(2, 3), floor * tf_part(1, 3) + idf_rare * tf_part(2, 3)],
+            [0.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(scores.double(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_report_pairs_every_gradient_row_with_each_lexical_row():
+    from experiments.benchmark.tracing.metrics import mean_ci
+    from experiments.benchmark.tracing.report import write_report
+
+    def row(recall, drop):
+        keys = ("recall@10", "mrr", "causal_drop", "removed_per_group", "score_s")
+        return dict(zip(keys, (recall, [1.0] * 3, drop, [10], 1.0)))
+
+    rows = {
+        "TF-IDF (scikit-learn)": row([1.0, 1.0, 1.0], [3.0, 2.0, 1.0]),
+        "BM25 (rank-bm25)": row([1.0, 2 / 3, 1.0], [2.0, 2.0, 2.0]),
+        "G": row([1.0, 1.0, 2 / 3], [4.0, 2.5, 1.5]),
+    }
+    result = {
+        "config": dict(seeds=[0], n_docs=9, n_facts=3, copies=3, block=4, epochs=1, group=3),
+        "wall_s": 1.0,
+        "omp_num_threads": "1",
+        "seeds": [{"seed": 0, "recall": {"multiple_choice": 0, "top1_vocab": 0}, "rows": rows}],
+    }
+    text = write_report(result)
+    cells = [
+        mean_ci([0.0, 0.0, -1 / 3]),  # G - TF-IDF, recall@10
+        mean_ci([1.0, 0.5, 0.5]),  # G - TF-IDF, causal drop
+        mean_ci([0.0, 1 / 3, -1 / 3]),  # G - BM25, recall@10
+        mean_ci([2.0, 0.5, -0.5]),  # G - BM25, causal drop
+    ]
+    assert "| G | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells) + " |" in text
+    assert "target check vs **TF-IDF (scikit-learn)**" in text
+    assert "target check vs **BM25 (rank-bm25)**" in text

@@ -427,7 +427,8 @@ def tracing_part(s: Setting, results: Path) -> Part | None:
         ("time / peak RSS (tracing scoring)", cost),
     ]
     cfg = result["config"]
-    command = _commands(result) if result.get("command") else TRACING_COMMAND
+    has_command = result.get("command") or result.get("commands")
+    command = _commands(result) if has_command else TRACING_COMMAND
     part.header.append(
         f"- *recall@10, MRR, causal drop*: `results/{s.tracing}{'' if t_full else '-quick'}.json`,"
         f" **{'full' if t_full else 'quick'} protocol** ({len(cfg['seeds'])} seeds x "

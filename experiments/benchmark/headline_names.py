@@ -21,6 +21,7 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     (GROUND_TRUTH, {"tracing": ("carriers (ground truth)",)}),
     ("Random", {"quality": ("Random",), "removal": ("Random",), "tracing": ("random",)}),
     ("TF-IDF (scikit-learn, lexical)", {"tracing": ("TF-IDF (scikit-learn)",)}),
+    ("BM25 (rank-bm25, lexical)", {"tracing": ("BM25 (rank-bm25)",)}),
     ("Grad-Dot", {"quality": ("Grad-Dot",), "removal": ("Grad-Dot",), "tracing": ("Grad-Dot",)}),
     ("Grad-Cos", {"quality": ("Grad-Cos",), "removal": ("Grad-Cos",), "tracing": ("Grad-Cos",)}),
     ("Grad-Dot, dense-256 projection", {"quality": ("Grad-Dot proj dense-256",)}),
@@ -42,6 +43,10 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         {"quality": ("TracIn (4 ckpts, w=lr)",), "removal": ("TracIn (4 ckpts, w=lr)",)},
     ),
     ("TracIn-Cos (checkpoints)", {"tracing": ("TracIn-Cos (3 ckpts)",)}),
+    (
+        "TracIn-Cos + second moment (checkpoints; TrackStar, R = I)",
+        {"tracing": ("TracIn-Cos + second moment (3 ckpts)",)},
+    ),
     (
         "K-FAC (default damping)",
         {"quality": ("K-FAC (damping=default)",), "removal": ("K-FAC (damping=default)",)},
@@ -65,6 +70,10 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     (
         "EK-FAC unit-normalized + diagonal embeddings / norms",
         {"tracing": ("EK-FAC unit, diagonal non-Kronecker",)},
+    ),
+    (
+        "EK-FAC unit-normalized + diagonal embeddings / norms, summed over checkpoints",
+        {"tracing": ("EK-FAC unit, diagonal non-Kronecker (3 ckpts)",)},
     ),
     (
         "EK-FAC fit on train + queries (mix=0.5)",

@@ -26,6 +26,7 @@ Writes ``experiments/benchmark/results/tracing[-quick].{json,md}``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
@@ -105,14 +106,23 @@ def recall_accuracy(model: Any, d: tdata.TracingData) -> dict[str, float]:
     return {"multiple_choice": float(np.mean(mc)), "top1_vocab": float(np.mean(top1))}
 
 
+class Snapshots(list):
+    """Model state dicts of one training run, evenly spaced, the last the final weights, and
+    ``optimizer``: the AdamW ``state_dict()`` saved at each of them (same order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer: list[dict] = []
+
+
 def train(
     d: tdata.TracingData, keep: list[int], cfg: dict, seed: int, snapshots: int = 1
-) -> list[dict[str, torch.Tensor]]:
+) -> Snapshots:
     """AdamW from the seed's initialisation on the documents ``keep``; linear decay to 0.
 
     The initialisation and the batch-order generator are seeded by ``seed`` alone (common
     random numbers across removals). Returns ``snapshots`` states, evenly spaced, the last
-    being the final weights.
+    being the final weights, with the optimizer's state at each (``Snapshots.optimizer``).
     """
     torch.manual_seed(seed)
     model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
@@ -123,7 +133,7 @@ def train(
     bs, epochs = cfg["batch_size"], cfg["epochs"]
     steps = epochs * ((len(keep) + bs - 1) // bs)
     marks = {round(steps * (s + 1) / snapshots) for s in range(snapshots)}
-    states, step = [], 0
+    states, step = Snapshots(), 0
     for _ in range(epochs):
         for idx in torch.randperm(len(keep), generator=gen).split(bs):
             for group in opt.param_groups:
@@ -135,6 +145,7 @@ def train(
             step += 1
             if step in marks:
                 states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+                states.optimizer.append(copy.deepcopy(opt.state_dict()))
     return states
 
 
@@ -226,6 +237,53 @@ def tfidf(d: tdata.TracingData) -> torch.Tensor:
     return torch.from_numpy((docs @ queries.T).toarray())
 
 
+def bm25(d: tdata.TracingData) -> torch.Tensor:
+    """Okapi BM25 (``rank_bm25.BM25Okapi``: k1 = 1.5, b = 0.75, the package's ATIRE idf
+    ``log((N − n + 0.5) / (n + 0.5))`` floored at ``0.25 ×`` the mean idf for terms in more than
+    half the documents) of each query's words against each document's words, the same word
+    tokens as the TF-IDF row. Needs ``pip install rank-bm25``."""
+    try:
+        from rank_bm25 import BM25Okapi
+    except ImportError as err:
+        raise ImportError(
+            "the BM25 row needs the rank-bm25 package: pip install rank-bm25"
+        ) from err
+
+    index = BM25Okapi(d.doc_words, k1=1.5, b=0.75)
+    cols = [torch.from_numpy(index.get_scores(q)) for q in d.query_words]
+    return torch.stack(cols, 1)
+
+
+def _second_moment(d: tdata.TracingData, state: dict, opt_state: dict) -> Any:
+    """``SecondMoment`` of the AdamW state saved with ``state``, laid out by a ``HookManager``
+    with the default configuration (the one the live ``attribute()`` captures with)."""
+    from dattri_llm import HookManager, HookManagerConfig, SecondMoment
+
+    model = load(d, state)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(copy.deepcopy(opt_state))
+    hm = HookManager(model, HookManagerConfig())
+    try:
+        return SecondMoment.from_optimizer(opt, hm)
+    finally:
+        hm.remove()
+
+
+def trackstar(d: tdata.TracingData, states: Snapshots) -> torch.Tensor:
+    """TrackStar without its ``R`` (identity): per checkpoint, train and query gradients times
+    ``1/√(v_c + ε)`` (that checkpoint's AdamW second moment), unit-normalized, dotted; summed
+    over the checkpoints. One ``TracInAttributor(second_moment=, normalized_grad=True)`` per
+    checkpoint (a ``SecondMoment`` holds one ``v``)."""
+    total = None
+    for c, state in enumerate(states):
+        sm = _second_moment(d, state, states.optimizer[c])
+        part = _attribute(
+            d, [state], "TracInAttributor", {"normalized_grad": True, "second_moment": sm}
+        )
+        total = part if total is None else total + part
+    return total
+
+
 def methods(quick: bool) -> dict[str, Any]:
     """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores``."""
     rows: dict[str, Any] = {
@@ -233,6 +291,7 @@ def methods(quick: bool) -> dict[str, Any]:
             len(d.docs), len(d.facts), generator=torch.Generator().manual_seed(1000 + seed)
         ),
         "TF-IDF (scikit-learn)": lambda d, s, seed: tfidf(d),
+        "BM25 (rank-bm25)": lambda d, s, seed: bm25(d),
         "Grad-Dot": lambda d, s, seed: _attribute(d, s[-1:], "TracInAttributor", {}),
         "Grad-Cos": lambda d, s, seed: _attribute(
             d, s[-1:], "TracInAttributor", {"normalized_grad": True}
@@ -256,6 +315,10 @@ def methods(quick: bool) -> dict[str, Any]:
             "TracIn-Cos (3 ckpts)": lambda d, s, seed: _attribute(
                 d, s, "TracInAttributor", {"normalized_grad": True}
             ),
+            "EK-FAC unit, diagonal non-Kronecker (3 ckpts)": lambda d, s, seed: _attribute(
+                d, s, "EKFACAttributor", {"normalized_grad": True, "non_kronecker": "diagonal"}
+            ),
+            "TracIn-Cos + second moment (3 ckpts)": lambda d, s, seed: trackstar(d, s),
             "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
                 d,
                 s[-1:],
