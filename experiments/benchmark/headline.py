@@ -7,7 +7,8 @@ and puts them side by side, one Markdown table per setting:
   and the trajectory-specific LOO, each with its 95 % interval, and the row's scoring time and
   peak memory;
 * ``results/removal_<setting>[-quick].json`` (``quality/removal.py``): LDS at 1 / 5 / 10 / 50 %
-  removals (common random numbers), with intervals, time and memory;
+  removals (common random numbers), with intervals, time and memory; the full protocol's file
+  wins, a fraction or row it lacks comes from the quick file and is labelled so;
 * ``results/tracing[-quick].json`` (``tracing/run.py``): recall@10, MRR and the causal drop of
   fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
 
@@ -343,41 +344,77 @@ def quality_part(s: Setting, results: Path) -> Part | None:
     return part
 
 
+def _fractions_of(result: dict | None) -> set[int]:
+    """The removal fractions (in %) a removal result has a ground truth for."""
+    if result is None:
+        return set()
+    return {pct for pct in FRACTIONS if f"{pct} %" in (result.get("truth") or {})}
+
+
 def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
-    """LDS at each removal fraction, against run 0 (``truth="run0"``) or the runs' mean."""
+    """LDS at each removal fraction, against run 0 (``truth="run0"``) or the runs' mean.
+
+    The full protocol's file wins; a fraction it lacks is taken from the quick file (its column
+    is then labelled ``(quick)``), and a row only the quick file has is marked ``(q)``.
+    """
     found = _result(s.removal and f"removal_{s.removal}", results)
     if found is None:
         return None
-    result, r_full, _ = found
+    main, r_full, r_quick = found
+    other = r_quick if r_full else None  # the quick file, where it backs the full one up
     part = Part()
-    rows = pick("removal", result["rows"])
+    rows = pick("removal", main["rows"])
+    extra = pick("removal", other["rows"]) if other else {}
+    extra = {n: r for n, r in extra.items() if n not in rows}  # quick-only rows, marked (q)
     part.add_rows(rows)
+    part.add_rows(extra)
     key = "lds_run0" if truth == "run0" else "lds"
+    have = _fractions_of(main)
+    backed = {pct for pct in _fractions_of(other) if pct not in have}
     for pct in FRACTIONS:
+        src = other if pct in backed else main
+        src_rows = pick("removal", src["rows"]) if pct in backed else rows
 
-        def fn(name: str, pct: int = pct) -> str:
+        def fn(name: str, pct: int = pct, src: dict = src, src_rows: dict = src_rows) -> str:
             if name == GROUND_TRUTH:
-                gt = (result.get("truth") or {}).get(f"{pct} %") or {}
+                gt = (src.get("truth") or {}).get(f"{pct} %") or {}
                 return fmt_ci(gt.get("reliability")) or "not measured"
-            return metric_cell(rows.get(name), lambda r: fmt_ci((r.get(key) or {}).get(f"{pct} %")))
 
-        part.columns.append((f"LDS {pct} %", fn))
-    part.columns.append(
-        (
-            "time / peak RSS (removal scoring)",
-            lambda n: "—" if n == GROUND_TRUTH else cost_cell(rows.get(n), result["rows"]),
-        )
-    )
-    p = result["protocol"]
-    kind = "full" if r_full else "quick"
+            def stat(r: dict) -> str | None:
+                return fmt_ci((r.get(key) or {}).get(f"{pct} %"))
+
+            if name in extra and src is main:
+                return metric_cell(extra[name], stat) + " (q)"
+            return metric_cell(src_rows.get(name), stat)
+
+        part.columns.append((f"LDS {pct} %" + (" (quick)" if pct in backed else ""), fn))
+
+    def cost(name: str) -> str:
+        if name == GROUND_TRUTH:
+            return "—"
+        if name in extra:
+            return cost_cell(extra[name], other["rows"]) + " (q)"
+        return cost_cell(rows.get(name), main["rows"])
+
+    part.columns.append(("time / peak RSS (removal scoring)", cost))
     against = "run 0, the attributed run" if truth == "run0" else "the mean of the runs"
-    part.header.append(
-        f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
-        f".json`, **{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
-        f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS against "
-        f"{against}); `python -m experiments.benchmark.quality.removal --setting {s.removal}"
-        f"{'' if r_full else ' --quick'}` (`--part truth`, `--part scores`, `--part table`)."
-    )
+    for res, is_full in ((main, r_full is not None), (other, False)):
+        if res is None or (res is other and not backed and not extra):
+            continue
+        kind = "full" if is_full else "quick"
+        p = res["protocol"]
+        what = "LDS at 1 / 5 / 10 / 50 %"
+        if res is other:
+            used = [f"{pct} %" for pct in sorted(backed)] + (["(q) rows"] if extra else [])
+            what = f"LDS, quick protocol for: {', '.join(used)}"
+        part.header.append(
+            f"- *{what}*: `results/removal_{s.removal}{'' if is_full else '-quick'}.json`, "
+            f"**{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
+            f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS "
+            f"against {against}); `python -m experiments.benchmark.quality.removal --setting "
+            f"{s.removal}{'' if is_full else ' --quick'}` (`--part truth`, `--part scores`, "
+            "`--part table`)."
+        )
     return part
 
 
