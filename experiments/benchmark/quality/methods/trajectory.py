@@ -442,8 +442,11 @@ def less(ctx: Context) -> torch.Tensor:
         raise RuntimeError(f"{len(states)} optimizer states for {len(ctx.trajectory)} checkpoints")
     task = _task(ctx, ctx.trajectory)
     optimizers = []
+    make_optimizer = ctx.setting.make_optimizer or (
+        lambda model: torch.optim.AdamW(model.parameters(), lr=ctx.setting.lr)
+    )
     for sd in states:
-        opt = torch.optim.AdamW(task.model.parameters(), lr=ctx.setting.lr)
+        opt = make_optimizer(task.model)  # the run's parameter groups, so the state loads
         opt.load_state_dict(sd)
         optimizers.append(opt)
     with tempfile.TemporaryDirectory() as tmp:
