@@ -45,7 +45,7 @@ from dattri_llm.attribution.trajectory.base import (
     dense_rows,
     layer_widths,
 )
-from dattri_llm.attribution.trajectory.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.curvature import ExactHessian, check_curvature
 from dattri_llm.attribution.trajectory.unroll import AdamStep, Curvature, StepPushes
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
@@ -174,10 +174,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
         )
-        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
-            raise ValueError(
-                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
-            )
+        check_curvature(curvature, _CURVATURES)
         self.dynamics = dynamics
         self.curvature = curvature
 

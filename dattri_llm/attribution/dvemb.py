@@ -61,7 +61,7 @@ from dattri_llm.attribution.trajectory.base import (
     layer_widths,
     step_index,
 )
-from dattri_llm.attribution.trajectory.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.curvature import ExactHessian, check_curvature
 from dattri_llm.attribution.trajectory.unroll import (
     Curvature,
     SGDStep,
@@ -281,10 +281,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
         )
-        if not isinstance(curvature, ExactHessian) and curvature not in _CURVATURES:
-            raise ValueError(
-                f"curvature must be one of {_CURVATURES} or an ExactHessian, got {curvature!r}."
-            )
+        check_curvature(curvature, _CURVATURES)
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)

@@ -28,7 +28,7 @@ from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts, refuse_
 from dattri_llm.gradient.trajectory.replay import has_active_dropout
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
-__all__ = ["ExactHessian"]
+__all__ = ["ExactHessian", "check_curvature"]
 
 
 class _LossModule(nn.Module):
@@ -158,3 +158,13 @@ class ExactHessian:
             return torch.cat(chunks) if chunks else x.clone()
 
         return apply
+
+
+def check_curvature(curvature: Any, named: tuple[str, ...]) -> None:
+    """Refuse a ``curvature`` that is neither one of ``named`` nor an :class:`ExactHessian`.
+
+    Raises:
+        ValueError: naming the accepted values.
+    """
+    if not isinstance(curvature, ExactHessian) and curvature not in named:
+        raise ValueError(f"curvature must be one of {named} or an ExactHessian, got {curvature!r}.")
