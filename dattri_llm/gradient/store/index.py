@@ -22,6 +22,7 @@ __all__ = [
     "read_index",
     "parse_index",
     "parse_lines",
+    "decode_line",
     "check_sequence",
     "shard_name",
     "entry_for",
@@ -73,6 +74,18 @@ def entry_for(seq: int, header: dict, size: int, crc: int) -> IndexEntry:
         if key in header:
             entry[key] = header[key]
     return entry
+
+
+def decode_line(line: bytes, path: Path, lineno: int) -> Any:
+    """One index line's JSON value (not yet checked as an entry).
+
+    Raises:
+        StoreFormatError: naming ``path:lineno`` when the line is not valid UTF-8 JSON.
+    """
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreFormatError(f"{path}:{lineno}: index line is not valid JSON ({e}).") from None
 
 
 def _check_entry(entry: Any, path: Path, lineno: int) -> IndexEntry:
@@ -187,13 +200,7 @@ def parse_index(
     for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
         if not line.strip():
             raise StoreFormatError(f"{path}:{lineno}: empty index line; the index is corrupted.")
-        try:
-            entry = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StoreFormatError(
-                f"{path}:{lineno}: index line is not valid JSON ({e})."
-            ) from None
-        entries.append((check or _check_entry)(entry, path, lineno))
+        entries.append((check or _check_entry)(decode_line(line, path, lineno), path, lineno))
     return entries, end, end < len(data)
 
 

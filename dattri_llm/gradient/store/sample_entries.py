@@ -24,6 +24,7 @@ from dattri_llm.gradient.store.index import (
     IndexEntry,
     _check_entry,
     check_sequence,
+    decode_line,
     parse_index,
     shard_name,
 )
@@ -257,11 +258,6 @@ def _parse_tail(journal: Path, data: bytes, first: int, warn: bool) -> tuple[lis
         )
     out = []
     for k, line in enumerate(data[:stop].split(b"\n")[:-1]):
-        try:
-            entry = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StoreFormatError(
-                f"{journal}:{first + k + 1}: index line is not valid JSON ({e})."
-            ) from None
-        out.append(_check_entry(entry, journal, first + k + 1))
+        lineno = first + k + 1
+        out.append(_check_entry(decode_line(line, journal, lineno), journal, lineno))
     return out, torn
