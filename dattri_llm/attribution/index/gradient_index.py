@@ -235,10 +235,7 @@ class GradientIndex:
         dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
         dim = sum(dims)
         del first
-        built_kind = kinds.resolve_kind(kind, n_total, dim)
-        if kind == "auto" and built_kind == "ivf":
-            params = {**kinds.auto_ivf_params(n_total, dim), **params}
-        full = kinds.resolve_params(built_kind, n_total, dim, params)
+        built_kind, full = kinds.resolve(kind, n_total, dim, params)
         if directory.exists() and overwrite and (not dd.active() or dd.get_rank() == 0):
             (directory / META_NAME).unlink(missing_ok=True)  # first: no half-valid index
             for p in directory.glob("part_*"):

@@ -45,6 +45,7 @@ __all__ = [
     "METRICS",
     "AUTO_FLAT_MAX",
     "import_faiss",
+    "resolve",
     "resolve_kind",
     "resolve_params",
     "auto_ivf_params",
@@ -115,6 +116,20 @@ def auto_ivf_params(n: int, dim: int) -> dict[str, Any]:
         "pq_bits": 4,
         "rerank": 25,
     }
+
+
+def resolve(kind: str, n: int, dim: int, given: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The concrete kind and full parameters a build of ``n`` vectors of ``dim`` uses.
+
+    ``kind="auto"`` above :data:`AUTO_FLAT_MAX` takes :func:`auto_ivf_params` as its defaults.
+
+    Raises:
+        ValueError: an unknown kind, a parameter the kind does not take, an invalid value.
+    """
+    built = resolve_kind(kind, n, dim)
+    if kind == "auto" and built == "ivf":
+        given = {**auto_ivf_params(n, dim), **given}
+    return built, resolve_params(built, n, dim, given)
 
 
 def resolve_params(kind: str, n: int, dim: int, given: dict[str, Any]) -> dict[str, Any]:
