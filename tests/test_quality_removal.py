@@ -74,3 +74,85 @@ def test_lds_with_ci_point_is_dattris_lds_and_brute_force():
         and got["hi"] >= got["mean"] - 0.05
         and got["lo"] < got["hi"]
     )
+
+
+class _CountingRuns:
+    """A fake setting: a run's "model" holds one weight, the sum of the kept samples' values
+    plus its seed; the target reads it. Counts the runs it trains."""
+
+    def __init__(self, n: int = 40) -> None:
+        from types import SimpleNamespace
+
+        self.calls = 0
+        self.train = TupleDataset(torch.arange(float(n))[:, None], torch.arange(n))
+        self.test = TupleDataset(torch.zeros(3, 1), torch.arange(3))
+        self.setting = SimpleNamespace(
+            train=self.train,
+            test=self.test,
+            batch_size=8,
+            train_func=self.train_func,
+            target=lambda model, loader: (
+                model.weight.detach().double().reshape(1).repeat(3)
+                * torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
+            ),
+        )
+
+    def train_func(self, loader, seed=0, remove=None):
+        self.calls += 1
+        gone = set() if remove is None else set(remove.tolist())
+        model = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(sum(i for i in range(len(self.train)) if i not in gone) + seed)
+        return model
+
+
+def test_removal_ground_truth_extends_a_cached_one_subset_by_subset(tmp_path):
+    fake = _CountingRuns()
+    ref = fake.train_func(None, seed=0).state_dict()
+    args = (fake.setting, tmp_path, 0.1)
+    fake.calls = 0
+    small, meta = removal.removal_ground_truth(*args, 3, 2, ref)
+    assert fake.calls == 2 + 3 * 2  # the 2 full runs, then 3 subsets x 2 runs
+    assert meta["spec"]["num_subsets"] == 3 and small["per_run"].shape == (3, 2, 3)
+    fake.calls = 0
+    big, meta = removal.removal_ground_truth(*args, 5, 2, ref)
+    assert fake.calls == 2 * 2  # only subsets 3 and 4 (the full runs are cached)
+    assert meta["spec"]["num_subsets"] == 5
+    # the same as one build of 5 subsets from an empty cache
+    other = _CountingRuns()
+    (tmp_path / "fresh").mkdir()
+    fresh, _ = removal.removal_ground_truth(other.setting, tmp_path / "fresh", 0.1, 5, 2, ref)
+    for k in ("gt", "indices", "per_run", "delta"):
+        assert torch.equal(big[k], fresh[k]), k
+    # brute force of one entry: subset 4, run 1 = -(sum of the kept samples + seed 1) * sign
+    kept = removal.kept_indices(40, 0.1, removal.LDS_SEED, 4)
+    assert big["per_run"][4, 1, 2].item() == -(kept.sum() + 1) * 2.0
+    # fewer than cached: the first ones, no training
+    fake.calls = 0
+    first, meta = removal.removal_ground_truth(*args, 2, 2, ref)
+    assert fake.calls == 0 and meta["spec"]["num_subsets"] == 2
+    assert torch.equal(first["per_run"], big["per_run"][:2])
+    # another fraction or run count is not reused
+    fake.calls = 0
+    removal.removal_ground_truth(fake.setting, tmp_path, 0.1, 2, 3, ref)
+    assert fake.calls > 0
+
+
+def test_removal_ground_truth_keeps_the_subsets_of_an_interrupted_build(tmp_path):
+    fake = _CountingRuns()
+    ref = fake.train_func(None, seed=0).state_dict()
+    real = fake.train_func
+
+    def dies_on_the_7th_run(loader, seed=0, remove=None):
+        if fake.calls == 6:  # 2 full runs + 2 subsets x 2 runs done
+            raise KeyboardInterrupt
+        return real(loader, seed=seed, remove=remove)
+
+    fake.setting.train_func = dies_on_the_7th_run
+    fake.calls = 0
+    with pytest.raises(KeyboardInterrupt):
+        removal.removal_ground_truth(fake.setting, tmp_path, 0.05, 4, 2, ref)
+    fake.setting.train_func = real
+    fake.calls = 0
+    got, meta = removal.removal_ground_truth(fake.setting, tmp_path, 0.05, 4, 2, ref)
+    assert fake.calls == 2 * 2 and meta["spec"]["num_subsets"] == 4
