@@ -55,7 +55,8 @@ LDS_SEED = 1000
 #: for AdamW runs by :func:`methods`)
 ROWS = {
     "gpt2": r"^(Random|Grad-Dot|Grad-Cos|TracIn \(4 ckpts, w=lr\)|EK-FAC \(damping=default\)|"
-    r"AdamW-influence \(every step, all coordinates\)|LESS.*|DVEmb.*)$",
+    r"AdamW-influence \(every step, all coordinates\)|LESS.*|DVEmb.*|"
+    r"Grad-Cos mask-2048.*|ProjectedFisher mask-2048.*)$",
     "digits": r"^(Random|Exact IF.*|Grad-Dot|Grad-Cos|TracIn \(4 ckpts, w=lr\)|"
     r"K-FAC \(damping=default\)|EK-FAC \(damping=default\)|Exact unrolled.*|"
     r"DVEmb \(empirical Fisher\)|AdamW-influence)$",

@@ -128,6 +128,40 @@ def trackstar(normalized: bool, second_moment: bool) -> Any:
     return fn
 
 
+def trackstar_fisher(second_moment: bool) -> Any:
+    """``ProjectedFisherAttributor(normalized_grad=True)`` at the final weights on the
+    recording's mask-2048 coordinates: ``cos(R^{-1/2} g̃, R^{-1/2} q̃)`` with ``R`` the exact
+    per-layer second-moment matrix of the (corrected) train gradients, default relative damping;
+    with ``second_moment`` the gradients are TrackStar's ``g / sqrt(v + eps)`` (the run's last
+    ``exp_avg_sq``): TrackStar's recipe with its ``R``, on a coordinate subsample."""
+
+    def fn(ctx: Context) -> Any:
+        from dattri_llm import (
+            HookManagerConfig,
+            ProjectedFisherAttributor,
+            ProjectionConfig,
+            SecondMoment,
+        )
+        from experiments.benchmark.quality.methods.ours import _score, _task
+        from experiments.benchmark.quality.methods.trajectory import _note, recording
+
+        name, proj = RECORDING
+        config = HookManagerConfig(
+            capture_style="materialized", projection=ProjectionConfig(**proj)
+        )
+        rec = recording(ctx, name, config)
+        sm = SecondMoment.from_dynamics(rec["trajectory"]) if second_moment else None
+        with tempfile.TemporaryDirectory() as tmp:
+            att = ProjectedFisherAttributor(
+                _args(tmp), task=_task(ctx, [ctx.final]), normalized_grad=True, second_moment=sm
+            )
+            scores = _score(ctx, att, hook_config=config)
+        ctx.extra["last_note"] = _note(rec)
+        return scores
+
+    return fn
+
+
 def methods() -> list[Method]:
     """The diagnosis rows (gpt2, AdamW runs)."""
     base = "AdamW-influence mask-2048"
@@ -176,5 +210,18 @@ def methods() -> list[Method]:
             "dattri_llm",
             trackstar(True, True),
             "TrackStar's 1/sqrt(v + eps), then unit norm",
+        ),
+        Method(
+            "ProjectedFisher mask-2048 unit-normalized",
+            "dattri_llm",
+            trackstar_fisher(False),
+            "exact per-layer Fisher of the mask coordinates, then the cosine",
+        ),
+        Method(
+            "ProjectedFisher mask-2048 unit + second moment (TrackStar with R)",
+            "dattri_llm",
+            trackstar_fisher(True),
+            "TrackStar's 1/sqrt(v + eps), R = exact per-layer Fisher of the corrected "
+            "gradients, then the cosine",
         ),
     ]
