@@ -127,6 +127,13 @@ def test_projected_fisher_is_the_exact_fisher_of_the_corrected_gradients(tmp_pat
     )
     got = live.attribute(train, test, hook_config=CONFIG, damping=LAM).query(train, test)
     assert rel(got, ref) < 1e-10
+    # on a vector layer the correction is a damping metric: (F + λ D^{-2})^{-1} on raw gradients
+    if not normalized:
+        alt = sum(
+            tr @ torch.linalg.inv(exact_fisher(n, tr) + LAM * torch.diag(d[n] ** -2)) @ te.T
+            for n, (tr, te) in raw.items()
+        )
+        assert rel(alt, ref) < 1e-8
     # relative damping: a factor of the corrected Fisher's mean eigenvalue tr(F̃) / P
     rel_ref = 0
     for tr, te in fixed.values():
@@ -312,6 +319,14 @@ def test_refusals_name_the_fix(tmp_path, run):
     for cls in (ProjectedFisherAttributor, KFACAttributor, EKFACAttributor):
         with pytest.raises(ValueError, match="mixes coordinates.*'mask' projection"):
             cls(run_args(tmp_path), second_moment=sm).attribute_from_cache(d_tr, d_te)
+    # the corrected gradients have no token axis
+    live = EKFACAttributor(
+        run_args(tmp_path), task=AttributionTask(loss_fn, model), second_moment=sm
+    )
+    with pytest.raises(ValueError, match="attribution_granularity='sample'"):
+        live.attribute(train, test, hook_config=CONFIG, attribution_granularity="token")
+    with pytest.raises(ValueError, match="attribution_granularity='sample'"):
+        a.attribute_from_cache(tr_dir, te_dir, attribution_granularity="token")
     # bad arguments
     with pytest.raises(TypeError, match="second_moment"):
         EKFACAttributor(run_args(tmp_path), second_moment={"fc": torch.ones(3)})

@@ -21,6 +21,12 @@ score on corrected gradients, defined exactly as follows, with ``D = diag(1/√(
 * **Diagonal layers** (``non_kronecker="diagonal"``): the diagonal Fisher of the corrected
   gradients, ``(1/N) Σ_n g̃_n²``.
 
+On a vector layer the correction acts through the damping alone:
+``q̃ᵀ (D F D + λ I)^{-1} g̃ = qᵀ (F + λ D^{-2})^{-1} g``, i.e. the uncorrected Fisher damped by
+``λ diag(v + ε)`` instead of ``λ I``; where ``F`` is invertible and ``λ → 0`` it cancels, and it
+matters as far as the damping does (``N < P``, heavy damping). EK-FAC's fixed Kronecker basis
+is not adapted to ``D``, so there it also changes the curvature.
+
 Relative damping is a factor of the corrected fit's mean eigenvalue; ``normalized_grad=True``
 is the cosine after preconditioning of the corrected gradients,
 ``q̃ᵀ P g̃ / (√(g̃ᵀ P g̃) √(q̃ᵀ P q̃))``.
@@ -134,6 +140,41 @@ class SecondMomentFisher:
                 f"{where} cannot be combined with mix > 0 (a fit on corrected train and query "
                 "gradients is not implemented); use mix=0, or drop second_moment."
             )
+
+    def _check_moment_granularity(self, granularity: Any) -> None:
+        if granularity == "token" and self.second_moment is not None:
+            raise ValueError(
+                f"{type(self).__name__}(second_moment=...) scores the corrected gradients, which "
+                "are materialized (no token axis): use attribution_granularity='sample'."
+            )
+
+    def attribute(
+        self,
+        train_set: Any,
+        test_set: Any,
+        hook_config: Any = None,
+        attribution_granularity: str = "sample",
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Refuse token granularity with a correction, then attribute (the base class's)."""
+        self._check_moment_granularity(attribution_granularity)
+        return super().attribute(  # type: ignore[misc]
+            train_set, test_set, hook_config, attribution_granularity, *args, **kwargs
+        )
+
+    def attribute_sources(
+        self,
+        train_source: Any,
+        test_source: Any,
+        attribution_granularity: str = "sample",
+        **kw: Any,
+    ) -> Any:
+        """Refuse token granularity with a correction, then attribute (the base class's)."""
+        self._check_moment_granularity(attribution_granularity)
+        return super().attribute_sources(  # type: ignore[misc]
+            train_source, test_source, attribution_granularity, **kw
+        )
 
     def _moment(self, checkpoint: int) -> SecondMoment | None:
         return moment_at(self.second_moment, checkpoint)
