@@ -388,3 +388,37 @@ def test_per_checkpoint_second_moments_through_attribute(tmp_path):
     got = tracin.attribute(train, test, hook_config=MASK).query(train, test)
     want = sum(tr @ te.T for f in fixed for tr, te in f.values())
     assert rel(got, want) < 1e-10
+
+
+# ---- non_kronecker="diagonal": the diagonal Fisher of the corrected gradients ------------------
+def test_diagonal_layers_get_the_corrected_diagonal_fisher(tmp_path, run):
+    model, opt, _, _, d = run
+    every = HookManagerConfig()  # emb and norm too: not Kronecker, preconditioned diagonally
+    hm = HookManager(model, every)
+    sm = SecondMoment.from_optimizer(opt, hm, eps=EPS)
+    hm.remove()
+    train, test = dataset(8, 1), dataset(3, 2)
+    ps, pt = vmap_grads(model, train), vmap_grads(model, test)
+    oracle = Oracle(model, train, test)
+    st = {k: opt.state[p]["exp_avg_sq"] for k, p in model.named_parameters()}
+    flat = {  # the captured layout: the embedding row-major, the norm [weight | bias]
+        "emb": (["emb.weight"], st["emb.weight"].reshape(-1)),
+        "norm": (["norm.weight", "norm.bias"], torch.cat([st["norm.weight"], st["norm.bias"]])),
+    }
+    ref = 0
+    for name, (a, g, tr, te, _) in oracle.layers.items():
+        q = torch.kron(torch.linalg.eigh(g)[1], torch.linalg.eigh(a)[1])
+        tr, te = tr * d[name], te * d[name]
+        fisher = q @ torch.diag(((tr @ q) ** 2).mean(0)) @ q.T
+        ref = ref + tr @ inv(fisher, LAM) @ te.T
+    for params, v in flat.values():
+        dd = 1.0 / (v + EPS).sqrt()
+        tr = torch.cat([ps[k].reshape(len(train), -1) for k in params], 1) * dd
+        te = torch.cat([pt[k].reshape(len(test), -1) for k in params], 1) * dd
+        ref = ref + (tr / ((tr**2).mean(0) + LAM)) @ te.T
+    tr_dir = offload(model, train, tmp_path / "tr", config=every)
+    te_dir = offload(model, test, tmp_path / "te", config=every)
+    att = EKFACAttributor(run_args(tmp_path), non_kronecker="diagonal", second_moment=sm)
+    got = att.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test)
+    assert sorted(att.factors[0].diagonal) == ["emb", "norm"]
+    assert rel(got, ref) < 1e-8
