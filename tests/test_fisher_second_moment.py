@@ -17,6 +17,7 @@ Tolerance: ``1e-8`` relative (``1e-10`` where no eigendecomposition is involved)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -196,6 +197,16 @@ def test_mask_projection_corrected_fisher(tmp_path, run, cls):
         att = cls(run_args(tmp_path), normalized_grad=normalized, second_moment=sm)
         got = att.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test)
         assert rel(got, ref) < 1e-10, (cls.__name__, normalized)
+    # a flat index over the (uncorrected) mask store ranks as the corrected attributor
+    if cls is ProjectedFisherAttributor and importlib.util.find_spec("faiss") is not None:
+        from dattri_llm import GradientIndex
+
+        att = cls(run_args(tmp_path), second_moment=sm)
+        want = att.attribute_from_cache(tr_dir, te_dir, damping=LAM, top_k=3).top_k(3)
+        index = GradientIndex.build(tr_dir, tmp_path / "idx", kind="flat")
+        got = index.search(te_dir, k=3, preconditioner=att.preconditioner(damping=LAM)).top_k(3)
+        assert got.proponent_hashes == want.proponent_hashes
+        assert got.opponent_hashes == want.opponent_hashes
     # non-vacuous: without the correction the scores differ
     plain = cls(run_args(tmp_path)).attribute_from_cache(tr_dir, te_dir, damping=LAM)
     assert rel(plain.query(train, test), scores(fixed, exact_fisher, LAM, False)) > 1e-2

@@ -540,6 +540,8 @@ class EKFACAttributor(KFACAttributor):
     a second pass over the training gradients (George et al., 2018; Grosse et al., 2023).
     Everything else (damping, layers, persistence, reuse) is as for :class:`KFACAttributor`;
     covariances from a :class:`KroneckerCovarianceCallback` save the first pass.
+    ``second_moment=`` (TrackStar's ``1/√(v + ε)``) keeps the uncorrected basis and fits ``Λ``
+    on the corrected gradients (:mod:`dattri_llm.attribution.kronecker_moment`).
     """
 
     kind: ClassVar[str] = "ekfac"
