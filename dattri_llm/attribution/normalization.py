@@ -16,7 +16,10 @@ Two per-sample maps shared by the attributors:
   per coordinate, so it is exact only on exact coordinates: raw gradients, or a ``"mask"``
   projection recorded with the same mask. A store captured with a coordinate-mixing projection
   (``"dense"``, ``"sparse"``, ``"logra"``) is refused: the correction must come before the
-  projection, and a projected store no longer has the coordinates.
+  projection, and a projected store no longer has the coordinates. An attributor's
+  ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
+  family fits its preconditioner on the corrected gradients
+  (:mod:`dattri_llm.attribution.kronecker_moment`).
 """
 
 from __future__ import annotations

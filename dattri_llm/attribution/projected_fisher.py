@@ -15,7 +15,9 @@ refused (its ``P x P`` Fisher would not be small); project it.
 
 Implementation: every layer is read as a vector layer (``projected.vector``, matrix form
 ``(1, P)``), for which the Kronecker machinery is exact (``G = 1``, ``A = F``), so fitting,
-persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's.
+persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's; so are
+``normalized_grad`` and ``second_moment`` (TrackStar's optimizer correction, applied to each
+layer before its vector view: :mod:`dattri_llm.attribution.kronecker_moment`).
 """
 
 from __future__ import annotations
