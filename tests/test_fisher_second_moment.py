@@ -22,11 +22,12 @@ import json
 
 import pytest
 import torch
-from test_kronecker import matrix_form
+from test_kronecker import io_oracle, kfac_ag, matrix_form
 from test_kronecker_attributor import (
     CONFIG,
     LAYERS,
     Oracle,
+    T,
     dataset,
     loss_fn,
     make_model,
@@ -341,8 +342,6 @@ def test_refusals_name_the_fix(tmp_path, run):
     # bad arguments
     with pytest.raises(TypeError, match="second_moment"):
         EKFACAttributor(run_args(tmp_path), second_moment={"fc": torch.ones(3)})
-    with pytest.raises(ValueError, match="mix > 0"):
-        EKFACAttributor(run_args(tmp_path), second_moment=sm, mix=0.5)
     with pytest.raises(ValueError, match="no SecondMoment for checkpoint 1"):
         ProjectedFisherAttributor(run_args(tmp_path), second_moment=[sm])._moment(1)
 
@@ -433,3 +432,54 @@ def test_diagonal_layers_get_the_corrected_diagonal_fisher(tmp_path, run):
     got = att.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test)
     assert sorted(att.factors[0].diagonal) == ["emb", "norm"]
     assert rel(got, ref) < 1e-8
+
+
+# ---- mix: the fit on corrected train and query gradients ------------------------------------
+def test_mix_with_second_moment_mixes_corrected_means(tmp_path, run):
+    """EK-FAC: basis of the mixed *uncorrected* A, G; Λ = (1 − m) Λ̃_train + m Λ̃_query."""
+    model, opt, _, sm, d = run
+    train, test = dataset(8, 1), dataset(3, 2)
+    mix = 0.3
+    ps, pt = vmap_grads(model, train), vmap_grads(model, test)
+    mask_tr = [torch.arange(T) < T - 1] * len(train)
+    mask_te = [torch.arange(T) < T - 1] * len(test)
+    rows_tr = [{"input_ids": x["input_ids"][None]} for x in train]
+    rows_te = [{"input_ids": x["input_ids"][None]} for x in test]
+    ref = 0
+    for name, bias in LAYERS.items():
+        mod = getattr(model, name)
+        a_tr, g_tr = kfac_ag(io_oracle(model, loss_fn, rows_tr, mod), token_mask=mask_tr)
+        a_te, g_te = kfac_ag(io_oracle(model, loss_fn, rows_te, mod), token_mask=mask_te)
+        a, g = (1 - mix) * a_tr + mix * a_te, (1 - mix) * g_tr + mix * g_te
+        q = torch.kron(torch.linalg.eigh(g)[1], torch.linalg.eigh(a)[1])
+        tr = matrix_form(ps, f"{name}.weight", bias) * d[name]
+        te = matrix_form(pt, f"{name}.weight", bias) * d[name]
+        ev = (1 - mix) * ((tr @ q) ** 2).mean(0) + mix * ((te @ q) ** 2).mean(0)
+        ref = ref + tr @ inv(q @ torch.diag(ev) @ q.T, LAM) @ te.T
+    tr_dir, te_dir = offload(model, train, tmp_path / "tr"), offload(model, test, tmp_path / "te")
+    att = EKFACAttributor(run_args(tmp_path), mix=mix, second_moment=sm)
+    got = att.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test)
+    assert rel(got, ref) < 1e-8
+    # non-vacuous: the corrected fit without the queries' share
+    alone = EKFACAttributor(run_args(tmp_path), second_moment=sm)
+    assert (
+        rel(alone.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test), ref) > 1e-3
+    )
+    # a mask store (vector layers, K-FAC allowed): F̃ = (1 − m) F̃_train + m F̃_query exactly
+    hm = HookManager(model, MASK)
+    sm_mask = SecondMoment.from_optimizer(opt, hm, eps=EPS)
+    hm.remove()
+    tr_rec, te_rec = capture(model, train, MASK)[0].gradient, capture(model, test, MASK)[0].gradient
+    ref = 0
+    for name in LAYERS:
+        dd = 1.0 / (sm_mask.v[name] + EPS).sqrt()
+        tr = tr_rec.layers[name].materialize().data * dd
+        te = te_rec.layers[name].materialize().data * dd
+        fisher = (1 - mix) * exact_fisher(name, tr) + mix * exact_fisher(name, te)
+        ref = ref + tr @ inv(fisher, LAM) @ te.T
+    tr_dir = offload(model, train, tmp_path / "mtr", config=MASK)
+    te_dir = offload(model, test, tmp_path / "mte", config=MASK)
+    att = KFACAttributor(run_args(tmp_path), mix=mix, second_moment=sm_mask)
+    assert (
+        rel(att.attribute_from_cache(tr_dir, te_dir, damping=LAM).query(train, test), ref) < 1e-10
+    )

@@ -260,7 +260,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             for c in covs:
                 qcov = KroneckerCovariances(self.non_kronecker, self.tokens)
                 for g in queries[c]:
-                    qcov.update(g)
+                    qcov.update(self._fit_gradient(g, c, "covariances"))
                 covs[c] = mixed_covariances(covs[c], qcov, self.mix)
         out = {
             c: eigendecompose(cov, dtype=self.eigen_dtype, progress=show, warn_skipped=(i == 0))
@@ -273,13 +273,14 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                     "(train_source) for the eigenvalue correction, also when "
                     "covariances are given."
                 )
+            source = self._fit_blocks(source, "eigenvalues")
             if queries is None:
-                return _ekfac_pass(out, self._fit_blocks(source, "eigenvalues"), show)
+                return _ekfac_pass(out, source, show)
             out = {
                 c: mixed_eigenvalues(
                     f,
                     (_gradient(b) for b in source if int(getattr(b, "checkpoint", 0)) == c),
-                    queries[c],
+                    (self._fit_gradient(g, c, "eigenvalues") for g in queries[c]),
                     self.mix,
                 )
                 for c, f in out.items()

@@ -38,8 +38,10 @@ checkpoint's fit and scores corrected by its own. A fit records the correction's
 fingerprint is not its own (a corrected fit without ``second_moment``, a raw fit with it, or
 another ``v``). The correction is per coordinate, hence exact only on raw gradients or a
 ``"mask"`` projection; a store captured with ``"dense"`` / ``"sparse"`` / ``"logra"`` is refused
-(the correction must precede a mixing projection). Not combined with ``mix > 0`` (refused), nor
-with ``covariances=`` for vector / diagonal layers (their corrected Fisher needs the training
+(the correction must precede a mixing projection). With ``mix > 0`` (K-FAC / EK-FAC) the query
+gradients are corrected alike: every mixed mean of the fit is of corrected gradients but
+``A`` and ``G``, so EK-FAC's basis is that of the mixed uncorrected factors. Not combined with
+``covariances=`` for vector / diagonal layers (their corrected Fisher needs the training
 gradients; refused). :meth:`KFACAttributor.preconditioner` returns ``D P D``, exact against
 uncorrected train vectors (``q̃ᵀ P g̃ = (D P D q)ᵀ g``).
 """
@@ -133,13 +135,7 @@ class SecondMomentFisher:
     second_moment: SecondMoment | dict[int, SecondMoment] | None = None
 
     def _init_second_moment(self, value: Any) -> None:
-        where = f"{type(self).__name__}(second_moment=)"
-        self.second_moment = check_second_moment(value, where)
-        if self.second_moment is not None and getattr(self, "mix", 0.0) > 0:
-            raise ValueError(
-                f"{where} cannot be combined with mix > 0 (a fit on corrected train and query "
-                "gradients is not implemented); use mix=0, or drop second_moment."
-            )
+        self.second_moment = check_second_moment(value, f"{type(self).__name__}(second_moment=)")
 
     def _check_moment_granularity(self, granularity: Any) -> None:
         if granularity == "token" and self.second_moment is not None:
