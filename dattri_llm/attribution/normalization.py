@@ -160,7 +160,7 @@ class SecondMoment:
             for name in sorted(self.v):
                 v = self.v[name]
                 h.update(f"|{name}|{v.dtype}|{v.numel()}|".encode())
-                h.update(v.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+                h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().data)
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
