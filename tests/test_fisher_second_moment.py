@@ -42,9 +42,11 @@ from dattri_llm import (
     AttributionTask,
     CaptureCallback,
     EKFACAttributor,
+    GradientStorageManager,
     HookManager,
     HookManagerConfig,
     KFACAttributor,
+    OffloadCallback,
     OptimizerStateCallback,
     ProjectedFisherAttributor,
     ProjectionConfig,
@@ -52,6 +54,7 @@ from dattri_llm import (
 )
 from dattri_llm.attribution.normalization import SecondMoment
 from dattri_llm.gradient.gradient import Gradient
+from dattri_llm.utils.hashing import hash_sample
 
 EPS = 1e-6
 LAM = 1e-2
@@ -398,6 +401,31 @@ def test_per_checkpoint_second_moments_through_attribute(tmp_path):
     got = tracin.attribute(train, test, hook_config=MASK).query(train, test)
     want = sum(tr @ te.T for f in fixed for tr, te in f.values())
     assert rel(got, want) < 1e-10
+    # from stores holding the 3 checkpoint labels: the same, and TracIn's top_k (vector scan)
+    dirs = {side: tmp_path / side for side in ("tr", "te")}
+    for side, ds in (("tr", train), ("te", test)):
+        fm = GradientStorageManager(str(dirs[side]))
+        for c, st in enumerate(states):
+            model.load_state_dict(st)
+            hm = HookManager(model, MASK, callbacks=[OffloadCallback(file_manager=fm)])
+            hm.checkpoint = c
+            with hm.collect():
+                ids = torch.stack([x["input_ids"] for x in ds])
+                model.zero_grad()
+                loss_fn(model, {"input_ids": ids}).backward()
+            hm.remove()
+        fm.close()
+    cached = ProjectedFisherAttributor(
+        run_args(tmp_path), normalized_grad=True, second_moment=moments
+    )
+    got = cached.attribute_from_cache(dirs["tr"], dirs["te"], damping=lam).query(train, test)
+    assert rel(got, ref) < 1e-10
+    top = TracInAttributor(run_args(tmp_path), second_moment=moments).attribute_from_cache(
+        dirs["tr"], dirs["te"], top_k=2
+    )
+    best = want.argsort(0, descending=True)[:2].T  # (M, 2) train positions
+    expected = [{hash_sample(train[i]) for i in idx.tolist()} for idx in best]
+    assert [set(h) for h in top.top_k(2).proponent_hashes] == expected
 
 
 # ---- non_kronecker="diagonal": the diagonal Fisher of the corrected gradients ------------------
