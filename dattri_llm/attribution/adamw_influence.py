@@ -122,9 +122,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     Regime: the first-order effect of removing a few samples from *this* run (small removals;
     the quality benchmark's trajectory-specific LOO and LDS at 1 % removals). Measured on the
     GPT-2 fine-tuning setting (docs/BENCHMARKS.md, headline table): with
-    ``curvature=ExactHessian(...)`` LDS 0.95 at 1 % removals against the recorded run, falling
-    to 0.42 / 0.32 / 0.15 at 5 / 10 / 50 %; with the default empirical Fisher 0.39-0.49 at every
-    fraction (EK-FAC 0.40-0.55). For half-data LDS, where each half is retrained with its own
+    ``curvature=ExactHessian(...)`` LDS 0.85 at 1 % removals against the recorded run (100
+    subsets), falling to 0.58 / 0.39 / 0.18 at 5 / 10 / 50 %; with the default empirical
+    Fisher 0.29-0.39 at every fraction (EK-FAC 0.48-0.60). For half-data LDS, where each half is retrained with its own
     batch order, a final-weights influence function ranks better (EK-FAC 0.67 against 0.34 with
     the empirical Fisher and 0.21 with ``ExactHessian``; Grad-Dot 0.20); see
     docs/benchmarks/quality.md ("Issue 24").

@@ -33,10 +33,22 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "Grad-Dot mask-2048 (the second-moment rows' coordinates)",
         {"quality": ("Grad-Dot mask-2048",)},
     ),
+    ("Grad-Cos mask-2048", {"removal": ("Grad-Cos mask-2048",)}),
     ("Grad-Dot mask-2048 + second moment", {"quality": ("Grad-Dot mask-2048 + second moment",)}),
     (
         "Grad-Cos mask-2048 + second moment (TrackStar, R = I)",
-        {"quality": ("Grad-Cos mask-2048 + second moment (TrackStar, R = I)",)},
+        {
+            "quality": ("Grad-Cos mask-2048 + second moment (TrackStar, R = I)",),
+            "removal": ("Grad-Cos mask-2048 + second moment (TrackStar, R = I)",),
+        },
+    ),
+    (
+        "ProjectedFisher mask-2048, unit-normalized",
+        {"removal": ("ProjectedFisher mask-2048 unit-normalized",)},
+    ),
+    (
+        "ProjectedFisher mask-2048 unit + second moment (TrackStar with its R)",
+        {"removal": ("ProjectedFisher mask-2048 unit + second moment (TrackStar with R)",)},
     ),
     (
         "TracIn (checkpoints, w = lr)",
