@@ -124,19 +124,24 @@ def test_chargpt_functional_run_is_the_run_in_float64(monkeypatch):
 
 def test_chargpt_exact_derivative_equals_central_differences(monkeypatch):
     """The forward-mode derivative of the targets in the removal fraction through the
-    functional run equals central differences (h = 1e-5, float64) to 1e-6 relative, with three
-    vocabulary rows that no block uses (their second moment stays 0, where the square root's
-    derivative is infinite: a plain ``sqrt`` gives NaN tangents)."""
+    functional run equals central differences (h = 1e-5, float64) to 1e-6 relative, with a
+    character in the test blocks that no train block holds (its embedding row's second moment
+    stays 0, where the square root's derivative is infinite: a plain ``sqrt`` gives NaN)."""
     from experiments.benchmark.quality.trajectory_check import (
         chargpt_functional_run,
         weights_removing,
     )
 
+    from experiments.benchmark.quality.common import TupleDataset
+
     chargpt, _ = _tiny_chargpt(monkeypatch)
     train, test, _, facts = chargpt.make_blocks()
+    x = test.x.clone()
+    x[:, 3] = 10  # a character the train blocks never hold: its wte row's moments stay 0
+    test = TupleDataset(x, test.y)
     monkeypatch.setattr(chargpt, "make_blocks", lambda: (train, test, list("abcdefghijkl"), facts))
     setting = chargpt.make_setting("tiny-char-12")
-    assert int(train.x.max()) < 9  # rows 9-11 of wte are never looked up
+    assert int(train.x.max()) < 9
     dt = torch.float64
     run = chargpt_functional_run(setting, dt, seed=3)
     n = len(setting.train)
