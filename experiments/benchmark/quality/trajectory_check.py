@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from typing import Any
@@ -183,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the ground truth's reliability: repeated runs (bit-identity) and a rounding-only "
         "perturbation (the removed block kept at weight 1 through the weighted loss)",
     )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="regex of the AdamW-influence rows to compare (default: every full-coordinate row "
+        "on gpt2; on char-gpt the quick protocol's row only, each other row is one more sweep)",
+    )
     p.add_argument("--derivative", type=int, default=0, help="exact derivative, first K samples")
     p.add_argument(
         "--float64-removal",
@@ -255,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     repeats = repeat_checks(setting, loader, test_loader, seed, ckpts[-1], gt) if a.controls else {}
 
     ctx = Context(setting, ckpts, extra={"cache_dir": folder, "loo_seed": seed})
+    wanted = a.rows or (r"^AdamW-influence \(every step" if a.setting == "char-gpt" else "")
     for m in methods(False, "adamw"):  # the rows over every coordinate (not the masks / LESS)
-        # char-gpt: the quick protocol's row only (each other row is one more sweep)
-        if a.setting == "char-gpt" and m.name != "AdamW-influence (every step, all coordinates)":
+        if not re.search(wanted, m.name):
             continue
         if m.name.startswith("AdamW-influence") and "mask" not in m.name:
             rows[m.name] = cached_scores(ctx, m)[indices].numpy()
 
-    derivative_rows, drift = {}, None
+    derivative_rows, drift, target_drift = {}, None, None
     if a.derivative:
         dtype = torch.float64
         if a.setting == "gpt2":
@@ -275,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             float((final[k].float() - ckpts[-1][k]).abs().max() / ckpts[-1][k].abs().max())
             for k in final
         )
+        diff = (ref - base).abs()  # float64 loop vs the float32 reference: targets
+        target_drift = {"mean_abs": float(diff.mean()), "max_abs": float(diff.max())}
         print(f"# functional loop: {time.perf_counter() - t0:.0f} s, final weights vs the "
-              f"reference: max relative difference {drift:.2e}", flush=True)  # fmt: skip
+              f"reference: max relative difference {drift:.2e}; targets: mean |difference| "
+              f"{target_drift['mean_abs']:.2e}", flush=True)  # fmt: skip
         tangents = []
         for z in indices[: a.derivative]:
             path = folder / "trajectory" / f"derivative-{z}.safetensors"  # cached
@@ -356,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "loo_corr_exact_curvature_queries": exact_table,
         "derivative_samples": indices[:first],
         "functional_loop_max_rel_weight_diff_vs_reference": drift,
+        "functional_loop_target_diff_vs_reference": target_drift,
         "mean_abs": {k: float(np.abs(v).mean()) for k, v in (rows | derivative_rows).items()},
         "repeats": repeats,
         "seconds": timing,
