@@ -127,12 +127,11 @@ def test_chargpt_exact_derivative_equals_central_differences(monkeypatch):
     functional run equals central differences (h = 1e-5, float64) to 1e-6 relative, with a
     character in the test blocks that no train block holds (its embedding row's second moment
     stays 0, where the square root's derivative is infinite: a plain ``sqrt`` gives NaN)."""
+    from experiments.benchmark.quality.common import TupleDataset
     from experiments.benchmark.quality.trajectory_check import (
         chargpt_functional_run,
         weights_removing,
     )
-
-    from experiments.benchmark.quality.common import TupleDataset
 
     chargpt, _ = _tiny_chargpt(monkeypatch)
     train, test, _, facts = chargpt.make_blocks()
@@ -157,3 +156,53 @@ def test_chargpt_exact_derivative_equals_central_differences(monkeypatch):
     central = (target(zero + h) - target(zero - h)) / (2 * h)
     assert central.abs().max() > 1e-4  # the block matters
     torch.testing.assert_close(tangent, central, rtol=1e-6, atol=1e-6 * central.abs().max())
+
+
+def test_gpt2_functional_run_is_the_fine_tuning_in_float64(monkeypatch):
+    """gpt2's ``functional_run`` (now through the shared ``adamw_loop``) equals the fine-tuning
+    written out with ``torch.optim.AdamW`` (no weight decay, linear decay, a permutation per
+    epoch, tied wte / lm_head) in float64, with a block down-weighted, to 1e-10."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from experiments.benchmark.quality import trajectory_check as tc
+    from experiments.benchmark.quality.common import TupleDataset
+    from experiments.benchmark.quality.gpt2 import TinyGPT2, neg_log_odds, per_sample_ce
+
+    model_kw = {"vocab_size": 13, "n_layer": 1, "n_head": 2, "n_embd": 8}
+    hp = {"epochs": 2, "batch_size": 4, "lr": 1e-2, "betas": (0.9, 0.999)}
+    monkeypatch.setattr(tc, "MODEL", model_kw)
+    monkeypatch.setattr(tc, "HP", hp)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 13, (2, 16, 6), generator=gen)
+    setting = SimpleNamespace(train=TupleDataset(x[:12], y[:12]), test=TupleDataset(x[12:], y[12:]))
+    torch.manual_seed(1)
+    pretrained = TinyGPT2(**model_kw).state_dict()
+    dt, z, w = torch.float64, 5, 0.25
+    got, params = tc.functional_run(setting, pretrained, dt, seed=2)(
+        tc.weights_removing(z, 1 - w, dt)
+    )
+
+    model = TinyGPT2(**model_kw).to(dt)
+    model.load_state_dict(pretrained, strict=False)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=hp["betas"], weight_decay=0)
+    order = torch.Generator().manual_seed(2)
+    steps, t = hp["epochs"] * 3, 0
+    for _ in range(hp["epochs"]):
+        perm = torch.randperm(12, generator=order)
+        for s in range(0, 12, 4):
+            t += 1
+            idx = perm[s : s + 4]
+            for group in opt.param_groups:
+                group["lr"] = hp["lr"] * (1 - (t - 1) / steps)
+            weight = torch.where(idx == z, w, 1.0).to(dt)
+            ce = per_sample_ce(model, setting.train.x[idx], setting.train.y[idx])
+            opt.zero_grad()
+            ((weight * ce).sum() / weight.sum()).backward()
+            opt.step()
+    with torch.no_grad():
+        want = neg_log_odds(per_sample_ce(model, setting.test.x, setting.test.y))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for k, v in model.named_parameters():
+        torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)

@@ -1,29 +1,35 @@
-"""Why AdamW-influence reaches the TSLOO it reaches on gpt2: smaller removals, the exact derivative.
+"""Why AdamW-influence reaches the TSLOO it reaches: smaller removals, the exact derivative.
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.trajectory_check [--quick]
-        [--fractions 0.5,0.1] [--derivative K]
+        [--setting gpt2|char-gpt] [--fractions 0.5,0.1] [--controls] [--rows REGEX]
+        [--derivative K [--float64-removal]] [--exact-curvature Q]
 
-The trajectory-specific LOO removes a block from its batch of 8 (the mean then over the 7
-others) at each of its 3 occurrences. Down-weighting it instead to ``w = 1 − ε`` in a weighted
-batch mean (``train_func(mask_index=z, mask_weight=1 − ε)``, otherwise the reference run, in
-float32 like the ground truth) gives the removal's effect at fraction ``ε``; ``Δ(ε)/ε`` tends to
-the first-order effect as ``ε → 0``. With ``--derivative K`` the **exact derivative**
-``dΔ/dε`` at 0 is computed for the first ``K`` samples by forward-mode autodiff through a
-functional copy of the run (float64; the same start, batch order, schedule and torch AdamW
-maths, ``torch.func.jvp`` over the loop, forward-over-reverse through each step's gradient):
-the first-order influence with the *true* Hessian of every step.
+The trajectory-specific LOO removes a block from its batch (gpt2: 8 blocks, fine-tuning;
+char-gpt: 16, from scratch; the mean then over the others) at each of its occurrences.
+Down-weighting it instead to ``w = 1 − ε`` in a weighted batch mean
+(``train_func(mask_index=z, mask_weight=1 − ε)``, otherwise the reference run, in float32 like
+the ground truth) gives the removal's effect at fraction ``ε``; ``Δ(ε)/ε`` tends to the
+first-order effect as ``ε → 0``. With ``--derivative K`` the **exact derivative** ``dΔ/dε`` at
+0 is computed for the first ``K`` samples by forward-mode autodiff through a functional copy of
+the run (float64; the same start, batch order, schedule and torch AdamW maths — char-gpt's two
+parameter groups and weight decay included — ``torch.func.jvp`` over the loop,
+forward-over-reverse through each step's gradient): the first-order influence with the *true*
+Hessian of every step; ``--float64-removal`` adds the removal itself in that float64 run.
+``--controls`` checks the ground truth's own reliability: the reference and one masked run
+re-trained (bit-identity), and a rounding-only perturbation (the block kept at weight 1 through
+the weighted loss: the same maths, other float rounding; not scaled).
 
 Each is compared as the benchmark does (``loo_corr``: Pearson across the removed samples per
 test block, averaged) with the ground truth (``ε = 1``) and with the AdamW-influence rows
-(first order, each step's curvature approximated by the empirical Fisher of its 8 captured
+(first order, each step's curvature approximated by the empirical Fisher of its captured
 per-sample gradients; in float64; and without the curvature term). Reading:
 
-* ``Δ(ε)/ε`` vs ``Δ(1)``: how nonlinear removing 1 of 8 samples is under Adam — a first-order
+* ``Δ(ε)/ε`` vs ``Δ(1)``: how nonlinear removing 1 of B samples is under Adam — a first-order
   method estimates ``lim Δ(ε)/ε``, not ``Δ(1)``;
 * AdamW-influence vs ``Δ(0.1)/0.1`` (and the derivative): the first-order method against the
   first-order truth: what its curvature approximation costs.
 
-Writes ``results/quality_gpt2_trajectory_check[-quick].json`` and prints a table.
+Writes ``results/quality_<setting>_trajectory_check[-quick].json`` and prints a table.
 """
 
 from __future__ import annotations
