@@ -94,17 +94,14 @@ def row(
     return fn
 
 
-def trackstar(normalized: bool, second_moment: bool) -> Any:
-    """Grad-Dot / Grad-Cos at the final weights on the recording's mask-2048 coordinates, with
-    or without TrackStar's ``1/sqrt(v + eps)`` (the run's last ``exp_avg_sq``, eps 1e-8)."""
+def _mask_row(cls_name: str, second_moment: bool, **kw: Any) -> Any:
+    """A final-weights row of ``dattri_llm.<cls_name>(**kw)`` on the recording's mask-2048
+    coordinates, with TrackStar's ``1/sqrt(v + eps)`` (the run's last ``exp_avg_sq``, eps 1e-8)
+    as its ``second_moment=`` or without it."""
 
     def fn(ctx: Context) -> Any:
-        from dattri_llm import (
-            HookManagerConfig,
-            ProjectionConfig,
-            SecondMoment,
-            TracInAttributor,
-        )
+        import dattri_llm
+        from dattri_llm import HookManagerConfig, ProjectionConfig, SecondMoment
         from experiments.benchmark.quality.methods.ours import _score, _task
         from experiments.benchmark.quality.methods.trajectory import _note, recording
 
@@ -115,51 +112,29 @@ def trackstar(normalized: bool, second_moment: bool) -> Any:
         rec = recording(ctx, name, config)
         sm = SecondMoment.from_dynamics(rec["trajectory"]) if second_moment else None
         with tempfile.TemporaryDirectory() as tmp:
-            att = TracInAttributor(
-                _args(tmp),
-                task=_task(ctx, [ctx.final]),
-                normalized_grad=normalized,
-                second_moment=sm,
+            att = getattr(dattri_llm, cls_name)(
+                _args(tmp), task=_task(ctx, [ctx.final]), second_moment=sm, **kw
             )
             scores = _score(ctx, att, hook_config=config)
         ctx.extra["last_note"] = _note(rec)
         return scores
 
     return fn
+
+
+def trackstar(normalized: bool, second_moment: bool) -> Any:
+    """Grad-Dot / Grad-Cos at the final weights on the recording's mask-2048 coordinates, with
+    or without TrackStar's ``1/sqrt(v + eps)``."""
+    return _mask_row("TracInAttributor", second_moment, normalized_grad=normalized)
 
 
 def trackstar_fisher(second_moment: bool) -> Any:
     """``ProjectedFisherAttributor(normalized_grad=True)`` at the final weights on the
     recording's mask-2048 coordinates: ``cos(R^{-1/2} g̃, R^{-1/2} q̃)`` with ``R`` the exact
     per-layer second-moment matrix of the (corrected) train gradients, default relative damping;
-    with ``second_moment`` the gradients are TrackStar's ``g / sqrt(v + eps)`` (the run's last
-    ``exp_avg_sq``): TrackStar's recipe with its ``R``, on a coordinate subsample."""
-
-    def fn(ctx: Context) -> Any:
-        from dattri_llm import (
-            HookManagerConfig,
-            ProjectedFisherAttributor,
-            ProjectionConfig,
-            SecondMoment,
-        )
-        from experiments.benchmark.quality.methods.ours import _score, _task
-        from experiments.benchmark.quality.methods.trajectory import _note, recording
-
-        name, proj = RECORDING
-        config = HookManagerConfig(
-            capture_style="materialized", projection=ProjectionConfig(**proj)
-        )
-        rec = recording(ctx, name, config)
-        sm = SecondMoment.from_dynamics(rec["trajectory"]) if second_moment else None
-        with tempfile.TemporaryDirectory() as tmp:
-            att = ProjectedFisherAttributor(
-                _args(tmp), task=_task(ctx, [ctx.final]), normalized_grad=True, second_moment=sm
-            )
-            scores = _score(ctx, att, hook_config=config)
-        ctx.extra["last_note"] = _note(rec)
-        return scores
-
-    return fn
+    with ``second_moment`` the gradients are TrackStar's ``g / sqrt(v + eps)``: TrackStar's
+    recipe with its ``R``, on a coordinate subsample."""
+    return _mask_row("ProjectedFisherAttributor", second_moment, normalized_grad=True)
 
 
 def methods() -> list[Method]:
