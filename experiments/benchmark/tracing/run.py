@@ -391,10 +391,13 @@ TRAJECTORY_ROWS = {
     "LESS (3 ckpts, frozen form)": "less",
     "DVEmb (assumes SGD; warns on this AdamW run)": "dvemb_on_adam",
 }
+#: Rows run only when named in ``--rows`` (too slow for the default run; see the docs).
+OPT_IN_ROWS = {"AdamW-influence, exact Hessian (every step)": "adamw_influence_exact_hessian"}
 
 
-def methods(quick: bool, cfg: dict | None = None) -> dict[str, Any]:
-    """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores``."""
+def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[str, Any]:
+    """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores`` (or ``(scores,
+    note)``); ``opt_in`` adds :data:`OPT_IN_ROWS`."""
     rows: dict[str, Any] = {
         "random": lambda d, s, seed: torch.rand(
             len(d.docs), len(d.facts), generator=torch.Generator().manual_seed(1000 + seed)
@@ -443,6 +446,8 @@ def methods(quick: bool, cfg: dict | None = None) -> dict[str, Any]:
         }
     )
     rows.update(trajectory)
+    if opt_in:
+        rows.update({row: trajectory_row(name, cfg) for row, name in OPT_IN_ROWS.items()})
     return rows
 
 
@@ -574,7 +579,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dict(QUICK if ns.quick else FULL)
     if ns.seeds:
         cfg["seeds"] = ns.seeds
-    rows = methods(ns.quick, cfg)
+    rows = methods(ns.quick, cfg, opt_in=bool(ns.rows))
     controls = True
     if ns.rows:
         unknown = sorted(set(ns.rows) - set(rows) - {causal.CARRIERS, causal.FILLED})
