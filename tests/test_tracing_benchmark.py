@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,3 +229,36 @@ def test_observer_leaves_the_run_bit_identical(tmp_path):
     for a, b in zip(plain, watched):
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_retrain_cache_resumes_and_names_a_corrupt_file(tmp_path):
+    from experiments.benchmark.tracing import causal
+
+    calls: list[int] = []
+
+    def retrain(keep):
+        calls.append(len(keep))
+        return np.full((2, 3), -float(len(keep)))
+
+    cache = causal.RetrainCache(tmp_path, {"seed": 0})
+    seen: list[int] = []
+    first, _ = causal.retrain_all(
+        [(0,), (1, 2)],
+        4,
+        retrain,
+        log=lambda m: None,
+        cache=cache,
+        on_done=lambda r: seen.append(len(r)),
+    )
+    assert calls == [3, 2] and seen == [1, 2]
+    again, secs = causal.retrain_all([(0,), (1, 2)], 4, retrain, log=lambda m: None, cache=cache)
+    assert calls == [3, 2] and secs == []  # nothing retrained: both from the cache
+    for key in first:
+        assert (first[key] == again[key]).all()
+    other = causal.RetrainCache(tmp_path, {"seed": 1})  # another context: its own keys
+    assert other.get((0,)) is None
+    path = next(tmp_path.glob("*.safetensors"))
+    path.write_bytes(b"truncated")
+    with pytest.raises(RuntimeError, match=path.name):
+        for key in first:
+            cache.get(key)

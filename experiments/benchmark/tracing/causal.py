@@ -17,16 +17,23 @@ retrained in ``jobs`` forked worker processes (the result does not depend on ``j
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from experiments.benchmark.tracing import data as tdata
+
+#: Part of the retrain cache's key: bump it when the training code changes.
+CACHE_VERSION = 1
 
 CARRIERS = "carriers (ground truth)"
 FILLED = "carriers + random (same size)"
@@ -61,22 +68,72 @@ def _retrain_one(key: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray, flo
     return key, lp, time.perf_counter() - t0
 
 
+class RetrainCache:
+    """Retrained log-probabilities on disk (``<root>/<sha256>.safetensors``, one per removal;
+    atomic writes), so that an interrupted seed resumes where it stopped. The key hashes the
+    configuration, the model, the seed, the torch version and the removal; the training code
+    itself is not in it: bump :data:`CACHE_VERSION` (or delete the folder) when it changes."""
+
+    def __init__(self, root: Path, context: dict) -> None:
+        self.root = Path(root)
+        self.context = json.dumps({"version": CACHE_VERSION, **context}, sort_keys=True)
+
+    def _path(self, key: tuple[int, ...]) -> Path:
+        digest = hashlib.sha256(f"{self.context}|{list(key)}".encode()).hexdigest()
+        return self.root / f"{digest[:32]}.safetensors"
+
+    def get(self, key: tuple[int, ...]) -> np.ndarray | None:
+        path = self._path(key)
+        if not path.exists():
+            return None
+        from safetensors.numpy import load_file
+
+        try:
+            return load_file(str(path))["logp"]
+        except Exception as err:
+            raise RuntimeError(f"retrain cache file {path} is corrupt: {err}; delete it") from err
+
+    def put(self, key: tuple[int, ...], lp: np.ndarray) -> None:
+        from safetensors.numpy import save_file
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        save_file({"logp": np.ascontiguousarray(lp)}, str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
 def retrain_all(
     keys: list[tuple[int, ...]],
     n_docs: int,
     retrain: Callable[[list[int]], np.ndarray],
     jobs: int = 1,
     log: Callable[[str], None] = print,
+    cache: RetrainCache | None = None,
+    on_done: Callable[[dict[tuple[int, ...], np.ndarray]], None] | None = None,
 ) -> tuple[dict[tuple[int, ...], np.ndarray], list[float]]:
     """``retrain(keep)`` for each distinct removal in ``keys`` (sorted document indices), in
-    ``jobs`` forked processes; returns the log-probabilities per removal and each retraining's
-    wall time."""
+    the order of ``keys``, in ``jobs`` forked processes; returns the log-probabilities per
+    removal and each (new) retraining's wall time. Removals found in ``cache`` are not
+    retrained; new ones are added to it. ``on_done(results so far)`` after each."""
     global _RETRAIN, _N_DOCS
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    todo = list(dict.fromkeys(keys))
-    _RETRAIN, _N_DOCS = retrain, n_docs
     out: dict[tuple[int, ...], np.ndarray] = {}
+    todo = []
+    for key in dict.fromkeys(keys):
+        hit = cache.get(key) if cache is not None else None
+        if hit is None:
+            todo.append(key)
+        else:
+            out[key] = hit
+    if out:
+        log(f"    {len(out)} removals from the retrain cache, {len(todo)} to retrain")
+    if on_done is not None and out:
+        on_done(out)
+    _RETRAIN, _N_DOCS = retrain, n_docs
     secs: list[float] = []
     try:
         if jobs == 1:
@@ -87,6 +144,10 @@ def retrain_all(
         for n, (key, lp, s) in enumerate(results, 1):
             out[key] = lp
             secs.append(s)
+            if cache is not None:
+                cache.put(key, lp)
+            if on_done is not None:
+                on_done(out)
             if n % 20 == 0 or n == len(todo):
                 log(f"    retrained {n}/{len(todo)} ({np.mean(secs):.1f} s each)")
         if jobs > 1:
@@ -103,11 +164,12 @@ def drops(
     attrs: torch.Tensor,
 ) -> dict[str, list[float]]:
     """Per row, per fact ``q``: ``base[q] − log p(a_q)`` of the model retrained without that
-    row's removal for ``q``."""
+    row's removal for ``q`` (rows with a removal not in ``lps`` yet are left out)."""
     return {
         name: [
             float(base[q]) - float(lps[tuple(sorted(r))][q, int(attrs[q])])
             for q, r in enumerate(rem)
         ]
         for name, rem in removals.items()
+        if all(tuple(sorted(r)) in lps for r in rem)
     }
