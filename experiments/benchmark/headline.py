@@ -81,6 +81,8 @@ def refusal(row: dict) -> str | None:
     """``refused: <why>`` / ``skipped: <why>`` for a row that did not run, else ``None``."""
     if row.get("error"):
         return f"failed: {_md(_short(row['error']))}"
+    if row.get("refused"):  # fact tracing's rows
+        return f"refused: {_md(_short(row['refused']))}"
     if row.get("status", "ok") == "ok":
         return None
     note = (row.get("note") or "").strip()
