@@ -74,8 +74,8 @@ def write_report(result: dict[str, Any]) -> str:
             why = f"refused: {refused[0]}" if refused else f"failed: {errors[0]}"
             lines.append(f"| {row} | {why} | | | | | |")
             continue
-        notes += [
-            f"* {row}: {n}" for n in dict.fromkeys(p["note"] for p in per_seed if "note" in p)
+        said = [p["note"] for p in per_seed if "note" in p]
+        notes += [f"* {row} (first seed; every seed's in the JSON): {said[0]}"] if said else []
         ]
         removed = np.mean([r for p in per_seed for r in p["removed_per_fact"]])
         secs = [p["score_s"] for p in per_seed if "score_s" in p]
