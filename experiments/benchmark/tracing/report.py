@@ -76,7 +76,6 @@ def write_report(result: dict[str, Any]) -> str:
             continue
         said = [p["note"] for p in per_seed if "note" in p]
         notes += [f"* {row} (first seed; every seed's in the JSON): {said[0]}"] if said else []
-        ]
         removed = np.mean([r for p in per_seed for r in p["removed_per_fact"]])
         secs = [p["score_s"] for p in per_seed if "score_s" in p]
         peaks = [p["peak_mb"] for p in per_seed if p.get("peak_mb") is not None]
