@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,16 +97,17 @@ def test_report_pairs_every_gradient_row_with_each_lexical_row():
     from experiments.benchmark.tracing.report import write_report
 
     def row(recall, drop):
-        keys = ("recall@10", "mrr", "causal_drop", "removed_per_group", "score_s")
-        return dict(zip(keys, (recall, [1.0] * 3, drop, [10], 1.0)))
+        keys = ("recall@10", "mrr", "causal_drop", "removed_per_fact", "score_s")
+        return dict(zip(keys, (recall, [1.0] * 3, drop, [10] * 3, 1.0)))
 
     rows = {
         "TF-IDF (scikit-learn)": row([1.0, 1.0, 1.0], [3.0, 2.0, 1.0]),
         "BM25 (rank-bm25)": row([1.0, 2 / 3, 1.0], [2.0, 2.0, 2.0]),
         "G": row([1.0, 1.0, 2 / 3], [4.0, 2.5, 1.5]),
+        "R": {"refused": "the run is SGD"},
     }
     result = {
-        "config": dict(seeds=[0], n_docs=9, n_facts=3, copies=3, block=4, epochs=1, group=3),
+        "config": dict(seeds=[0], n_docs=9, n_facts=3, copies=3, block=4, epochs=1, k=10),
         "wall_s": 1.0,
         "omp_num_threads": "1",
         "seeds": [{"seed": 0, "recall": {"multiple_choice": 0, "top1_vocab": 0}, "rows": rows}],
@@ -120,3 +122,143 @@ def test_report_pairs_every_gradient_row_with_each_lexical_row():
     assert "| G | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells) + " |" in text
     assert "target check vs **TF-IDF (scikit-learn)**" in text
     assert "target check vs **BM25 (rank-bm25)**" in text
+    assert "| R | refused: the run is SGD |" in text
+    assert "| G | 1.000" not in text or "| 10.0 |" in text
+
+
+def _tiny_cfg() -> dict:
+    from experiments.benchmark.tracing.run import QUICK
+
+    return {**QUICK, "n_docs": 40, "n_facts": 4, "epochs": 1, "batch_size": 16}
+
+
+def test_causal_check_removes_exactly_k_per_fact(monkeypatch):
+    """Every row's causal retraining for a fact removes exactly that row's top-k for that fact
+    (no union over facts), the carriers row the fact's carriers, and the same-size control
+    the carriers plus k − copies documents that carry no fact."""
+    from experiments.benchmark.tracing import causal, run
+    from experiments.benchmark.tracing import data as tdata
+
+    cfg = _tiny_cfg()
+    removed: list[tuple[int, ...]] = []
+    real_train = run.train
+
+    full: list = []
+
+    def fake_train(d, keep, cfg, seed, snapshots=1, observer=None):
+        if len(keep) == len(d.docs):  # the full run: train it (1 epoch, fast)
+            full.append(real_train(d, keep, cfg, seed, snapshots))
+            return full[-1]
+        removed.append(tuple(sorted(set(range(len(d.docs))) - set(keep))))
+        return full[0]  # the retraining's result does not matter here
+
+    monkeypatch.setattr(run, "train", fake_train)
+    rows = {
+        k: v for k, v in run.methods(True, cfg).items() if k in ("random", "TF-IDF (scikit-learn)")
+    }
+    out = run.run_seed(cfg, 0, rows, lambda m: None)
+    d = tdata.build(
+        cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], 0
+    )
+    k, n_facts = cfg["k"], cfg["n_facts"]
+    want = {
+        "random": tm.top_k(rows["random"](d, None, 0), k),
+        "TF-IDF (scikit-learn)": tm.top_k(run.tfidf(d), k),
+        **causal.control_removals(d, k, 0),
+    }
+    assert set(out["rows"]) == set(want)
+    for name, rem in want.items():
+        sizes = out["rows"][name]["removed_per_fact"]
+        assert sizes == [3 if name == causal.CARRIERS else k] * n_facts, name
+        assert len(out["rows"][name]["causal_drop"]) == n_facts
+        for r in rem:  # each fact's removal was retrained on its own
+            assert tuple(sorted(r)) in removed
+    assert all(len(r) in (3, k) for r in removed)
+    assert len(removed) == len(set(removed))  # identical removals share one retraining
+    carrying = {i for f in d.facts for i in f.docs}
+    for f, r in zip(d.facts, want[causal.FILLED]):
+        assert len(r) == k and set(f.docs) <= set(r)
+        assert not (set(r) - set(f.docs)) & carrying  # the padding carries no fact
+    assert want[causal.CARRIERS] == [sorted(f.docs) for f in d.facts]
+
+
+def test_drops_and_parallel_retraining_agree():
+    from experiments.benchmark.tracing import causal
+
+    def retrain(keep):
+        x = torch.zeros(2, 3, dtype=torch.float64)
+        x[0, 1], x[1, 2] = -float(len(keep)), -float(sum(keep))
+        return x.numpy()
+
+    keys = [(0, 1), (2,), (0, 1)]
+    one, _ = causal.retrain_all(keys, 5, retrain, jobs=1, log=lambda m: None)
+    two, _ = causal.retrain_all(keys, 5, retrain, jobs=2, log=lambda m: None)
+    assert set(one) == set(two) == {(0, 1), (2,)}
+    for key in one:
+        assert (one[key] == two[key]).all()
+    removals = {"a": [[1, 0], [2]]}  # fact 0 without {0, 1}, fact 1 without {2}
+    base = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    got = causal.drops(removals, one, base, torch.tensor([1, 2]))["a"]
+    # fact 0: keep {2, 3, 4} -> log p = -3; fact 1: keep {0, 1, 3, 4} -> log p = -8
+    assert got == [0.5 + 3.0, -1.0 + 8.0]
+
+
+def test_observer_leaves_the_run_bit_identical(tmp_path):
+    """The trajectory rows record the run through its observer: same final weights, bit for
+    bit, and one recorded update per step."""
+    from dattri_llm import HookManagerConfig, hash_sample
+    from experiments.benchmark.quality.methods.trajectory import Recorder
+    from experiments.benchmark.tracing import data as tdata
+    from experiments.benchmark.tracing import run
+
+    cfg = {**_tiny_cfg(), "n_docs": 16, "n_facts": 2, "batch_size": 8}
+    d = tdata.build(
+        cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], 0
+    )
+    everything = list(range(len(d.docs)))
+    plain = run.train(d, everything, cfg, 0, snapshots=2)
+    train, _ = run.samples(d)
+    rec = Recorder(
+        [hash_sample(s) for s in train],
+        HookManagerConfig(capture_style="materialized"),
+        tmp_path,
+        keep_optimizer_at=tuple(run.snapshot_steps(len(d.docs), cfg, 2)),
+    )
+    watched = run.train(d, everything, cfg, 0, snapshots=2, observer=rec)
+    assert rec.steps == 2 and len(rec.optimizer_states) == 2
+    for a, b in zip(plain, watched):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_retrain_cache_resumes_and_names_a_corrupt_file(tmp_path):
+    from experiments.benchmark.tracing import causal
+
+    calls: list[int] = []
+
+    def retrain(keep):
+        calls.append(len(keep))
+        return np.full((2, 3), -float(len(keep)))
+
+    cache = causal.RetrainCache(tmp_path, {"seed": 0})
+    seen: list[int] = []
+    first, _ = causal.retrain_all(
+        [(0,), (1, 2)],
+        4,
+        retrain,
+        log=lambda m: None,
+        cache=cache,
+        on_done=lambda r: seen.append(len(r)),
+    )
+    assert calls == [3, 2] and seen == [1, 2]
+    again, secs = causal.retrain_all([(0,), (1, 2)], 4, retrain, log=lambda m: None, cache=cache)
+    assert calls == [3, 2] and secs == []  # nothing retrained: both from the cache
+    for key in first:
+        assert (first[key] == again[key]).all()
+    other = causal.RetrainCache(tmp_path, {"seed": 1})  # another context: its own keys
+    assert other.get((0,)) is None
+    path = next(tmp_path.glob("*.safetensors"))
+    path.write_bytes(b"truncated")
+    with pytest.raises(RuntimeError, match=path.name):
+        for key in first:
+            cache.get(key)

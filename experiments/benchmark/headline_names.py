@@ -19,6 +19,10 @@ PEERS = ("dattri 0.3.0", "kronfluence")
 #: quick file; a peer's row is ``"<source>: <name>"``). The first listed name present wins.
 METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     (GROUND_TRUTH, {"tracing": ("carriers (ground truth)",)}),
+    (
+        "ground truth padded to the same size (carriers + random)",
+        {"tracing": ("carriers + random (same size)",)},
+    ),
     ("Random", {"quality": ("Random",), "removal": ("Random",), "tracing": ("random",)}),
     ("TF-IDF (scikit-learn, lexical)", {"tracing": ("TF-IDF (scikit-learn)",)}),
     ("BM25 (rank-bm25, lexical)", {"tracing": ("BM25 (rank-bm25)",)}),
@@ -94,13 +98,18 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     ("EK-FAC unit-normalized, mix=0.5", {"tracing": ("EK-FAC unit mix=0.5",)}),
     (
         "LESS (checkpoints, frozen form)",
-        {"quality": ("LESS (4 ckpts, frozen form)",), "removal": ("LESS (4 ckpts, frozen form)",)},
+        {
+            "quality": ("LESS (4 ckpts, frozen form)",),
+            "removal": ("LESS (4 ckpts, frozen form)",),
+            "tracing": ("LESS (3 ckpts, frozen form)",),
+        },
     ),
     (
         "DVEmb (empirical Fisher)",
         {
             "quality": ("DVEmb (empirical Fisher)", "DVEmb (assumes SGD)"),
             "removal": ("DVEmb (empirical Fisher)", "DVEmb (assumes SGD)"),
+            "tracing": ("DVEmb (assumes SGD; warns on this AdamW run)",),
         },
     ),
     ("DVEmb (Monte-Carlo Fisher)", {"quality": ("DVEmb (MC Fisher)",)}),
@@ -109,6 +118,7 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         {
             "quality": ("AdamW-influence (every step, all coordinates)", "AdamW-influence"),
             "removal": ("AdamW-influence (every step, all coordinates)", "AdamW-influence"),
+            "tracing": ("AdamW-influence (every step)",),
         },
     ),
     ("AdamW-influence, mask-2048", {"quality": ("AdamW-influence mask-2048",)}),
@@ -122,6 +132,7 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         {
             "quality": ("AdamW-influence, exact Hessian (every step, all coordinates)",),
             "removal": ("AdamW-influence, exact Hessian (every step, all coordinates)",),
+            "tracing": ("AdamW-influence, exact Hessian (every step)",),
         },
     ),
     (

@@ -15,7 +15,8 @@ from experiments.benchmark.tracing.metrics import mean_ci
 
 #: The lexical baselines, each checked against the best gradient rows.
 LEXICAL = ("TF-IDF (scikit-learn)", "BM25 (rank-bm25)")
-NOT_GRADIENT = {"random", *LEXICAL, "carriers (ground truth)"}
+CONTROLS = ("carriers (ground truth)", "carriers + random (same size)")
+NOT_GRADIENT = {"random", *LEXICAL, *CONTROLS}
 
 
 def pooled(result: dict, row: str, key: str) -> list[float]:
@@ -35,28 +36,47 @@ def write_report(result: dict[str, Any]) -> str:
     cfg = result["config"]
     rows = list(dict.fromkeys(r for s in result["seeds"] for r in s["rows"]))
     recall = [s["recall"] for s in result["seeds"]]
+    retrain = [s["retrain"] for s in result["seeds"] if "retrain" in s]
     lines = [
         f"seeds {cfg['seeds']}, {cfg['n_docs']} documents, {cfg['n_facts']} facts x "
         f"{cfg['copies']} copies, block {cfg['block']}, {cfg['epochs']} epochs; "
-        f"causal groups of {cfg['group']} facts; wall {result['wall_s']:.0f} s "
+        f"causal check: one retraining per (row, fact) without that row's top-{cfg['k']} "
+        f"for the fact; wall {result['wall_s']:.0f} s "
         f"(OMP_NUM_THREADS={result['omp_num_threads']}, shared 2-core machine)",
         "",
         "model recall (per seed): multiple choice "
         + ", ".join(f"{r['multiple_choice']:.2f}" for r in recall)
         + "; top-1 over the vocabulary "
         + ", ".join(f"{r['top1_vocab']:.2f}" for r in recall),
+    ]
+    if retrain:
+        lines += [
+            "",
+            "retrainings per seed: "
+            + ", ".join(
+                f"{r['retrainings']} ({r['wall_s']:.0f} s wall, {r['each_s']:.1f} s each, "
+                f"{r['jobs']} process{'es' if r['jobs'] > 1 else ''})"
+                for r in retrain
+            ),
+        ]
+    lines += [
         "",
-        "| method | recall@10 | MRR | causal drop (nats) | docs removed / group | score s "
+        "| method | recall@10 | MRR | causal drop (nats) | docs removed / fact | score s "
         "| peak MB |",
         "|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for row in rows:
-        per_seed = [s["rows"][row] for s in result["seeds"]]
+        per_seed = [s["rows"][row] for s in result["seeds"] if row in s["rows"]]
+        refused = [p["refused"] for p in per_seed if "refused" in p]
         errors = [p["error"] for p in per_seed if "error" in p]
-        if errors:
-            lines.append(f"| {row} | failed: {errors[0]} | | | | | |")
+        if refused or errors:
+            why = f"refused: {refused[0]}" if refused else f"failed: {errors[0]}"
+            lines.append(f"| {row} | {why} | | | | | |")
             continue
-        removed = np.mean([r for p in per_seed for r in p["removed_per_group"]])
+        said = [p["note"] for p in per_seed if "note" in p]
+        notes += [f"* {row} (first seed; every seed's in the JSON): {said[0]}"] if said else []
+        removed = np.mean([r for p in per_seed for r in p["removed_per_fact"]])
         secs = [p["score_s"] for p in per_seed if "score_s" in p]
         peaks = [p["peak_mb"] for p in per_seed if p.get("peak_mb") is not None]
         peak = f"{max(peaks):.0f}" if peaks else "not recorded"
@@ -68,13 +88,39 @@ def write_report(result: dict[str, Any]) -> str:
             else f"| {row} | — | — | {_cell(pooled(result, row, 'causal_drop'))} | "
             f"{removed:.1f} | — | — |"
         )
-    failed = {r for s in result["seeds"] for r, v in s["rows"].items() if "error" in v}
+    if notes:
+        lines += ["", "notes:", *notes]
+    failed = {
+        r for s in result["seeds"] for r, v in s["rows"].items() if "error" in v or "refused" in v
+    }
     grads = [r for r in rows if r not in NOT_GRADIENT and r not in failed]
     lexical = [r for r in LEXICAL if r in rows and r not in failed]
+    lines += ["", *by_carriers_found(result)]
     if grads and lexical:
         lines += ["", *paired_table(result, grads, lexical)]
         lines += [line for lex in lexical for line in ("", target_check(result, grads, lex))]
     return "\n".join(lines) + "\n"
+
+
+def by_carriers_found(result: dict) -> list[str]:
+    """The causal drop of every retrieval row's removal, grouped by how many of the fact's
+    carriers it holds (``recall@10 x copies``): what the causal metric responds to."""
+    copies = result["config"]["copies"]
+    groups: dict[int, list[float]] = {}
+    for s in result["seeds"]:
+        for v in s["rows"].values():
+            for r, drop in zip(v.get("recall@10", []), v.get("causal_drop", [])):
+                groups.setdefault(round(r * copies), []).append(drop)
+    lines = [
+        "causal drop by the number of the fact's carriers among the removed documents "
+        "(every retrieval row, pooled over seeds x facts x rows):",
+        "",
+        "| carriers removed | (row, seed, fact) | causal drop (nats) |",
+        "|---|---|---|",
+    ]
+    for c in sorted(groups):
+        lines.append(f"| {c} of {copies} | {len(groups[c])} | {_cell(groups[c])} |")
+    return lines
 
 
 def paired_table(result: dict, grads: list[str], lexical: list[str]) -> list[str]:

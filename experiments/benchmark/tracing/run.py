@@ -5,17 +5,22 @@ until it recalls them, score every document against every fact's held-out query 
 method, then
 
 * **retrieval**: recall@10 and MRR of the documents that carry the fact;
-* **causal check**: for groups of ``group`` facts, retrain from the same initialisation and
-  seed without the union of each method's top-10 documents of the group's facts and measure
-  the drop of each fact's attribute log-probability (``log p_full - log p_removed``; larger =
-  the method found what taught the fact). The ``carriers`` row removes exactly the planted
-  documents (the ground truth's own effect).
+* **causal check** (:mod:`.causal`): per method and fact, retrain from the same
+  initialisation and batch-order seed without exactly that method's top-10 documents for that
+  fact, and measure the drop of the fact's attribute log-probability (``log p_full -
+  log p_removed``; larger = the method found what taught the fact). Every method row removes
+  10 documents per fact; the ``carriers`` row removes the fact's planted documents only (the
+  ground truth's own effect), ``carriers + random`` pads them to 10 with random documents
+  that carry no fact (the same-size removal a perfect retriever approaches).
+
+Trajectory rows (AdamW-influence, LESS, DVEmb) record the training run once more through its
+observer (:func:`trajectory_context`) and use the quality benchmark's rows on it.
 
 Run (OMP_NUM_THREADS=1 is set here; the machine is shared)::
 
     python -m experiments.benchmark.tracing.run            # full: 3 seeds, one process
     python -m experiments.benchmark.tracing.run --quick    # smoke: 1 seed, 4 facts
-    # or one process per seed, then merge:
+    # or one process per seed (--jobs 2: retrain in 2 processes, same results), then merge:
     python -m experiments.benchmark.tracing.run --seeds 0 --tag s0   # (and s1, s2)
     python -m experiments.benchmark.tracing.run --combine \
         experiments/benchmark/results/tracing-s{0,1,2}.json
@@ -26,6 +31,7 @@ Writes ``experiments/benchmark/results/tracing[-quick].{json,md}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -45,6 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.benchmark.quality.gpt2 import TinyGPT2  # noqa: E402
+from experiments.benchmark.tracing import causal  # noqa: E402
 from experiments.benchmark.tracing import data as tdata  # noqa: E402
 from experiments.benchmark.tracing import metrics as tm  # noqa: E402
 from experiments.benchmark.tracing.report import write_report  # noqa: E402
@@ -62,7 +69,6 @@ FULL: dict[str, Any] = {
     "epochs": 40,
     "batch_size": 32,
     "lr": 1e-2,
-    "group": 8,
     "k": 10,
     "checkpoints": 3,
 }
@@ -115,14 +121,28 @@ class Snapshots(list):
         self.optimizer: list[dict] = []
 
 
+def snapshot_steps(n_keep: int, cfg: dict, snapshots: int) -> list[int]:
+    """The (1-based) update steps after which :func:`train` keeps ``snapshots`` states."""
+    bs = cfg["batch_size"]
+    steps = cfg["epochs"] * ((n_keep + bs - 1) // bs)
+    return sorted({round(steps * (s + 1) / snapshots) for s in range(snapshots)})
+
+
 def train(
-    d: tdata.TracingData, keep: list[int], cfg: dict, seed: int, snapshots: int = 1
+    d: tdata.TracingData,
+    keep: list[int],
+    cfg: dict,
+    seed: int,
+    snapshots: int = 1,
+    observer: Any = None,
 ) -> Snapshots:
     """AdamW from the seed's initialisation on the documents ``keep``; linear decay to 0.
 
     The initialisation and the batch-order generator are seeded by ``seed`` alone (common
     random numbers across removals). Returns ``snapshots`` states, evenly spaced, the last
     being the final weights, with the optimizer's state at each (``Snapshots.optimizer``).
+    ``observer`` (a quality-benchmark ``TrainObserver``) watches the loop: the trajectory rows
+    record the run through it; it does not change the run (checked bit for bit).
     """
     torch.manual_seed(seed)
     model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
@@ -132,20 +152,27 @@ def train(
     x, y = d.docs[keep, :-1], d.docs[keep, 1:]
     bs, epochs = cfg["batch_size"], cfg["epochs"]
     steps = epochs * ((len(keep) + bs - 1) // bs)
-    marks = {round(steps * (s + 1) / snapshots) for s in range(snapshots)}
+    marks = set(snapshot_steps(len(keep), cfg, snapshots))
     states, step = Snapshots(), 0
-    for _ in range(epochs):
-        for idx in torch.randperm(len(keep), generator=gen).split(bs):
-            for group in opt.param_groups:
-                group["lr"] = cfg["lr"] * (1 - step / steps)
-            loss = doc_loss_sum(model, {"x": x[idx], "y": y[idx]}) / len(idx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            if step in marks:
-                states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-                states.optimizer.append(copy.deepcopy(opt.state_dict()))
+    kept = torch.as_tensor(keep, dtype=torch.long)
+    with observer.run(model, opt) if observer is not None else contextlib.nullcontext():
+        for _ in range(epochs):
+            for idx in torch.randperm(len(keep), generator=gen).split(bs):
+                for group in opt.param_groups:
+                    group["lr"] = cfg["lr"] * (1 - step / steps)
+                batch = {"x": x[idx], "y": y[idx]}
+                if observer is not None:
+                    observer.before_backward(step, kept[idx], batch)
+                loss = doc_loss_sum(model, batch) / len(idx)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if observer is not None:
+                    observer.after_step(step)
+                step += 1
+                if step in marks:
+                    states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+                    states.optimizer.append(copy.deepcopy(opt.state_dict()))
     return states
 
 
@@ -284,8 +311,93 @@ def trackstar(d: tdata.TracingData, states: Snapshots) -> torch.Tensor:
     return total
 
 
-def methods(quick: bool) -> dict[str, Any]:
-    """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores``."""
+# ---- trajectory rows (the quality benchmark's, over this run) -------------------------------
+#: Per seed: the quality-benchmark ``Context`` of the run (its recording is shared by the rows).
+_CONTEXTS: dict[int, tuple[Any, Any]] = {}
+
+
+def trajectory_context(d: tdata.TracingData, states: Snapshots, seed: int, cfg: dict) -> Any:
+    """This seed's run as a quality-benchmark ``Context``, so that the trajectory rows of
+    :mod:`experiments.benchmark.quality.methods.trajectory` record it (the same loop through
+    ``observer=``, refused unless its final weights equal ``states[-1]`` bit for bit) and
+    score it. LESS reads the AdamW state at the snapshot steps; the checkpoint weights are
+    equal (the quality default, ``lr`` each)."""
+    if seed in _CONTEXTS and _CONTEXTS[seed][0] is states:
+        return _CONTEXTS[seed][1]
+    from experiments.benchmark.quality.common import Setting, TupleDataset
+    from experiments.benchmark.quality.methods import Context
+
+    everything = list(range(len(d.docs)))
+
+    def train_func(loader: Any, seed: int | None = None, observer: Any = None, **_: Any) -> Any:
+        return load(d, train(d, everything, cfg, int(seed or 0), observer=observer)[-1])
+
+    def unused(*_: Any) -> Any:
+        raise NotImplementedError("not used by the trajectory rows")
+
+    setting = Setting(
+        name=f"tracing-s{seed}",
+        train=TupleDataset(d.docs[:, :-1], d.docs[:, 1:]),
+        test=TupleDataset(d.query_x, d.query_y),
+        make_model=lambda: TinyGPT2(vocab_size=len(d.vocab), **MODEL),
+        train_func=train_func,
+        target=unused,
+        loss_sum=doc_loss_sum,
+        make_loss_single=unused,
+        batch_size=cfg["batch_size"],
+        checkpoint_epochs=snapshot_steps(len(d.docs), cfg, len(states)),
+        lr=cfg["lr"],
+        task_kind="lm",
+        target_sum=query_loss_sum,
+        trajectory="adamw",
+        make_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=0),
+    )
+    ctx = Context(setting, [*states, states[-1]])
+    ctx.extra["loo_seed"] = seed
+    release_contexts()
+    _CONTEXTS[seed] = (states, ctx)
+    return ctx
+
+
+def release_contexts() -> None:
+    """Delete the recordings of the cached contexts."""
+    for _, ctx in _CONTEXTS.values():
+        tmp = ctx.extra.pop("tmp_root", None)
+        if tmp is not None:
+            tmp.cleanup()
+    _CONTEXTS.clear()
+
+
+def trajectory_row(name: str, cfg: dict) -> Any:
+    """Row ``fn(d, states, seed) -> (scores, note)`` of the quality benchmark's trajectory
+    method ``name`` (``adamw_influence``, ``adamw_influence_exact_hessian``, ``less``,
+    ``dvemb_on_adam``) on this seed's recorded run."""
+
+    def fn(d: tdata.TracingData, states: Snapshots, seed: int) -> tuple[torch.Tensor, str]:
+        from experiments.benchmark.quality.methods import trajectory as qt
+
+        ctx = trajectory_context(d, states, seed, cfg)
+        method = qt.adamw_influence("full") if name == "adamw_influence" else getattr(qt, name)
+        ctx.extra.pop("last_note", None)
+        scores = method(ctx)
+        return scores, ctx.extra.pop("last_note", "")
+
+    return fn
+
+
+#: The trajectory rows (names as in the tables) and the quality-benchmark method of each.
+TRAJECTORY_ROWS = {
+    "AdamW-influence (every step)": "adamw_influence",
+    "LESS (3 ckpts, frozen form)": "less",
+    "DVEmb (assumes SGD; warns on this AdamW run)": "dvemb_on_adam",
+}
+#: Rows run only when named in ``--rows`` (too slow for the default run; see the docs).
+OPT_IN_ROWS = {"AdamW-influence, exact Hessian (every step)": "adamw_influence_exact_hessian"}
+
+
+def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[str, Any]:
+    """Row name -> ``fn(data, states, seed) -> (n_docs, n_facts) scores`` (or ``(scores,
+    note)``); ``opt_in`` adds :data:`OPT_IN_ROWS`."""
     rows: dict[str, Any] = {
         "random": lambda d, s, seed: torch.rand(
             len(d.docs), len(d.facts), generator=torch.Generator().manual_seed(1000 + seed)
@@ -300,8 +412,10 @@ def methods(quick: bool) -> dict[str, Any]:
             d, s[-1:], "EKFACAttributor", {"normalized_grad": True}
         ),
     }
+    cfg = cfg or (QUICK if quick else FULL)
+    trajectory = {row: trajectory_row(name, cfg) for row, name in TRAJECTORY_ROWS.items()}
     if quick:
-        return rows
+        return {**rows, **trajectory}
     rows.update(
         {
             "EK-FAC": lambda d, s, seed: _attribute(d, s[-1:], "EKFACAttributor", {}),
@@ -331,6 +445,9 @@ def methods(quick: bool) -> dict[str, Any]:
             ),
         }
     )
+    rows.update(trajectory)
+    if opt_in:
+        rows.update({row: trajectory_row(name, cfg) for row, name in OPT_IN_ROWS.items()})
     return rows
 
 
@@ -342,7 +459,38 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run_seed(cfg: dict, seed: int, rows: dict[str, Any], log: Any) -> dict[str, Any]:
+#: The causal check retrains these rows first (then the others in table order), so that an
+#: interrupted seed's partial result holds the rows the target check needs.
+PRIORITY = (
+    causal.CARRIERS,
+    causal.FILLED,
+    "BM25 (rank-bm25)",
+    "TF-IDF (scikit-learn)",
+    "random",
+    "EK-FAC unit, diagonal non-Kronecker (3 ckpts)",
+    "TracIn-Cos + second moment (3 ckpts)",
+    *TRAJECTORY_ROWS,
+)
+RETRAIN_CACHE = RESULTS / "cache" / "tracing-retrain"
+
+
+def run_seed(
+    cfg: dict,
+    seed: int,
+    rows: dict[str, Any],
+    log: Any,
+    jobs: int = 1,
+    controls: bool = True,
+    partial_out: Any = None,
+    cache_root: Path | None = None,
+) -> dict[str, Any]:
+    """Train, score every row, then the causal check (:mod:`.causal`): per row and fact one
+    retraining without exactly that row's top-``k`` for the fact (plus the two control rows
+    unless ``controls=False``). Retrainings are cached under ``cache_root`` (the command line
+    uses :data:`RETRAIN_CACHE`: an interrupted seed resumes); ``partial_out(seed result)`` is
+    called whenever a row's causal drops are complete, with the rows complete so far."""
+    from experiments.benchmark.quality.methods import Skipped
+
     d = tdata.build(
         cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], seed
     )
@@ -358,48 +506,75 @@ def run_seed(cfg: dict, seed: int, rows: dict[str, Any], log: Any) -> dict[str, 
     log(f"seed {seed}: trained in {train_s:.1f}s, recall {acc}")
     relevant = d.relevant()
     out: dict[str, Any] = {"seed": seed, "train_s": train_s, "recall": acc, "rows": {}}
-    groups = [
-        list(range(g, min(g + cfg["group"], len(d.facts))))
-        for g in range(0, len(d.facts), cfg["group"])
-    ]
-    causal_rows = {**rows, "carriers (ground truth)": None}
-    retrained: dict[tuple[int, ...], torch.Tensor] = {}
-    for name, fn in causal_rows.items():
+    removals: dict[str, list[list[int]]] = {}
+    for name, fn in rows.items():
         row: dict[str, Any] = {}
-        if fn is not None:
-            try:
-                peak, (scores, row["score_s"]) = peak_rss_bytes(
-                    partial(_timed, fn, d, states, seed)
-                )
-            except Exception as err:  # recorded in the table, the other rows still run
-                out["rows"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
-                log(f"  {name:24s} FAILED {out['rows'][name]['error']}")
-                continue
-            row["peak_mb"] = peak / 1e6  # resident-set high-water mark above the level before
-            row["recall@10"] = tm.recall_at_k(scores, relevant, cfg["k"]).tolist()
-            row["mrr"] = tm.reciprocal_rank(scores, relevant).tolist()
-            tops = tm.top_k(scores, cfg["k"])
-        else:
-            tops = [f.docs for f in d.facts]
-        drops = [0.0] * len(d.facts)
-        removed = []
-        t0 = time.perf_counter()
-        for g in groups:
-            gone = sorted({i for q in g for i in tops[q]})
-            removed.append(len(gone))
-            key = tuple(gone)  # same removal, same retrain (deterministic): reuse it
-            if key not in retrained:
-                keep = [i for i in everything if i not in set(gone)]
-                retrained[key] = attribute_logp(load(d, train(d, keep, cfg, seed)[-1]), d)[0]
-            lp = retrained[key]
-            for q in g:
-                drops[q] = float(base[q] - lp[q, attrs[q]])
-        row["causal_drop"] = drops
-        row["removed_per_group"] = removed
-        row["retrain_s"] = time.perf_counter() - t0
+        try:
+            peak, (res, row["score_s"]) = peak_rss_bytes(partial(_timed, fn, d, states, seed))
+        except Skipped as err:  # the library refuses the method for this run
+            out["rows"][name] = {"refused": str(err)[:300]}
+            log(f"  {name:24s} refused: {err}")
+            continue
+        except Exception as err:  # recorded in the table, the other rows still run
+            out["rows"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+            log(f"  {name:24s} FAILED {out['rows'][name]['error']}")
+            continue
+        scores, note = res if isinstance(res, tuple) else (res, "")
+        if note:
+            row["note"] = note
+        row["peak_mb"] = peak / 1e6  # resident-set high-water mark above the level before
+        row["recall@10"] = tm.recall_at_k(scores, relevant, cfg["k"]).tolist()
+        row["mrr"] = tm.reciprocal_rank(scores, relevant).tolist()
+        removals[name] = tm.top_k(scores, cfg["k"])
         out["rows"][name] = row
-        r10 = np.mean(row.get("recall@10", [np.nan]))
-        log(f"  {name:24s} recall@10 {r10:.3f} drop {np.mean(drops):.3f}")
+        log(f"  {name:24s} recall@10 {np.mean(row['recall@10']):.3f} ({row['score_s']:.1f} s)")
+    release_contexts()
+    if controls:
+        for name, rem in causal.control_removals(d, cfg["k"], seed).items():
+            removals[name], out["rows"][name] = rem, {}
+
+    def retrain(keep: list[int]) -> np.ndarray:
+        return attribute_logp(load(d, train(d, keep, cfg, seed)[-1]), d)[0].numpy()
+
+    order = [r for r in PRIORITY if r in removals] + [r for r in removals if r not in PRIORITY]
+    keys = [tuple(sorted(r)) for name in order for r in removals[name]]
+    cache = (
+        None
+        if cache_root is None
+        else causal.RetrainCache(
+            cache_root,
+            {
+                "cfg": {k: v for k, v in cfg.items() if k != "seeds"},
+                "model": MODEL,
+                "seed": seed,
+                "torch": torch.__version__,
+            },
+        )
+    )
+    done: set[str] = set()
+
+    def fill(lps: dict) -> None:
+        new = {n: v for n, v in causal.drops(removals, lps, base, attrs).items() if n not in done}
+        for name, drop in new.items():
+            out["rows"][name]["causal_drop"] = drop
+            out["rows"][name]["removed_per_fact"] = [len(r) for r in removals[name]]
+            log(f"  {name:24s} drop {np.mean(drop):.3f}")
+        done.update(new)
+        if new and partial_out is not None and len(done) < len(removals):
+            kept = {n: v for n, v in out["rows"].items() if n in done or n not in removals}
+            partial_out({**out, "partial": True, "rows": kept})
+
+    t0 = time.perf_counter()
+    lps, secs = causal.retrain_all(keys, len(d.docs), retrain, jobs, log, cache, fill)
+    out["retrain"] = {
+        "removals": len(keys),
+        "retrainings": len(lps),
+        "new": len(secs),
+        "wall_s": time.perf_counter() - t0,
+        "each_s": float(np.mean(secs)) if secs else 0.0,
+        "jobs": jobs,
+    }
+    fill(lps)
     return out
 
 
@@ -441,6 +616,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="", help="suffix of the result files (tracing-TAG)")
     parser.add_argument("--rows", nargs="*", help="run only these rows (names as in the table)")
     parser.add_argument("--combine", nargs="*", help="merge these per-seed JSON results")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="retrain in this many processes (same results)"
+    )
     ns = parser.parse_args(argv)
     name = "tracing-quick" if ns.quick else "tracing"
     if ns.combine:
@@ -450,27 +628,46 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dict(QUICK if ns.quick else FULL)
     if ns.seeds:
         cfg["seeds"] = ns.seeds
-    rows = methods(ns.quick)
+    rows = methods(ns.quick, cfg, opt_in=bool(ns.rows))
+    controls = True
     if ns.rows:
-        unknown = sorted(set(ns.rows) - set(rows))
+        unknown = sorted(set(ns.rows) - set(rows) - {causal.CARRIERS, causal.FILLED})
         if unknown:
-            raise SystemExit(f"--rows: unknown {unknown}; known: {sorted(rows)}")
+            raise SystemExit(
+                f"--rows: unknown {unknown}; known: "
+                f"{sorted([*rows, causal.CARRIERS, causal.FILLED])}"
+            )
         rows = {k: v for k, v in rows.items() if k in ns.rows}
+        controls = bool({causal.CARRIERS, causal.FILLED} & set(ns.rows))
     t0 = time.perf_counter()
-    seeds = [run_seed(cfg, s, rows, lambda m: print(m, flush=True)) for s in cfg["seeds"]]
-    result = {
-        "command": shlex.join(
-            ["python", "-m", "experiments.benchmark.tracing.run", *(argv or sys.argv[1:])]
-        ),
-        "config": cfg,
-        "model": MODEL,
-        "threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch": torch.__version__,
-        "wall_s": time.perf_counter() - t0,
-        "seeds": seeds,
-    }
-    _write(result, f"{name}-{ns.tag}" if ns.tag else name)
+    out_name = f"{name}-{ns.tag}" if ns.tag else name
+    seeds: list[dict] = []
+
+    def result_of(parts: list[dict]) -> dict[str, Any]:
+        return {
+            "command": shlex.join(
+                ["python", "-m", "experiments.benchmark.tracing.run", *(argv or sys.argv[1:])]
+            ),
+            "config": cfg,
+            "model": MODEL,
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "torch": torch.__version__,
+            "wall_s": time.perf_counter() - t0,
+            "seeds": parts,
+        }
+
+    def partial(seed_result: dict) -> None:  # an interrupted run leaves the rows done so far
+        path = RESULTS / f"{out_name}.partial.json"
+        path.write_text(json.dumps(result_of([*seeds, seed_result]), indent=1))
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    for s in cfg["seeds"]:
+        seeds.append(run_seed(cfg, s, rows, log, ns.jobs, controls, partial, RETRAIN_CACHE))
+    _write(result_of(seeds), out_name)
+    (RESULTS / f"{out_name}.partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
