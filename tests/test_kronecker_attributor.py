@@ -155,13 +155,13 @@ def test_token_granularity_matches_oracle(tmp_path):
     assert rel(score.query(train, test), oracle.scores("ekfac", 1e-2)) < 1e-8
 
 
-def offload(model, ds, path, callbacks=(), batch=3):
+def offload(model, ds, path, callbacks=(), batch=3, config=CONFIG):
     from dattri_llm import GradientStorageManager, OffloadCallback
 
     fm = GradientStorageManager(str(path))
     # K-FAC fits its covariances from the store's factors: keep them (compact storage drops them)
     off = OffloadCallback(file_manager=fm, keep_token_factors=True)
-    hm = HookManager(model, CONFIG, callbacks=[off, *callbacks])
+    hm = HookManager(model, config, callbacks=[off, *callbacks])
     with hm.collect():
         for i in range(0, len(ds), batch):
             ids = torch.stack([d["input_ids"] for d in ds[i : i + batch]])

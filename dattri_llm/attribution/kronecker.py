@@ -32,8 +32,13 @@ from dattri_llm.attribution.kronecker_mix import (
     mixed_eigenvalues,
     queries_by_checkpoint,
 )
+from dattri_llm.attribution.kronecker_moment import SecondMomentFisher
 from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
-from dattri_llm.attribution.preconditioner import FisherPreconditioner
+from dattri_llm.attribution.preconditioner import (
+    DEFAULT_DAMPING,
+    FisherPreconditioner,
+    resolve_damping,
+)
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
@@ -54,11 +59,8 @@ from dattri_llm.gradient.sources import (
 
 __all__ = ["KFACAttributor", "EKFACAttributor", "FisherPreconditioner"]
 
-#: Default damping: this factor of each layer's mean eigenvalue (``relative=True``).
-DEFAULT_DAMPING = 0.1
 
-
-class KFACAttributor(BaseAttributor):
+class KFACAttributor(SecondMomentFisher, BaseAttributor):
     """K-FAC influence: ``g_test^T (G ⊗ A + λ I)^{-1} g_train`` per Kronecker-eligible layer.
 
     ``A`` is the mean over (gradient-carrying) token positions of ``a a^T`` and ``G`` the mean
@@ -109,6 +111,9 @@ class KFACAttributor(BaseAttributor):
             ``(1 − mix) ×`` the train mean ``+ mix ×`` the query mean, the query side being the
             test gradients of the call. ``0`` (default): the train gradients alone. See
             :mod:`dattri_llm.attribution.kronecker_mix`.
+        second_moment: TrackStar's ``1/√(v + ε)`` per coordinate (a ``SecondMoment``, or one per
+            checkpoint), fit and scores on corrected gradients; K-FAC on vector layers only
+            (EK-FAC: corrected eigenvalues). See :mod:`dattri_llm.attribution.kronecker_moment`.
 
     Attributes:
         factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
@@ -127,12 +132,14 @@ class KFACAttributor(BaseAttributor):
         mode: str = "auto",
         normalized_grad: bool = False,
         mix: float = 0.0,
+        second_moment: Any = None,
     ) -> None:
         super().__init__(args, task, mode=mode)
         self.normalized_grad = check_flag(
             normalized_grad, f"{type(self).__name__}(normalized_grad=)"
         )
         self.mix = check_mix(mix, f"{type(self).__name__}(mix=)")
+        self._init_second_moment(second_moment)
         if non_kronecker not in ("skip", "diagonal"):
             raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
         if tokens not in ("gradient", "all"):
@@ -202,8 +209,8 @@ class KFACAttributor(BaseAttributor):
         elif self.factors and not refit and (self._fit_key is None or self._fit_key == key):
             pass  # reuse: one fit serves every damping and query on the same training data
         else:
-            self.factors = self._fit(
-                train_source, covariances, hook_config, collate_fn, query_source
+            self.factors = self._tag_fits(
+                self._fit(train_source, covariances, hook_config, collate_fn, query_source)
             )
             self._fit_key = key if train_source is not None and self.mix == 0 else ("mixed",)
         if save_dir is not None:
@@ -222,6 +229,7 @@ class KFACAttributor(BaseAttributor):
         show = self.args.show_progress
         if covariances is not None:
             covs = load_covariances(covariances)
+            self._check_moment_covariances(covs)
             skipped = {n: t for cov in covs.values() for n, t in cov.skipped.items()}
             if self.non_kronecker == "diagonal" and skipped:
                 raise ValueError(
@@ -238,7 +246,8 @@ class KFACAttributor(BaseAttributor):
                     "(train_source) or covariances=... (or factors=...)."
                 )
             covs = {}
-            for block in _progress(source, "K-FAC covariances", show):
+            fit_source = self._fit_blocks(source, "covariances")
+            for block in _progress(fit_source, "K-FAC covariances", show):
                 c = int(getattr(block, "checkpoint", 0))
                 if c not in covs:
                     covs[c] = KroneckerCovariances(self.non_kronecker, self.tokens)
@@ -251,7 +260,7 @@ class KFACAttributor(BaseAttributor):
             for c in covs:
                 qcov = KroneckerCovariances(self.non_kronecker, self.tokens)
                 for g in queries[c]:
-                    qcov.update(g)
+                    qcov.update(self._fit_gradient(g, c, "covariances"))
                 covs[c] = mixed_covariances(covs[c], qcov, self.mix)
         out = {
             c: eigendecompose(cov, dtype=self.eigen_dtype, progress=show, warn_skipped=(i == 0))
@@ -264,13 +273,14 @@ class KFACAttributor(BaseAttributor):
                     "(train_source) for the eigenvalue correction, also when "
                     "covariances are given."
                 )
+            source = self._fit_blocks(source, "eigenvalues")
             if queries is None:
                 return _ekfac_pass(out, source, show)
             out = {
                 c: mixed_eigenvalues(
                     f,
                     (_gradient(b) for b in source if int(getattr(b, "checkpoint", 0)) == c),
-                    queries[c],
+                    (self._fit_gradient(g, c, "eigenvalues") for g in queries[c]),
                     self.mix,
                 )
                 for c, f in out.items()
@@ -383,7 +393,7 @@ class KFACAttributor(BaseAttributor):
                 f"{type(self).__name__} got a {fit.kind!r} fit; expected "
                 f"{self.kind!r} (load the matching factors)."
             )
-        return fit
+        return self._check_fit_moment(fit, checkpoint)
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Apply ``(F̂ + λ I)^{-1}`` to the test gradients (once per checkpoint).
@@ -391,6 +401,7 @@ class KFACAttributor(BaseAttributor):
         With ``normalized_grad`` each row is then divided by its ``P``-norm ``√(qᵀ P q)``.
         """
         fit = self._fit_for(checkpoint)
+        gradient = self._score_view(gradient, checkpoint, fit.layer_names)
         out = fit.precondition(gradient, self.damping, self.relative)
         if not self.normalized_grad:
             return out
@@ -402,7 +413,7 @@ class KFACAttributor(BaseAttributor):
         With ``normalized_grad`` each row is divided by its ``P``-norm ``√(gᵀ P g)``.
         """
         fit = self._fit_for(checkpoint)
-        out = gradient.select_layers(fit.layer_names)
+        out = self._score_view(gradient.select_layers(fit.layer_names), checkpoint, fit.layer_names)
         if not self.normalized_grad:
             return out
         pre = fit.precondition(out, self.damping, self.relative)
@@ -422,8 +433,9 @@ class KFACAttributor(BaseAttributor):
             relative: Scale ``damping`` by each layer's mean eigenvalue.
             checkpoint: The fit's checkpoint label (a single fit serves every label).
         """
-        damping, relative = _resolve_damping(damping, relative)
-        return FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
+        damping, relative = resolve_damping(damping, relative)
+        fit = FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
+        return self._moment_preconditioner(fit, checkpoint)
 
     # ---- entry points ----------------------------------------------------------------------
     def _set_damping(self, damping: float | None, relative: bool | None, reset: bool) -> None:
@@ -432,7 +444,7 @@ class KFACAttributor(BaseAttributor):
         With ``reset``, ``None`` means the default, not the last value used.
         """
         if damping is not None or relative is not None or reset:
-            self.damping, self.relative = _resolve_damping(damping, relative)
+            self.damping, self.relative = resolve_damping(damping, relative)
 
     def attribute(
         self,
@@ -529,29 +541,14 @@ class EKFACAttributor(KFACAttributor):
     a second pass over the training gradients (George et al., 2018; Grosse et al., 2023).
     Everything else (damping, layers, persistence, reuse) is as for :class:`KFACAttributor`;
     covariances from a :class:`KroneckerCovarianceCallback` save the first pass.
+    ``second_moment=`` (TrackStar's ``1/√(v + ε)``) keeps the uncorrected basis and fits ``Λ``
+    on the corrected gradients (:mod:`dattri_llm.attribution.kronecker_moment`).
     """
 
     kind: ClassVar[str] = "ekfac"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _resolve_damping(damping: float | None, relative: bool | None) -> tuple[float, bool]:
-    """``(damping, relative)`` of a call; a number without ``relative`` is absolute."""
-    if damping is not None:
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
-            raise ValueError(
-                f"damping must be a number >= 0 (or None for the default, "
-                f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
-            )
-        return float(damping), bool(relative)
-    if relative is False:
-        raise ValueError(
-            "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
-            f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
-        )
-    return DEFAULT_DAMPING, True
-
-
 def _ekfac_pass(
     fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:

@@ -16,12 +16,16 @@ Two per-sample maps shared by the attributors:
   per coordinate, so it is exact only on exact coordinates: raw gradients, or a ``"mask"``
   projection recorded with the same mask. A store captured with a coordinate-mixing projection
   (``"dense"``, ``"sparse"``, ``"logra"``) is refused: the correction must come before the
-  projection, and a projected store no longer has the coordinates.
+  projection, and a projected store no longer has the coordinates. An attributor's
+  ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
+  family fits its preconditioner on the corrected gradients
+  (:mod:`dattri_llm.attribution.kronecker_moment`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +35,9 @@ from dattri_llm.gradient.layer_gradient import Materialized
 
 __all__ = [
     "SecondMoment",
+    "check_second_moment",
+    "check_exact_coords",
+    "moment_at",
     "unit_rows",
     "unit_rows_dense",
     "unit_per_sample",
@@ -92,6 +99,19 @@ def dense_row_dot(x: Gradient, y: Gradient) -> torch.Tensor:
     return out
 
 
+def check_exact_coords(name: str, layer_type: str) -> None:
+    """Refuse a layer captured with a coordinate-mixing projection (no per-coordinate map)."""
+    lt = str(layer_type)
+    if lt.startswith("projected.") and lt not in _EXACT_COORDS:
+        raise ValueError(
+            f"SecondMoment: layer {name!r} was captured with a {lt!r} projection, which "
+            "mixes coordinates; the per-coordinate correction 1/sqrt(v + eps) must come "
+            "before such a projection, so it is refused on this store. Capture raw "
+            "gradients (or a 'mask' projection), or use LESS's preconditioned capture "
+            "(HookManager(optimizer=...)), which maps before projecting."
+        )
+
+
 class SecondMoment:
     """Adam's second moment per captured coordinate: the map ``g ↦ g / √(v + ε)``.
 
@@ -131,6 +151,18 @@ class SecondMoment:
                     "entries; pass the optimizer's exp_avg_sq."
                 )
             self.v[name] = v
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of ``ε`` and every layer's name, dtype and ``v`` (what a saved fit records)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"eps={self.eps!r}".encode())
+            for name in sorted(self.v):
+                v = self.v[name]
+                h.update(f"|{name}|{v.dtype}|{v.numel()}|".encode())
+                h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @classmethod
     def from_dynamics(cls, dynamics: Any, step: int | None = None, eps: float = 1e-8) -> Any:
@@ -210,15 +242,47 @@ class SecondMoment:
         out = {}
         for name, lg in gradient.layers.items():
             dense = lg.materialize()
-            lt = str(dense.layer_type)
-            if lt.startswith("projected.") and lt not in _EXACT_COORDS:
-                raise ValueError(
-                    f"SecondMoment: layer {name!r} was captured with a {lt!r} projection, which "
-                    "mixes coordinates; the per-coordinate correction 1/sqrt(v + eps) must come "
-                    "before such a projection, so it is refused on this store. Capture raw "
-                    "gradients (or a 'mask' projection), or use LESS's preconditioned capture "
-                    "(HookManager(optimizer=...)), which maps before projecting."
-                )
+            check_exact_coords(name, dense.layer_type)
             d = self.scales(name, dense.data.shape[1], dense.data.device, dense.data.dtype)
             out[name] = Materialized(dense.data * d, dense.layer_type, dense.module_kwargs)
         return Gradient(out)
+
+
+def check_second_moment(value: Any, where: str) -> SecondMoment | dict[int, SecondMoment] | None:
+    """A checked ``second_moment=``: ``None``, a :class:`SecondMoment` or one per checkpoint.
+
+    One :class:`SecondMoment` serves every checkpoint; one per checkpoint is a sequence indexed
+    by checkpoint label or a ``{checkpoint: SecondMoment}`` mapping (returned as a dict).
+
+    Raises:
+        TypeError: anything else, naming ``where`` and how to build one.
+    """
+    if value is None or isinstance(value, SecondMoment):
+        return value
+    items = None
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = list(enumerate(value))
+    if items and all(
+        isinstance(m, SecondMoment) and isinstance(c, int) and not isinstance(c, bool)
+        for c, m in items
+    ):
+        return dict(items)
+    raise TypeError(
+        f"{where} must be a SecondMoment (e.g. SecondMoment.from_dynamics(callback.dynamics())), "
+        "or one per checkpoint: a list indexed by checkpoint label or {checkpoint: SecondMoment}; "
+        f"got {type(value).__name__}."
+    )
+
+
+def moment_at(value: SecondMoment | dict[int, SecondMoment] | None, checkpoint: int) -> Any:
+    """The :class:`SecondMoment` of ``checkpoint`` (``value`` from :func:`check_second_moment`)."""
+    if not isinstance(value, dict):
+        return value
+    if checkpoint not in value:
+        raise ValueError(
+            f"second_moment has no SecondMoment for checkpoint {checkpoint} (it covers "
+            f"{sorted(value)}); give one per checkpoint label of the gradients."
+        )
+    return value[checkpoint]

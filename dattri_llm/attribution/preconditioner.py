@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.ops.kronecker import KroneckerFactors
 
-__all__ = ["FisherPreconditioner"]
+__all__ = ["FisherPreconditioner", "DEFAULT_DAMPING", "resolve_damping"]
+
+#: Default damping: this factor of each layer's mean eigenvalue (``relative=True``).
+DEFAULT_DAMPING = 0.1
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,20 @@ class FisherPreconditioner:
         return self.factors.precondition(gradient, self.damping, self.relative)
 
     __call__ = precondition_gradient
+
+
+def resolve_damping(damping: float | None, relative: bool | None) -> tuple[float, bool]:
+    """``(damping, relative)`` of a call; a number without ``relative`` is absolute."""
+    if damping is not None:
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+            raise ValueError(
+                f"damping must be a number >= 0 (or None for the default, "
+                f"{DEFAULT_DAMPING} x each layer's mean eigenvalue), got {damping!r}."
+            )
+        return float(damping), bool(relative)
+    if relative is False:
+        raise ValueError(
+            "relative=False needs an absolute damping value, e.g. damping=1e-3 (damping=None "
+            f"means the default, {DEFAULT_DAMPING} x each layer's mean eigenvalue)."
+        )
+    return DEFAULT_DAMPING, True

@@ -15,13 +15,15 @@ refused (its ``P x P`` Fisher would not be small); project it.
 
 Implementation: every layer is read as a vector layer (``projected.vector``, matrix form
 ``(1, P)``), for which the Kronecker machinery is exact (``G = 1``, ``A = F``), so fitting,
-persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's.
+persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's; so are
+``normalized_grad`` and ``second_moment`` (TrackStar's optimizer correction, applied to each
+layer before its vector view: :mod:`dattri_llm.attribution.kronecker_moment`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,18 +74,19 @@ def vector_view(gradient: Gradient, max_dim: int = DEFAULT_MAX_DIM) -> Gradient:
 
 
 class _VectorSource:
-    """A gradient source whose blocks are read through :func:`vector_view`."""
+    """A gradient source whose blocks are read through ``view(gradient, checkpoint)``."""
 
-    def __init__(self, source: Any, max_dim: int) -> None:
-        self.source, self.max_dim = source, max_dim
+    def __init__(self, source: Any, view: Callable[[Gradient, int], Gradient]) -> None:
+        self.source, self.view = source, view
         self.rereadable = getattr(source, "rereadable", False)
 
     def __iter__(self) -> Iterator[Any]:
         for block in self.source:
             if isinstance(block, Gradient):
-                yield vector_view(block, self.max_dim)
+                yield self.view(block, 0)
             else:
-                yield block._replace(gradient=vector_view(block.gradient, self.max_dim))
+                c = int(getattr(block, "checkpoint", 0))
+                yield block._replace(gradient=self.view(block.gradient, c))
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,14 @@ class ProjectedFisherAttributor(KFACAttributor):
         max_dim: Largest layer (numbers per sample) to fit; larger ones are refused.
         eigen_dtype: Eigendecomposition dtype (float64 by default).
         mode: Routing of the inner products.
+        normalized_grad: The cosine after preconditioning,
+            ``m_qᵀ P m_z / (√(m_zᵀ P m_z) √(m_qᵀ P m_q))`` (see :class:`KFACAttributor`).
+        second_moment: TrackStar's optimizer correction: a ``SecondMoment`` (or one per
+            checkpoint) multiplying each coordinate by ``1/√(v + ε)`` before the fit and the
+            scores, so ``F_l`` is the exact Fisher of the corrected gradients and the score
+            ``m̃_qᵀ (F̃_l + λ I)^{-1} m̃_z``. Raw layers or a ``"mask"`` projection only
+            (``"dense"`` / ``"sparse"`` / ``"logra"`` are refused: the correction must precede a
+            mixing projection). See :mod:`dattri_llm.attribution.kronecker_moment`.
     """
 
     kind: ClassVar[str] = "kfac"
@@ -130,8 +141,17 @@ class ProjectedFisherAttributor(KFACAttributor):
         max_dim: int = DEFAULT_MAX_DIM,
         eigen_dtype: torch.dtype = torch.float64,
         mode: str = "auto",
+        normalized_grad: bool = False,
+        second_moment: Any = None,
     ) -> None:
-        super().__init__(args, task, eigen_dtype=eigen_dtype, mode=mode)
+        super().__init__(
+            args,
+            task,
+            eigen_dtype=eigen_dtype,
+            mode=mode,
+            normalized_grad=normalized_grad,
+            second_moment=second_moment,
+        )
         if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
             raise ValueError(f"max_dim must be a positive int, got {max_dim!r}.")
         self.max_dim = max_dim
@@ -155,19 +175,20 @@ class ProjectedFisherAttributor(KFACAttributor):
 
     def _as_source(self, train_source: Any, hook_config: Any, collate_fn: Any) -> Any:
         source = super()._as_source(train_source, hook_config, collate_fn)
-        return None if source is None else _VectorSource(source, self.max_dim)
+        if source is None:
+            return None
+        return _VectorSource(source, lambda g, c: self._score_view(g, c, g.layer_names))
 
-    def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """``(F_l + λ I)^{-1} m_l`` for every layer of the test gradients."""
-        return super().prepare_test(vector_view(gradient, self.max_dim), checkpoint)
+    def _fit_blocks(self, source: Any, stage: str) -> Any:
+        return source  # corrected (second_moment) before the vector view, in _as_source
 
-    def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
-        """The training gradients as vector layers (paired with the prepared test side)."""
-        return super().prepare_train(vector_view(gradient, self.max_dim), checkpoint)
+    def _score_view(self, gradient: Gradient, checkpoint: int, names: Iterable[str]) -> Gradient:
+        """Every layer as a vector layer, corrected first (``second_moment``) on ``names``."""
+        return vector_view(super()._score_view(gradient, checkpoint, names), self.max_dim)
 
-    def preconditioner(
-        self, damping: float | None = None, relative: bool | None = None, checkpoint: int = 0
+    def _moment_preconditioner(
+        self, p: FisherPreconditioner, checkpoint: int
     ) -> FisherPreconditioner:
         """The damped inverse (see :meth:`KFACAttributor.preconditioner`), on any layer form."""
-        p = super().preconditioner(damping, relative, checkpoint)
-        return _ViewPreconditioner(p.factors, p.damping, p.relative, self.max_dim)
+        view = _ViewPreconditioner(p.factors, p.damping, p.relative, self.max_dim)
+        return super()._moment_preconditioner(view, checkpoint)

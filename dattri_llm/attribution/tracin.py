@@ -10,7 +10,12 @@ import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
-from dattri_llm.attribution.normalization import SecondMoment, check_flag
+from dattri_llm.attribution.normalization import (
+    SecondMoment,
+    check_flag,
+    check_second_moment,
+    moment_at,
+)
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.gradient import Gradient
@@ -61,7 +66,9 @@ class TracInAttributor(BaseAttributor):
             a ``{checkpoint: weight}`` mapping.
         mode: Routing of the inner products (``"auto"``, ``"factorized"``, ``"materialized"``).
         second_moment: A :class:`~dattri_llm.attribution.normalization.SecondMoment`: correct
-            both sides by ``1/√(v + ε)`` per coordinate (``None``: raw gradients).
+            both sides by ``1/√(v + ε)`` per coordinate (``None``: raw gradients); or one per
+            checkpoint (a list indexed by checkpoint label, or ``{checkpoint: SecondMoment}``),
+            each checkpoint's gradients corrected by its own optimizer state.
     """
 
     vector_scan = True
@@ -73,17 +80,14 @@ class TracInAttributor(BaseAttributor):
         normalized_grad: bool = False,
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         mode: str = "auto",
-        second_moment: SecondMoment | None = None,
+        second_moment: SecondMoment
+        | Sequence[SecondMoment]
+        | Mapping[int, SecondMoment]
+        | None = None,
     ) -> None:
         super().__init__(args, task, mode=mode)
         self.normalized_grad = check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
-        if second_moment is not None and not isinstance(second_moment, SecondMoment):
-            raise TypeError(
-                "TracInAttributor(second_moment=) must be a SecondMoment (e.g. "
-                "SecondMoment.from_dynamics(callback.dynamics())), got "
-                f"{type(second_moment).__name__}."
-            )
-        self.second_moment = second_moment
+        self.second_moment = check_second_moment(second_moment, "TracInAttributor(second_moment=)")
         self._call_normalized: bool | None = None  # set for the duration of one call only
         if checkpoint_weights is not None:
             if isinstance(checkpoint_weights, Mapping):
@@ -222,13 +226,13 @@ class TracInAttributor(BaseAttributor):
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Correct by the second moment (if given), then normalise for Grad-Cos."""
         if self.second_moment is not None:
-            gradient = self.second_moment.apply(gradient)
+            gradient = moment_at(self.second_moment, checkpoint).apply(gradient)
         return self._normalize(gradient) if self._normalizes else gradient
 
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Correct (second moment), normalise (Grad-Cos) and weight a checkpoint's train rows."""
         if self.second_moment is not None:
-            gradient = self.second_moment.apply(gradient)
+            gradient = moment_at(self.second_moment, checkpoint).apply(gradient)
         if self._normalizes:
             gradient = self._normalize(gradient)
         w = self.checkpoint_weight(checkpoint)

@@ -398,12 +398,15 @@ class KroneckerFactors:
         layers: ``{name: LayerEigen}`` of the Kronecker-eligible layers.
         diagonal: ``{name: DiagonalFisher}`` (mean taken at use) for ``non_kronecker="diagonal"``.
         skipped: ``{name: layer_type}`` of the layers left out of the preconditioner.
+        correction: Fingerprint of the per-coordinate correction the fit's gradients had
+            (``SecondMoment.fingerprint()``), ``None`` for raw gradients; saved with the fit.
     """
 
     kind: Literal["kfac", "ekfac"]
     layers: dict[str, LayerEigen]
     diagonal: dict[str, DiagonalFisher] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    correction: str | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -492,6 +495,7 @@ class KroneckerFactors:
             }
         diags = _put_diagonal(self.diagonal, tensors)
         meta = {"kind": self.kind, "layers": layers, "diagonal": diags, "skipped": self.skipped}
+        meta["correction"] = self.correction
         write_bundle(path, "kronecker_factors", tensors, meta, FORMAT_VERSION)
 
     @classmethod
@@ -518,7 +522,7 @@ class KroneckerFactors:
                 float(m["num_samples"]),
             )
         diags = _get_diagonal(tensors, meta, path)
-        return cls(kind, layers, diags, dict(meta["skipped"]))
+        return cls(kind, layers, diags, dict(meta["skipped"]), meta.get("correction"))
 
 
 # ---- helpers ---------------------------------------------------------------------------------
