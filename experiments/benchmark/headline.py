@@ -429,7 +429,8 @@ def tracing_part(s: Setting, results: Path) -> Part | None:
     part = Part()
     seeds = result["seeds"]
     present = list(dict.fromkeys(k for sd in seeds for k in sd["rows"]))
-    rows = pick("tracing", [{"method": r} for r in present])
+    notes = {r: v["note"] for sd in reversed(seeds) for r, v in sd["rows"].items() if "note" in v}
+    rows = pick("tracing", [{"method": r, "note": notes.get(r)} for r in present])
     part.add_rows(rows)
 
     def per_seed(name: str) -> list[dict] | None:

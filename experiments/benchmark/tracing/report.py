@@ -74,9 +74,8 @@ def write_report(result: dict[str, Any]) -> str:
             why = f"refused: {refused[0]}" if refused else f"failed: {errors[0]}"
             lines.append(f"| {row} | {why} | | | | | |")
             continue
-        notes += [
-            f"* {row}: {n}" for n in dict.fromkeys(p["note"] for p in per_seed if "note" in p)
-        ]
+        said = [p["note"] for p in per_seed if "note" in p]
+        notes += [f"* {row} (first seed; every seed's in the JSON): {said[0]}"] if said else []
         removed = np.mean([r for p in per_seed for r in p["removed_per_fact"]])
         secs = [p["score_s"] for p in per_seed if "score_s" in p]
         peaks = [p["peak_mb"] for p in per_seed if p.get("peak_mb") is not None]
@@ -96,10 +95,32 @@ def write_report(result: dict[str, Any]) -> str:
     }
     grads = [r for r in rows if r not in NOT_GRADIENT and r not in failed]
     lexical = [r for r in LEXICAL if r in rows and r not in failed]
+    lines += ["", *by_carriers_found(result)]
     if grads and lexical:
         lines += ["", *paired_table(result, grads, lexical)]
         lines += [line for lex in lexical for line in ("", target_check(result, grads, lex))]
     return "\n".join(lines) + "\n"
+
+
+def by_carriers_found(result: dict) -> list[str]:
+    """The causal drop of every retrieval row's removal, grouped by how many of the fact's
+    carriers it holds (``recall@10 x copies``): what the causal metric responds to."""
+    copies = result["config"]["copies"]
+    groups: dict[int, list[float]] = {}
+    for s in result["seeds"]:
+        for v in s["rows"].values():
+            for r, drop in zip(v.get("recall@10", []), v.get("causal_drop", [])):
+                groups.setdefault(round(r * copies), []).append(drop)
+    lines = [
+        "causal drop by the number of the fact's carriers among the removed documents "
+        "(every retrieval row, pooled over seeds x facts x rows):",
+        "",
+        "| carriers removed | (row, seed, fact) | causal drop (nats) |",
+        "|---|---|---|",
+    ]
+    for c in sorted(groups):
+        lines.append(f"| {c} of {copies} | {len(groups[c])} | {_cell(groups[c])} |")
+    return lines
 
 
 def paired_table(result: dict, grads: list[str], lexical: list[str]) -> list[str]:
