@@ -64,6 +64,14 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         {"tracing": ("TracIn-Cos + second moment (3 ckpts)",)},
     ),
     (
+        "ProjectedFisher unit + second moment, mask-1024 (checkpoints; TrackStar with its R)",
+        {"tracing": ("TrackStar: ProjectedFisher unit + second moment, mask-1024 (3 ckpts)",)},
+    ),
+    (
+        "EK-FAC unit + diagonal + second moment (checkpoints)",
+        {"tracing": ("EK-FAC unit, diagonal + second moment (3 ckpts)",)},
+    ),
+    (
         "K-FAC (default damping)",
         {"quality": ("K-FAC (damping=default)",), "removal": ("K-FAC (damping=default)",)},
     ),

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.benchmark.quality.gpt2 import TinyGPT2  # noqa: E402
-from experiments.benchmark.tracing import causal  # noqa: E402
+from experiments.benchmark.tracing import causal, recipes  # noqa: E402
 from experiments.benchmark.tracing import data as tdata  # noqa: E402
 from experiments.benchmark.tracing import metrics as tm  # noqa: E402
 from experiments.benchmark.tracing.report import write_report  # noqa: E402
@@ -433,6 +433,12 @@ def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[
                 d, s, "EKFACAttributor", {"normalized_grad": True, "non_kronecker": "diagonal"}
             ),
             "TracIn-Cos + second moment (3 ckpts)": lambda d, s, seed: trackstar(d, s),
+            "TrackStar: ProjectedFisher unit + second moment, mask-1024 (3 ckpts)": (
+                lambda d, s, seed: recipes.trackstar_full(d, s, _attribute, load)
+            ),
+            "EK-FAC unit, diagonal + second moment (3 ckpts)": (
+                lambda d, s, seed: recipes.ekfac_moment(d, s, _attribute, load)
+            ),
             "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
                 d,
                 s[-1:],
