@@ -124,9 +124,10 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     GPT-2 fine-tuning setting (docs/BENCHMARKS.md, headline table): with
     ``curvature=ExactHessian(...)`` LDS 0.85 at 1 % removals against the recorded run (100
     subsets), falling to 0.58 / 0.39 / 0.18 at 5 / 10 / 50 %; with the default empirical
-    Fisher 0.29-0.39 at every fraction (EK-FAC 0.48-0.60). For half-data LDS, where each half is retrained with its own
-    batch order, a final-weights influence function ranks better (EK-FAC 0.67 against 0.34 with
-    the empirical Fisher and 0.21 with ``ExactHessian``; Grad-Dot 0.20); see
+    Fisher 0.29-0.39 at every fraction (EK-FAC 0.48-0.60). For half-data LDS, where each half
+    is retrained with its own batch order, a final-weights influence function ranks better
+    (EK-FAC 0.67 against 0.34 with the empirical Fisher and 0.21 with ``ExactHessian``;
+    Grad-Dot 0.20); see
     docs/benchmarks/quality.md ("Issue 24").
 
     Args:
