@@ -109,11 +109,7 @@ def functional_run(
         perm = torch.randperm(n, generator=gen)
         batches += [perm[s : s + bs] for s in range(0, n, bs)]
 
-    def call(p: dict) -> Any:
-        return lambda x: functional_call(model, p, (x,))
-
-    def batch_loss(p: dict, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (w * per_sample_ce(call(p), train.x[idx], train.y[idx])).sum() / w.sum()
+    call, batch_loss = _ce_losses(model, train)
 
     return adamw_loop(
         params0,
@@ -124,6 +120,19 @@ def functional_run(
         batch_loss,
         lambda p: neg_log_odds(per_sample_ce(call(p), test.x, test.y)),
     )
+
+
+def _ce_losses(model: Any, train: Any) -> tuple[Any, Any]:
+    """``call(p)``: the model under parameters ``p``; ``batch_loss(p, idx, w)``: the weighted
+    mean token cross-entropy of the train samples ``idx`` (the loops' batch loss)."""
+
+    def call(p: dict) -> Any:
+        return lambda x: functional_call(model, p, (x,))
+
+    def batch_loss(p: dict, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (w * per_sample_ce(call(p), train.x[idx], train.y[idx])).sum() / w.sum()
+
+    return call, batch_loss
 
 
 def chargpt_functional_run(
@@ -143,11 +152,7 @@ def chargpt_functional_run(
     train, test = setting.train, setting.test
     batches = chargpt.batch_stream(torch.arange(len(train)), len(train), seed, False)
 
-    def call(p: dict) -> Any:
-        return lambda x: functional_call(model, p, (x,))
-
-    def batch_loss(p: dict, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (w * per_sample_ce(call(p), train.x[idx], train.y[idx])).sum() / w.sum()
+    call, batch_loss = _ce_losses(model, train)
 
     return adamw_loop(
         params0,

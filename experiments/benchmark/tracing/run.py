@@ -281,29 +281,13 @@ def bm25(d: tdata.TracingData) -> torch.Tensor:
     return torch.stack(cols, 1)
 
 
-def _second_moment(d: tdata.TracingData, state: dict, opt_state: dict) -> Any:
-    """``SecondMoment`` of the AdamW state saved with ``state``, laid out by a ``HookManager``
-    with the default configuration (the one the live ``attribute()`` captures with)."""
-    from dattri_llm import HookManager, HookManagerConfig, SecondMoment
-
-    model = load(d, state)
-    opt = torch.optim.AdamW(model.parameters())
-    opt.load_state_dict(copy.deepcopy(opt_state))
-    hm = HookManager(model, HookManagerConfig())
-    try:
-        return SecondMoment.from_optimizer(opt, hm)
-    finally:
-        hm.remove()
-
-
 def trackstar(d: tdata.TracingData, states: Snapshots) -> torch.Tensor:
     """TrackStar without its ``R`` (identity): per checkpoint, train and query gradients times
     ``1/√(v_c + ε)`` (that checkpoint's AdamW second moment), unit-normalized, dotted; summed
     over the checkpoints. One ``TracInAttributor(second_moment=, normalized_grad=True)`` per
     checkpoint (a ``SecondMoment`` holds one ``v``)."""
     total = None
-    for c, state in enumerate(states):
-        sm = _second_moment(d, state, states.optimizer[c])
+    for state, sm in zip(states, recipes.second_moments(d, states, load)):
         part = _attribute(
             d, [state], "TracInAttributor", {"normalized_grad": True, "second_moment": sm}
         )
