@@ -147,6 +147,16 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             the captured gradients), an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true
             Hessian, replayed from parameter snapshots) or ``"none"``.
+        push: How a removal changes the update of its own step: ``"linear"`` (the derivative,
+            default) or ``"exact"`` (torch's Adam update recomputed from the recorded pre-step
+            state without the sample; the later steps stay linear). The derivative of Adam's
+            update is unbounded where ``v`` is young (``ε/(|g|+ε)²`` per coordinate at the
+            first update) while the update itself is bounded, so samples of the first updates
+            of a fresh optimizer get derivatives far larger than their effect. On the GPT-2
+            fine-tuning setting (no warm-up) the 8 samples of the first batch carry the 8
+            largest ``ExactHessian`` scores (15-150x the median) and cost the 1 % LDS
+            0.85 -> 0.96 (docs/benchmarks/quality.md, "first-order ceiling"). Not with AMSGrad
+            or gradient clipping (refused).
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -166,7 +176,13 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         compute_dtype: torch.dtype | None = None,
         curvature: str | ExactHessian = "empirical_fisher",
         normalized_grad: bool = False,
+        push: str = "linear",
     ) -> None:
+        if push not in ("linear", "exact"):
+            raise ValueError(
+                f"AdamWInfluenceAttributor(push=): expected 'linear' (the derivative) or "
+                f"'exact' (the removal's own step taken exactly), got {push!r}."
+            )
         super().__init__(
             args,
             task,
@@ -178,6 +194,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         check_curvature(curvature, _CURVATURES)
         self.dynamics = dynamics
         self.curvature = curvature
+        self.push = push
 
     def attribute_from_cache(
         self,
@@ -293,6 +310,14 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             coupled_decay=coupled if bool((coupled != 0).any()) else None,
             operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
         )
+        exact_push = self.push == "exact"
+        if exact_push and (amsgrad or unit is not None or clip != 1.0):
+            why = "AMSGrad" if amsgrad else f"gradient norm clipping (factor {clip:.4g})"
+            raise ValueError(
+                f"{where}: push='exact' recomputes the step's update without the sample, but "
+                f"the run used {why}, which it does not model. Use push='linear' (the "
+                "derivative, which models it)."
+            )
         vmax = vmax_pre = None
         if amsgrad:
             vmax = cat(lambda n: sd.tensor(n, "max_exp_avg_sq.post"))
@@ -310,6 +335,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             exp_avg_sq=v_post,
             max_exp_avg_sq=vmax,
             max_exp_avg_sq_pre=vmax_pre,
+            exact_push=exact_push,
         )
 
     def _clip(

@@ -132,6 +132,14 @@ class LinearStep:
         zero = {c: torch.zeros_like(s) for c in self.components}
         return self.update(zero, self.curvature.push(s))
 
+    def push_scores(self, adj: State, gamma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``(N, R)`` scores of removing rows ``s`` at this step: ``⟨γ_r, p(s_n)⟩``.
+
+        ``adj`` is the adjoint of the state after the step (used by pushes that are not linear
+        in ``δg``), ``gamma`` the adjoint of ``δg`` from :meth:`adjoint`.
+        """
+        return self.curvature.push_scores(gamma, s)
+
     def adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
         """Adjoints of the incoming state (curvature included) and of ``δg``."""
         prev, gamma = self.update_adjoint(adj)
@@ -199,6 +207,8 @@ class AdamStep(LinearStep):
         grad: The consumed gradient ``g`` ``(P,)`` (recovered from the moments).
         exp_avg: ``m`` after the update; ``exp_avg_sq``: ``v`` after it.
         max_exp_avg_sq: ``v_max`` after the update (AMSGrad) and ``vmax_pre`` before it.
+        exact_push: Take the removal's own step exactly instead of linearised (see
+            :meth:`exact_push`); later steps stay linear. Not with AMSGrad.
     """
 
     def __init__(
@@ -215,8 +225,12 @@ class AdamStep(LinearStep):
         exp_avg_sq: torch.Tensor,
         max_exp_avg_sq: torch.Tensor | None = None,
         max_exp_avg_sq_pre: torch.Tensor | None = None,
+        exact_push: bool = False,
     ) -> None:
         super().__init__(curvature)
+        if exact_push and max_exp_avg_sq is not None:
+            raise ValueError("AdamStep: exact_push is not modelled with AMSGrad.")
+        self.exact = exact_push
         self.lr, self.beta1, self.beta2 = lr, beta1, beta2
         self.decay = 1 - lr * decoupled_decay
         self.grad = grad
@@ -236,6 +250,43 @@ class AdamStep(LinearStep):
         if self.amsgrad:
             assert max_exp_avg_sq_pre is not None
             self.branch = (exp_avg_sq >= max_exp_avg_sq_pre).to(exp_avg_sq.dtype)
+        if exact_push:
+            self.bc1, self.bc2, self.eps = bc1, bc2, eps
+            self.m_hat, self.root, self.v = m_hat, root, exp_avg_sq
+
+    def exact_push(self, s: torch.Tensor) -> State:
+        """The state change after this step from removing rows ``s``, without linearising.
+
+        With ``p`` the change of the consumed gradient (:meth:`Curvature.push`), torch's update
+        from the same pre-step state gives ``δm = (1−β₁) p``, ``δv = (1−β₂)(2g + p) ⊙ p`` and
+        ``δθ = −η (m̂'/(√v̂'+ε) − m̂/(√v̂+ε))``, evaluated as
+        ``−η (δm̂ (r+ε) − m̂ δr) / ((r'+ε)(r+ε))`` with ``δr = δv̂ / (r' + r)`` (no cancellation
+        for small ``p``; its limit is the linearised :meth:`update`). Adam's update is bounded
+        per coordinate, its derivative is not (``ε/(|g|+ε)²`` at the first update, where
+        ``v̂ = g²``), so a sample that dominates coordinates of a young ``v`` moves the run far
+        less than the derivative says; this push is exact there.
+        """
+        p = self.curvature.push(s)
+        dm = (1 - self.beta1) * p
+        dv = (1 - self.beta2) * (2 * self.grad + p) * p
+        dv_hat = dv / self.bc2
+        root_new = (self.v / self.bc2 + dv_hat).clamp_min(0).sqrt()
+        both = root_new + self.root
+        d_root = torch.where(both > 0, dv_hat / torch.where(both > 0, both, 1.0), 0.0)
+        num = dm / self.bc1 * (self.root + self.eps) - self.m_hat * d_root
+        theta = -self.lr * num / ((root_new + self.eps) * (self.root + self.eps))
+        return {"theta": theta, "m": dm, "v": dv}
+
+    def push(self, s: torch.Tensor) -> State:
+        """The state perturbation after this step from removing rows ``s`` ``(N, P)``."""
+        return self.exact_push(s) if self.exact else super().push(s)
+
+    def push_scores(self, adj: State, gamma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``(N, R)`` scores of removing rows ``s`` here (exact push: ``Σ_c ⟨adj_c, δc⟩``)."""
+        if not self.exact:
+            return super().push_scores(adj, gamma, s)
+        d = self.exact_push(s)
+        return sum(d[c] @ adj[c].T for c in ("theta", "m", "v"))
 
     def update(self, state: State, dg: torch.Tensor) -> State:
         """Moments and parameters after the step, linearised."""
@@ -346,7 +397,7 @@ def adjoint_sweep(
         op, pushes = load(step)
         adj = _align(adj, op.components, queries)
         prev, gamma = op.adjoint(adj)
-        out.append((pushes.step, op.curvature.push_scores(gamma, pushes.shares), pushes.hashes))
+        out.append((pushes.step, op.push_scores(adj, gamma, pushes.shares), pushes.hashes))
         adj = prev
     out.reverse()
     if not out:

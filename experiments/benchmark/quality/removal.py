@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -62,6 +63,7 @@ ROWS = {
     r"DVEmb \(empirical Fisher\)|AdamW-influence)$",
 }
 EXACT_HESSIAN_ROW = "AdamW-influence, exact Hessian (every step, all coordinates)"
+EXACT_PUSH_ROW = "AdamW-influence, exact Hessian + exact push (every step, all coordinates)"
 
 
 def protocol(setting: str, quick: bool) -> dict:
@@ -261,6 +263,15 @@ def methods(setting: Setting, quick: bool) -> list:
                 "dattri_llm",
                 traj.adamw_influence_exact_hessian,
                 "curvature=ExactHessian(...): each step's batch-loss Hessian by HVPs",
+            )
+        )
+        rows.append(
+            Method(
+                EXACT_PUSH_ROW,
+                "dattri_llm",
+                functools.partial(traj.adamw_influence_exact_hessian, push="exact"),
+                "curvature=ExactHessian(...), push='exact': each removal's own Adam step "
+                "recomputed without the sample, the later steps linear",
             )
         )
     return rows

@@ -394,12 +394,15 @@ def adamw_influence(
     return fn
 
 
-def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> torch.Tensor:
+def adamw_influence_exact_hessian(
+    ctx: Context, limit: int | None = None, push: str = "linear"
+) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
     a parameter-snapshot recording of the same run); every step, every coordinate, float32.
     Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
-    ``limit``: the first test samples only (each query costs one HVP per step)."""
+    ``limit``: the first test samples only (each query costs one HVP per step). ``push``: the
+    attributor's ``push=`` (``"exact"``: each removal's own step taken exactly)."""
     from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
     from experiments.benchmark.quality.gpt2 import per_sample_ce
 
@@ -415,7 +418,7 @@ def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> tor
     dynamics = OptimizerDynamics(rec["trajectory"])
     with tempfile.TemporaryDirectory() as tmp:
         attributor = AdamWInfluenceAttributor(
-            _args(tmp), loss_reduction="mean", curvature=curvature
+            _args(tmp), loss_reduction="mean", curvature=curvature, push=push
         )
         scores = chunked(
             ctx,
