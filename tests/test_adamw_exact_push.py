@@ -115,37 +115,55 @@ def _batch_grad(run, theta, members, create_graph=False):
     return torch.autograd.grad(loss, theta, create_graph=create_graph)[0]
 
 
-def reference(run) -> torch.Tensor:
-    """Brute force: exact one-step state change, carried to θ_T through the true Jacobians."""
+def reference(run, exact_steps: int = 0) -> torch.Tensor:
+    """Brute force: the exact one-step state change of each removal, carried through the
+    first ``exact_steps`` steps by torch's exact Adam update with the gradient change
+    ``H δθ`` (autograd HVP), then to θ_T through the true Jacobians of the remaining steps."""
     h, T = run.hyper, len(run.schedule)
     q = query_grads(run)  # (Q, P) at θ_T
-    rows = []
-    for t, idx in enumerate(run.schedule):
-        st, lr = run.pre[t], run.lrs[t]
+
+    def update(t, members=None, delta=None, dg=None):
+        """Step t's update from the recorded pre-step state (+ ``delta``), with the batch
+        gradient of ``members`` (default: the whole batch) plus ``dg``."""
+        st, theta = run.pre[t], run.thetas[t].clone().requires_grad_(True)
+        g = _batch_grad(run, theta, run.schedule[t] if members is None else members).detach()
+        th, m, v = theta.detach(), st["m"], st["v"]
+        if delta is not None:
+            th, m, v = th + delta[0], m + delta[1], v + delta[2]
+            g = g + dg
+        return adam_step(th, m, v, None, g, st["count"] + 1, h, run.lrs[t])[:3]
+
+    def hvp(t, x):
         theta = run.thetas[t].clone().requires_grad_(True)
-        count = st["count"] + 1
+        g = _batch_grad(run, theta, run.schedule[t], create_graph=True)
+        return torch.autograd.grad(g, theta, grad_outputs=x)[0]
 
-        def step(members, theta=theta, st=st, lr=lr, count=count):
-            g = _batch_grad(run, theta, members).detach()
-            return adam_step(theta.detach(), st["m"], st["v"], None, g, count, h, lr)[:3]
-
-        full = step(idx)
-        # the state after step t as leaves; the later steps unrolled with the true Hessians
-        leaves = [x.clone().requires_grad_(True) for x in full]
+    def adjoint_after(t):
+        """Adjoint of q_j·θ_T w.r.t. the state after step t (true Hessians in later steps)."""
+        leaves = [x.clone().requires_grad_(True) for x in update(t)]
         th, m, v = leaves
         for k in range(t + 1, T):
             g = _batch_grad(run, th, run.schedule[k], create_graph=True)
             th, m, v, _ = adam_step(th, m, v, None, g, run.pre[k]["count"] + 1, h, run.lrs[k])
-        adj = [
+        grads = [
             torch.autograd.grad(th, leaves, grad_outputs=q[j], retain_graph=True, allow_unused=True)
             for j in range(q.shape[0])
         ]
+        return [
+            [torch.zeros_like(x) if a is None else a for a, x in zip(gj, leaves)] for gj in grads
+        ]
+
+    rows = []
+    for t, idx in enumerate(run.schedule):
+        full = update(t)
+        last = max(t, exact_steps - 1)
+        adj = adjoint_after(last)
         for pos in range(len(idx)):
-            without = step([z for i, z in enumerate(idx) if i != pos])
+            without = update(t, [z for i, z in enumerate(idx) if i != pos])
             delta = [a - b for a, b in zip(without, full)]
-            scores = [
-                sum(float((a * d).sum()) for a, d in zip(aj, delta) if a is not None) for aj in adj
-            ]
+            for k in range(t + 1, last + 1):  # the exact carry through the first steps
+                delta = [a - b for a, b in zip(update(k, None, delta, hvp(k, delta[0])), update(k))]
+            scores = [sum(float((a * d).sum()) for a, d in zip(aj, delta)) for aj in adj]
             rows.append(torch.tensor(scores, dtype=DT))
     return torch.stack(rows)
 
@@ -169,6 +187,24 @@ def test_exact_push_equals_the_exact_step_carried_linearly(tmp_path, reduction, 
         assert 1e-6 < rel_err(linear, ref) < 0.5  # 0.21 measured (batches of 3)
     else:
         assert rel_err(linear[first], ref[first]) > 0.3
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_exact_steps_carry_the_first_steps_through_the_exact_update(tmp_path, reduction):
+    """``exact_steps=2``: removals of steps 0-1 are carried through step 1 by torch's exact
+    update (linear gradient change), then scored against the adjoint after step 1."""
+    run = make_run(tmp_path, reduction, warm=False)
+    ref = reference(run, exact_steps=2)
+    got = library(run, tmp_path, push="exact", exact_steps=2)
+    assert rel_err(got, ref) <= 1e-9
+    assert (
+        rel_err(library(run, tmp_path, method="forward", push="exact", exact_steps=2), got) <= 1e-9
+    )
+    # non-vacuous: step 0's removals differ from the one-step exact push; later ones do not
+    one = library(run, tmp_path, push="exact")
+    n0 = len(run.schedule[0])
+    assert rel_err(one[:n0], got[:n0]) > 1e-3
+    assert rel_err(one[n0:], got[n0:]) <= 1e-12
 
 
 def test_exact_push_tends_to_the_linear_push_for_small_removals():
@@ -201,6 +237,10 @@ def test_exact_push_tends_to_the_linear_push_for_small_removals():
 def test_exact_push_refusals(tmp_path):
     with pytest.raises(ValueError, match="push=.*'linear'.*'exact'"):
         AdamWInfluenceAttributor(push="nonlinear")
+    with pytest.raises(ValueError, match="exact_steps=.*needs push='exact'"):
+        AdamWInfluenceAttributor(exact_steps=2)
+    with pytest.raises(ValueError, match="exact_steps=.*int >= 0"):
+        AdamWInfluenceAttributor(push="exact", exact_steps=-1)
     run = make_run(tmp_path, "sum", True, amsgrad=True)
     with pytest.raises(ValueError, match="push='exact'.*AMSGrad.*push='linear'"):
         library(run, tmp_path, push="exact")

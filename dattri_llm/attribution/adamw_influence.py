@@ -157,6 +157,12 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             largest ``ExactHessian`` scores (15-150x the median) and cost the 1 % LDS
             0.85 -> 0.96 (docs/benchmarks/quality.md, "first-order ceiling"). Not with AMSGrad
             or gradient clipping (refused).
+        exact_steps: With ``push="exact"``, the first ``exact_steps`` steps of the recorded run
+            also carry earlier removals through torch's exact update (the gradient change
+            ``A δθ`` stays linear), where a young ``v`` makes the linearised carry as wrong as
+            the linearised push; their removals are carried forward through those steps and
+            scored against the adjoint after them (memory ∝ their samples × 3 P). ``0``: only
+            the own step is exact.
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -177,11 +183,22 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         curvature: str | ExactHessian = "empirical_fisher",
         normalized_grad: bool = False,
         push: str = "linear",
+        exact_steps: int = 0,
     ) -> None:
         if push not in ("linear", "exact"):
             raise ValueError(
                 f"AdamWInfluenceAttributor(push=): expected 'linear' (the derivative) or "
                 f"'exact' (the removal's own step taken exactly), got {push!r}."
+            )
+        if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
+            raise ValueError(
+                f"AdamWInfluenceAttributor(exact_steps=): expected an int >= 0 (how many of "
+                f"the run's first steps carry perturbations exactly), got {exact_steps!r}."
+            )
+        if exact_steps and push != "exact":
+            raise ValueError(
+                "AdamWInfluenceAttributor(exact_steps=) needs push='exact' (the steps it "
+                f"takes exactly include the removals' own), got push={push!r}."
             )
         super().__init__(
             args,
@@ -195,6 +212,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         self.dynamics = dynamics
         self.curvature = curvature
         self.push = push
+        self.exact_steps = exact_steps
 
     def attribute_from_cache(
         self,
@@ -254,7 +272,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         def load(step: int) -> tuple[AdamStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
             pushes = self.removal_pushes(shares, step)
-            return self._step(dyn, step, layers, shares, dtype, device), StepPushes(
+            early = step in index.steps[: self.exact_steps]
+            return self._step(dyn, step, layers, shares, dtype, device, early), StepPushes(
                 step, pushes, hashes
             )
 
@@ -268,6 +287,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         shares: torch.Tensor,
         dtype: torch.dtype,
         device: Any,
+        nonlinear: bool = False,
     ) -> AdamStep:
         where = f"{type(self).__name__} (step {step})"
         sd = dyn.step(step, device)
@@ -336,6 +356,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             max_exp_avg_sq=vmax,
             max_exp_avg_sq_pre=vmax_pre,
             exact_push=exact_push,
+            nonlinear=nonlinear,
         )
 
     def _clip(

@@ -144,6 +144,22 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         },
     ),
     (
+        'AdamW-influence (empirical Fisher), `push="exact"`',
+        {
+            "removal": ("AdamW-influence + exact push (every step, all coordinates)",),
+            "tracing": ("AdamW-influence + exact push (every step)",),
+        },
+    ),
+    (
+        'AdamW-influence, `ExactHessian`, `push="exact"`',
+        {
+            "removal": (
+                "AdamW-influence, exact Hessian + exact push (every step, all coordinates)",
+            ),
+            "tracing": ("AdamW-influence, exact Hessian + exact push (every step)",),
+        },
+    ),
+    (
         "reference: exact IF (explicit Hessian, float64)",
         {"quality": ("Exact IF (explicit Hessian)",), "removal": ("Exact IF (explicit Hessian)",)},
     ),

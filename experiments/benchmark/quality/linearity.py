@@ -18,7 +18,12 @@ exact answer of a perfect first-order method. Against the true removals it gives
   ``Δ(ε)/ε`` (1.0 for an exact derivative);
 * **consistency checks**: ``Δ(ε′)/ε′`` at a second ``ε′`` on the first subsets (should agree
   with ``Δ(ε)/ε``), and rounding controls (the set kept at weight 1 through the weighted
-  path: the same maths with other float32 rounding, the noise floor of ``Δ(ε)``).
+  path: the same maths with other float32 rounding, the noise floor of ``Δ(ε)``);
+* **the first batch** (``--first-batches K``): the blocks of the run's first ``K`` batches
+  (a fresh AdamW's first update is ``≈ sign(g)``, whose derivative is unbounded) removed one
+  at a time (``Δ(1)`` and ``Δ(ε)/ε``, run 0), each method's score norms there against the
+  median, and every method's LDS with those blocks' scores set to zero or replaced by their
+  true single-block effects (what a method exact on them would reach).
 
 Runs are cached per subset in ``linearity-<pct>-<eps>.safetensors`` beside the removal
 ground truth (an interrupted run resumes); the result goes to
@@ -114,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "--check-eps", default="0.1:10", help="ε′:K — Δ(ε′)/ε′ on the first K subsets too"
     )
     p.add_argument("--controls", type=int, default=5, help="rounding controls (subsets)")
+    p.add_argument(
+        "--first-batches", type=int, default=1, help="single-block removals of the first K batches"
+    )
     a = p.parse_args(argv)
     command = "OMP_NUM_THREADS={} python -m experiments.benchmark.quality.linearity {}".format(
         os.environ.get("OMP_NUM_THREADS", "<unset>"),
@@ -163,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.controls > 0:
         tc = partial_removals(setting, folder, fraction, indices, 1.0, a.controls)
         out["control_mean_abs"] = float((tc - base0).abs().mean())
+    first = first_batch_blocks(setting, a.first_batches)
+    single = {b: single_removal(setting, folder, b) for b in first}
+    out["first_batch"] = {
+        "blocks": first,
+        "delta1_norm": [float((single[b][0] - base0).norm()) for b in first],
+        "slope_norm": [float(((single[b][1] - base0) / a.eps).norm()) for b in first],
+    }
     rows = []
     score_dir = folder / "removal-scores"
     for path in sorted(score_dir.glob("*.safetensors")):
@@ -173,11 +188,24 @@ def main(argv: list[str] | None = None) -> int:
 
         scores = load_file(str(path))["scores"].to(torch.float64)
         summed = removal_summed(scores, indices)
+        zeroed, true = scores.clone(), scores.clone()
+        zeroed[first] = 0.0
+        norms = scores.norm(dim=1)
+        c = _scale(scores, indices, slope, first)
+        for b in first:
+            true[b] = (single[b][0] - base0) / c
         rows.append(
             {
                 "method": path.stem,
                 "vs_slope": prediction_agreement(summed, -slope.numpy()),
                 "vs_truth_run0": prediction_agreement(summed, truth0.numpy()),
+                "first_batch_norm_over_median": float(norms[first].mean() / norms.median()),
+                "first_batch_zeroed": prediction_agreement(
+                    removal_summed(zeroed, indices), truth0.numpy()
+                ),
+                "first_batch_true_effects": prediction_agreement(
+                    removal_summed(true, indices), truth0.numpy()
+                ),
             }
         )
     out["rows"] = rows
@@ -188,6 +216,44 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: v for k, v in out.items() if k != "environment"}, indent=1, default=str))
     return 0
+
+
+def first_batch_blocks(setting: Setting, k: int) -> list[int]:
+    """The train blocks of the first ``k`` batches of run 0 (the gpt2 loop's epoch-1
+    permutation: ``randperm`` of a generator seeded with the run's seed, 0)."""
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(setting.train), generator=gen)
+    return sorted(int(i) for i in perm[: k * setting.batch_size])
+
+
+def single_removal(setting: Setting, folder: Path, block: int) -> torch.Tensor:
+    """(2, n_test): run 0's targets without ``block`` (Δ(1)) and with it at weight 0.98
+    (cached as ``linearity-block-<i>``)."""
+    name = f"linearity-block-{block}"
+    cached = gtm._read(folder, name)
+    if cached is not None:
+        return cached[0]["targets"]
+    loader = DataLoader(setting.train, batch_size=setting.batch_size)
+    test_loader = DataLoader(setting.test, batch_size=len(setting.test))
+    rows = []
+    for w in (0.0, 0.98):
+        model = setting.train_func(loader, seed=0, remove=torch.tensor([block]), remove_weight=w)
+        rows.append(setting.target(model, test_loader).to(torch.float64))
+    gtm._write(folder, name, {"targets": torch.stack(rows)}, {"block": block, "weights": [0, 0.98]})
+    return torch.stack(rows)
+
+
+def _scale(
+    scores: torch.Tensor, indices: torch.Tensor, slope: torch.Tensor, skip: list[int]
+) -> float:
+    """The least-squares factor ``c`` with ``c · Σ_removed scores ≈ Δ(ε)/ε`` over the subsets
+    that hold none of ``skip`` (a method's scores in target units, so its first-batch scores
+    can be replaced by true effects ``Δ(1) / c``)."""
+    total = scores.sum(0)
+    removed = total[None] - torch.as_tensor(removal_summed(scores, indices))
+    clean = torch.tensor([bool(np.isin(skip, k.numpy()).all()) for k in indices])
+    r, t = removed[clean], slope[clean]
+    return float((r * t).sum() / (r * r).sum())
 
 
 def removal_summed(scores: torch.Tensor, indices: torch.Tensor) -> np.ndarray:

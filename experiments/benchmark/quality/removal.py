@@ -64,6 +64,16 @@ ROWS = {
 }
 EXACT_HESSIAN_ROW = "AdamW-influence, exact Hessian (every step, all coordinates)"
 EXACT_PUSH_ROW = "AdamW-influence, exact Hessian + exact push (every step, all coordinates)"
+#: ``exact_steps=`` of the AdamW-influence rows that carry the run's first steps exactly
+EXACT_STEPS = (2, 4, 16)
+
+
+def exact_steps_row(k: int) -> str:
+    """The removal table's name of the ``ExactHessian`` + ``push="exact", exact_steps=k`` row."""
+    return (
+        f"AdamW-influence, exact Hessian + exact push, exact_steps={k} "
+        "(every step, all coordinates)"
+    )
 
 
 def protocol(setting: str, quick: bool) -> dict:
@@ -267,6 +277,15 @@ def methods(setting: Setting, quick: bool) -> list:
         )
         rows.append(
             Method(
+                "AdamW-influence + exact push (every step, all coordinates)",
+                "dattri_llm",
+                traj.adamw_influence("full", push="exact"),
+                "empirical Fisher, push='exact': each removal's own Adam step recomputed "
+                "without the sample, the later steps linear",
+            )
+        )
+        rows.append(
+            Method(
                 EXACT_PUSH_ROW,
                 "dattri_llm",
                 functools.partial(traj.adamw_influence_exact_hessian, push="exact"),
@@ -274,6 +293,17 @@ def methods(setting: Setting, quick: bool) -> list:
                 "recomputed without the sample, the later steps linear",
             )
         )
+        rows += [
+            Method(
+                exact_steps_row(k),
+                "dattri_llm",
+                functools.partial(traj.adamw_influence_exact_hessian, push="exact", exact_steps=k),
+                f"curvature=ExactHessian(...), push='exact', exact_steps={k}: the run's first {k} "
+                "updates carry every perturbation through torch's exact Adam update (gradient "
+                "change linear)",
+            )
+            for k in EXACT_STEPS
+        ]
     return rows
 
 
