@@ -292,14 +292,19 @@ class AdamStep(LinearStep):
         return {"theta": self.decay * state["theta"] - step, "m": dm, "v": dv}
 
     def exact_push(self, s: torch.Tensor) -> State:
-        """The state change after this step from removing rows ``s``, not linearised
-        (:meth:`exact_update` of the removal's gradient change from an unperturbed state)."""
+        """The state change after this step from removing rows ``s``, not linearised.
+
+        :meth:`exact_update` of the removal's gradient change from an unperturbed state.
+        """
         zero = {c: torch.zeros_like(s) for c in self.components}
         return self.exact_update(zero, self.curvature.push(s))
 
     def forward(self, state: State) -> State:
-        """Carry incoming perturbations through the step: linearised, or through the exact
-        update (``nonlinear``) with the gradient change ``A δθ`` still linear."""
+        """Carry incoming perturbations through the step.
+
+        Linearised, or through the exact update (``nonlinear``) with the gradient change
+        ``A δθ`` still linear.
+        """
         if self.nonlinear:
             return self.exact_update(state, self.curvature.apply(state["theta"]))
         return super().forward(state)
@@ -369,8 +374,11 @@ def _carry(
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
     keep: Callable[[StepPushes], StepPushes] | None = None,
 ) -> tuple[State, list[str], list[int], LinearStep]:
-    """Every removal's state perturbation after the last of ``steps`` (rows in step order),
-    with each row's identity and step, and the last step's map."""
+    """Every removal's state perturbation after the last of ``steps``.
+
+    Returns the state (rows in step order), each row's identity and step, and the last step's
+    map.
+    """
     state: State | None = None
     hashes: list[str] = []
     rows: list[int] = []
