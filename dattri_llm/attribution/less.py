@@ -44,6 +44,7 @@ from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.tracin import TracInAttributor
 from dattri_llm.attribution.trajectory.base import as_schedule
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
+from dattri_llm.gradient.optim.second_moment import capture_correction
 
 __all__ = ["LESSAttributor"]
 
@@ -197,6 +198,14 @@ class LESSAttributor(TracInAttributor):
     def check_block(self, block: GradientBlock, side: str) -> None:
         """Train blocks must be preconditioned, test blocks raw."""
         pre = "preconditioned" in block.metadata
+        if side == "train" and capture_correction(block.metadata) is not None:
+            raise ValueError(
+                f"LESSAttributor: train gradients at step {block.step} were corrected by "
+                'TrackStar\'s 1/sqrt(v + eps) at capture (precondition="second_moment"), not '
+                "mapped to Adam's update direction. Capture the train side with "
+                "HookManager(model, optimizer=opt) (precondition=True), or score this store "
+                "with TracInAttributor(normalized_grad=True) against queries corrected alike."
+            )
         if side == "train" and not pre:
             raise ValueError(
                 f"LESSAttributor: train gradients at step {block.step} are raw, not "
