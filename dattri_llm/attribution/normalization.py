@@ -16,7 +16,11 @@ Two per-sample maps shared by the attributors:
   per coordinate, so it is exact only on exact coordinates: raw gradients, or a ``"mask"``
   projection recorded with the same mask. A store captured with a coordinate-mixing projection
   (``"dense"``, ``"sparse"``, ``"logra"``) is refused: the correction must come before the
-  projection, and a projected store no longer has the coordinates. An attributor's
+  projection, and a projected store no longer has the coordinates: for TrackStar's
+  correct-then-project recipe, correct at capture instead,
+  ``HookManager(model, optimizer=opt, precondition="second_moment")`` on both sides
+  (:mod:`dattri_llm.gradient.optim.second_moment`, the same ``ε`` default, ``1/√(v + ε)`` and
+  fingerprint; such a capture is refused here, as twice corrected). An attributor's
   ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
   family fits its preconditioner on the corrected gradients
   (:mod:`dattri_llm.attribution.kronecker_moment`).

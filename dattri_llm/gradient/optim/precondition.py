@@ -1,5 +1,9 @@
 """Preconditioned capture: each sample's gradient mapped through the optimizer's update (LESS).
 
+(``precondition="second_moment"`` selects the other capture-time map, TrackStar's
+``g/√(v + ε)``: :mod:`dattri_llm.gradient.optim.second_moment`, built on this one's checks and
+:func:`map_and_project`.)
+
 With ``HookManager(model, optimizer=opt)`` every captured per-sample gradient becomes the update
 direction the optimizer would take *if that sample alone were the batch*, from the state the
 coming ``optimizer.step()`` reads (Xia et al., 2024). Per coordinate, with ``g`` the sample's
