@@ -25,12 +25,11 @@ from dattri_llm import (
     TracInAttributor,
 )
 from dattri_llm.attribution.normalization import SecondMoment
-from dattri_llm.gradient.callbacks import CaptureCallback
 from dattri_llm.gradient.ops.projection import mask_indices, projection_matrix
 from dattri_llm.gradient.optim.second_moment import DEFAULT_EPS
 from dattri_llm.gradient.sources import DiskGradientSource
 from dattri_llm.gradient.streaming import GradientStreamer
-from tests.test_precondition import LAYERS, capture, warm_started
+from tests.test_precondition import LAYERS, capture, raw_then_mapped, warm_started
 from tests.trajectory_reference import (
     DT,
     layer_rows,
@@ -124,14 +123,7 @@ def test_scale_first_step_and_raw_pass():
     # a number scales the share; HookManager.raw_gradients() turns the correction off
     model, opt = warm_started("adam_coupled_wd")
     raw, d = explicit(model, opt, batch)
-    cb = CaptureCallback(keep_all=True)
-    hm = HookManager(model, callbacks=[cb], optimizer=opt, precondition_scale=2.0, **SM)
-    with hm.collect():
-        with hm.raw_gradients():
-            lm_sample_losses(model(**batch), batch["input_ids"]).sum().backward()
-        lm_sample_losses(model(**batch), batch["input_ids"]).sum().backward()
-    hm.remove()
-    plain, fixed = cb.records
+    plain, fixed = raw_then_mapped(model, opt, batch, precondition_scale=2.0, **SM)
     assert "preconditioned" not in plain.metadata
     for layer in LAYERS:
         assert rel_err(rows(plain, layer), raw[layer]) <= 1e-10
