@@ -302,3 +302,23 @@ def test_live_query_sources_get_the_same_correction_or_are_refused(tmp_path, cor
     # LESS: a corrected store is not Adam's update direction; its own convention is unchanged
     with pytest.raises(ValueError, match="corrected by TrackStar's.*precondition=True"):
         LESSAttributor(args(tmp_path)).attribute_from_cache(tr, raw_te, learning_rates=1.0)
+
+
+def test_gradient_index_over_a_dense_corrected_store(tmp_path):
+    """TrackStar at corpus scale: a cosine index over the corrected dense store; raw queries
+    are refused, corrected ones give the cosines of the projected corrected rows."""
+    from dattri_llm import GradientIndex
+
+    model, opt = warm_started("adamw_amsgrad")
+    train, test = samples(6, 41), samples(2, 42)
+    cfg = HookManagerConfig(projection=DENSE)
+    tr = offload(model, opt, train, tmp_path / "tr", config=cfg, **SM)
+    te = offload(model, opt, test, tmp_path / "te", config=cfg, **SM)
+    raw_te = offload(model, None, test, tmp_path / "raw_te", config=cfg)
+    GradientIndex.build(tr, tmp_path / "idx", metric="cosine", kind="flat")
+    index = GradientIndex.open(tmp_path / "idx")
+    with pytest.raises(ValueError, match="must be the same on both sides"):
+        index.search(raw_te, k=3)
+    want = TracInAttributor(args(tmp_path), normalized_grad=True).attribute_from_cache(tr, te)
+    got = index.search(te, k=6)
+    assert rel_err(got.query(train, test), want.query(train, test)) <= 1e-6  # float32 FAISS
