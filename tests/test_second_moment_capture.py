@@ -278,6 +278,8 @@ def test_mismatched_corrections_are_refused_naming_both_sides(tmp_path, correcte
     mixed = offload(model, opt, train, tmp_path / "mixed", steps=(0,), **SM)
     with pytest.raises(ValueError, match="at step 1 .*must be the same"):
         att.attribute_from_cache(mixed, te2)
+    with pytest.raises(ValueError, match="first block.*those of step 1 .*must be the same"):
+        att.attribute_from_cache(te2, mixed)  # as the test side
     # a second correction at scoring time is refused
     with pytest.raises(ValueError, match="already corrected at capture"):
         TracInAttributor(args(tmp_path), second_moment=sm).attribute_from_cache(tr, te)

@@ -549,7 +549,10 @@ class BaseAttributor:
                 )
             check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
             check_same_correction(
-                blocks[0].metadata, b.metadata, f"the {source}'s first block", f"its step {b.step}"
+                blocks[0].metadata,
+                b.metadata,
+                f"the test gradients of {source} (first block)",
+                f"those of step {b.step}",
             )
         del b  # the loops' last block: the join frees the blocks' layers as it goes
         grad = join_releasing(blocks, names)

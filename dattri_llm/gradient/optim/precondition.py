@@ -1,9 +1,5 @@
 """Preconditioned capture: each sample's gradient mapped through the optimizer's update (LESS).
 
-(``precondition="second_moment"`` selects the other capture-time map, TrackStar's
-``g/√(v + ε)``: :mod:`dattri_llm.gradient.optim.second_moment`, built on this one's checks and
-:func:`map_and_project`.)
-
 With ``HookManager(model, optimizer=opt)`` every captured per-sample gradient becomes the update
 direction the optimizer would take *if that sample alone were the batch*, from the state the
 coming ``optimizer.step()`` reads (Xia et al., 2024). Per coordinate, with ``g`` the sample's
@@ -27,6 +23,10 @@ mean loss). Γ is not scale-free once the moments are non-zero, so ``scale`` tur
 the gradient the paper means: ``scale="batch_size"`` multiplies by the step's batch size
 (``∇ℓ`` for a mean loss), a number multiplies by itself. The default ``1.0`` maps the share as
 captured (right for a sum loss).
+
+``precondition="second_moment"`` selects the other capture-time map, TrackStar's
+``g/√(v + ε)`` (:mod:`dattri_llm.gradient.optim.second_moment`), built on this one's checks and
+on :func:`map_and_project`.
 """
 
 from __future__ import annotations
