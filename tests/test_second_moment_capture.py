@@ -158,13 +158,15 @@ def samples(n: int, seed: int) -> list[dict]:
     return [{"input_ids": r} for r in ids]
 
 
-def offload(model, opt, ds, path, config=None, steps=(), **hm_kw) -> str:
-    """Capture ``ds`` in batches of 3 into a store; ``steps``: batch indices after which
-    the optimizer takes a real step (the correction's ``v`` then changes within the store)."""
-    fm = GradientStorageManager(str(path))
+def offload(model, opt, ds, path, config=None, steps=(), checkpoint=0, **hm_kw) -> str:
+    """Capture ``ds`` in batches of 3 into a store (appended to, labelled ``checkpoint``);
+    ``steps``: batch indices after which the optimizer takes a real step (the correction's
+    ``v`` then changes within the store)."""
+    fm = GradientStorageManager(str(path), mode="append")
     hm = HookManager(
         model, config, callbacks=[OffloadCallback(file_manager=fm)], optimizer=opt, **hm_kw
     )
+    hm.checkpoint = checkpoint
     with hm.collect():
         for k, i in enumerate(range(0, len(ds), 3)):
             ids = torch.stack([d["input_ids"] for d in ds[i : i + 3]])
@@ -324,3 +326,48 @@ def test_gradient_index_over_a_dense_corrected_store(tmp_path):
     want = TracInAttributor(args(tmp_path), normalized_grad=True).attribute_from_cache(tr, te)
     got = index.search(te, k=6)
     assert rel_err(got.query(train, test), want.query(train, test)) <= 1e-6  # float32 FAISS
+
+
+def test_per_checkpoint_corrections_equal_one_second_moment_per_checkpoint(tmp_path):
+    """TrackStar over checkpoints: each checkpoint's capture corrected with its own ``v``,
+    paired with queries corrected alike, equals ``second_moment=[v_0, v_1]`` on raw stores and
+    the written-out sum of per-checkpoint cosines."""
+    model, opt = warm_started("adamw_param_groups")
+    train, test = samples(6, 51), samples(2, 52)
+    dirs = {k: str(tmp_path / k) for k in ("tr", "te", "raw_tr", "raw_te")}
+    moments, want = [], 0
+    for c in (0, 1):
+        if c:  # a real step: new weights and a new second moment
+            b = lm_batch(3, seed=53)
+            model.zero_grad()
+            lm_sample_losses(model(**b), b["input_ids"]).sum().backward()
+            opt.step()
+        offload(model, opt, train, dirs["tr"], checkpoint=c, **SM)
+        offload(model, opt, test, dirs["te"], checkpoint=c, **SM)
+        offload(model, None, train, dirs["raw_tr"], checkpoint=c)
+        offload(model, None, test, dirs["raw_te"], checkpoint=c)
+        hm = HookManager(model)
+        moments.append(SecondMoment.from_optimizer(opt, hm))
+        hm.remove()
+        g, q = _fixed(model, opt, train), _fixed(model, opt, test)
+        gc = torch.cat([g[k] for k in LAYERS], 1)
+        qc = torch.cat([q[k] for k in LAYERS], 1)
+        want = want + (gc / gc.norm(dim=1, keepdim=True)) @ (qc / qc.norm(dim=1, keepdim=True)).T
+    got = TracInAttributor(args(tmp_path), normalized_grad=True).attribute_from_cache(
+        dirs["tr"], dirs["te"]
+    )
+    ref = TracInAttributor(args(tmp_path), normalized_grad=True, second_moment=moments)
+    ref = ref.attribute_from_cache(dirs["raw_tr"], dirs["raw_te"])
+    got, ref = got.query(train, test), ref.query(train, test)
+    assert rel_err(got, ref) <= 1e-10 and rel_err(got, want) <= 1e-10
+    # non-vacuous: the two checkpoints' corrections differ (one v for both would be wrong)
+    one = TracInAttributor(args(tmp_path), normalized_grad=True, second_moment=moments[0])
+    assert (
+        rel_err(one.attribute_from_cache(dirs["raw_tr"], dirs["raw_te"]).query(train, test), want)
+        > 1e-6
+    )
+    # queries captured once, at the last state: they pair with every train checkpoint, and
+    # checkpoint 0's train blocks (another v) are refused
+    last = offload(model, opt, test, tmp_path / "te_last", **SM)
+    with pytest.raises(ValueError, match="must be the same on both sides"):
+        TracInAttributor(args(tmp_path)).attribute_from_cache(dirs["tr"], last)

@@ -183,8 +183,8 @@ def check_compatible(train: CaptureFacts, test: CaptureFacts, ignore: Collection
     """Refuse train and test gradients that do not live in the same space.
 
     Compares layer names, layer types (projected or not) and ``module_kwargs`` (shapes,
-    hyper-parameters, projection style / size / seed), and the capture-time second-moment
-    correction of the record metadata (TrackStar's, which must be on both sides:
+    hyper-parameters, projection style / size / seed), and whether the record metadata carry
+    the capture-time second-moment correction (TrackStar's, which must be on both sides:
     :func:`~dattri_llm.gradient.optim.second_moment.check_same_correction`, a ``ValueError``);
     the dtype and the rest of the metadata (e.g. LESS's preconditioned train side against raw
     queries) are not compared.
@@ -204,6 +204,7 @@ def check_compatible(train: CaptureFacts, test: CaptureFacts, ignore: Collection
             test.metadata,
             f"the train gradients ({train.source or 'train'})",
             f"the test gradients ({test.source or 'test'})",
+            strict=False,  # a store's checkpoints may each carry their own v
         )
     if diffs:
         raise IncompatibleGradientsError(

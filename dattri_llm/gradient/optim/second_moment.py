@@ -16,9 +16,12 @@ Records carry ``metadata["preconditioned"] = {"kind": "second_moment", "optimize
 "eps", "second_moment": <SHA-256 of ε and v>, "updates"}`` (``updates``: the optimizer's
 update count behind ``v``) (the fingerprint is
 :func:`moment_fingerprint`, the definition ``SecondMoment.fingerprint()`` uses). The correction
-must be on both sides of a score: :func:`check_same_correction` (called by the train / test
-compatibility check and by the score loop for every block) refuses a corrected train side
-against an uncorrected or differently corrected test side, naming both and the fix.
+must be on both sides of a score: :func:`check_same_correction` refuses a corrected train side
+against an uncorrected or differently corrected test side, naming both and the fix. The score
+loop checks every train block against the test side it is paired with (its checkpoint), and
+every test block against the first of its pairing key; the store-level compatibility check
+(also ``GradientIndex.search``'s) compares only whether each side is corrected, and ``ε``, since
+a store's checkpoints may each carry their own ``v``.
 """
 
 from __future__ import annotations
@@ -242,6 +245,7 @@ def check_same_correction(
     second: Mapping[str, Any] | None,
     first_name: str = "the train gradients",
     second_name: str = "the test gradients",
+    strict: bool = True,
 ) -> None:
     """Refuse two captures that do not carry the same capture-time second-moment correction.
 
@@ -250,12 +254,17 @@ def check_same_correction(
         second: Record metadata of the other side.
         first_name: How to call the first side in the message (its source).
         second_name: How to call the second side.
+        strict: Compare the second moments' fingerprints too (blocks that are scored against
+            each other); ``False``: only whether each side is corrected, and with which ``ε``
+            (whole stores, whose checkpoints may each carry their own ``v``).
 
     Raises:
         ValueError: naming both sides, what each carries and the fix.
     """
     a, b = capture_correction(first), capture_correction(second)
-    if a == b:
+    if a == b or (
+        not strict and (a is None) == (b is None) and (a is None or a["eps"] == b["eps"])
+    ):
         return
     raise ValueError(
         f"{first_name} are {_describe(a)} but {second_name} are {_describe(b)}: TrackStar's "
