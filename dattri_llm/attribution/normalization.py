@@ -20,7 +20,8 @@ Two per-sample maps shared by the attributors:
   correct-then-project recipe, correct at capture instead,
   ``HookManager(model, optimizer=opt, precondition="second_moment")`` on both sides
   (:mod:`dattri_llm.gradient.optim.second_moment`, the same ``ε`` default, ``1/√(v + ε)`` and
-  fingerprint; such a capture is refused here, as twice corrected). An attributor's
+  fingerprint; an attributor's ``second_moment=`` on such a capture is refused by
+  :func:`refuse_double_correction`, as twice corrected). An attributor's
   ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
   family fits its preconditioner on the corrected gradients
   (:mod:`dattri_llm.attribution.kronecker_moment`).
