@@ -229,17 +229,22 @@ def test_precondition_scale_batch_size_under_a_mean_loss():
     assert rec.metadata["preconditioned"]["scale"] == "batch_size"
 
 
-def test_raw_gradients_context_turns_the_map_off():
-    model, opt = warm_started("adamw_amsgrad")
-    batch = lm_batch(3, seed=11)
+def raw_then_mapped(model, opt, batch, **hm_kw):
+    """Two records of one manager: inside ``raw_gradients()``, then mapped."""
     cb = CaptureCallback(keep_all=True)
-    hm = HookManager(model, callbacks=[cb], optimizer=opt)
+    hm = HookManager(model, callbacks=[cb], optimizer=opt, **hm_kw)
     with hm.collect():
         with hm.raw_gradients():
             lm_sample_losses(model(**batch), batch["input_ids"]).sum().backward()
         lm_sample_losses(model(**batch), batch["input_ids"]).sum().backward()
     hm.remove()
-    raw, pre = cb.records
+    return cb.records
+
+
+def test_raw_gradients_context_turns_the_map_off():
+    model, opt = warm_started("adamw_amsgrad")
+    batch = lm_batch(3, seed=11)
+    raw, pre = raw_then_mapped(model, opt, batch)
     grads = per_sample_grads(model, lm_loss_row, batch)
     ref_raw = layer_rows(model, grads, LAYERS)
     ref_pre, _ = explicit_gamma(model, opt, batch)

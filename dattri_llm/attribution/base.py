@@ -33,6 +33,7 @@ from dattri_llm.attribution.engine.scoring import ScoreLoop, final_result, progr
 from dattri_llm.attribution.engine.sinks import FullSink, TopKSink, check_top_k
 from dattri_llm.attribution.engine.units import row_counts, units_of
 from dattri_llm.attribution.engine.vector_scan import run_vector_scan, vector_units
+from dattri_llm.attribution.normalization import refuse_double_correction
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
@@ -44,6 +45,7 @@ from dattri_llm.gradient.compat import (
 )
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.optim.second_moment import check_same_correction
 from dattri_llm.gradient.sources import GradientBlock, GradientSource, as_source
 from dattri_llm.utils.distributed import get_rank, get_world_size
 
@@ -148,6 +150,7 @@ class BaseAttributor:
             IncompatibleGradientsError: naming the two sources and every difference.
         """
         check_compatible(train, test, ignore=self.compat_ignore)
+        refuse_double_correction(self, train)
 
     def prepare_test(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Map the test gradients of one checkpoint before scoring (default: identity)."""
@@ -545,6 +548,12 @@ class BaseAttributor:
                     f"{sorted(names)} vs {sorted(b.gradient.layer_names)} (step {b.step})."
                 )
             check_same_capture(facts, b.gradient, source, f"the block at step {b.step}")
+            check_same_correction(
+                blocks[0].metadata,
+                b.metadata,
+                f"the test gradients of {source} (first block)",
+                f"those of step {b.step}",
+            )
         del b  # the loops' last block: the join frees the blocks' layers as it goes
         grad = join_releasing(blocks, names)
         keep = first_occurrences(hashes, checkpoint, source)

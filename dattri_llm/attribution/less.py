@@ -43,7 +43,9 @@ from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.tracin import TracInAttributor
 from dattri_llm.attribution.trajectory.base import as_schedule
+from dattri_llm.gradient.compat import CaptureFacts
 from dattri_llm.gradient.gradient import Gradient, GradientBlock
+from dattri_llm.gradient.optim.second_moment import capture_correction
 
 __all__ = ["LESSAttributor"]
 
@@ -197,6 +199,14 @@ class LESSAttributor(TracInAttributor):
     def check_block(self, block: GradientBlock, side: str) -> None:
         """Train blocks must be preconditioned, test blocks raw."""
         pre = "preconditioned" in block.metadata
+        if side == "train" and capture_correction(block.metadata) is not None:
+            raise ValueError(
+                f"LESSAttributor: train gradients at step {block.step} were corrected by "
+                'TrackStar\'s 1/sqrt(v + eps) at capture (precondition="second_moment"), not '
+                "mapped to Adam's update direction. Capture the train side with "
+                "HookManager(model, optimizer=opt) (precondition=True), or score this store "
+                "with TracInAttributor(normalized_grad=True) against queries corrected alike."
+            )
         if side == "train" and not pre:
             raise ValueError(
                 f"LESSAttributor: train gradients at step {block.step} are raw, not "
@@ -209,6 +219,11 @@ class LESSAttributor(TracInAttributor):
                 "compares Adam directions with raw query gradients. Capture the queries without "
                 "optimizer= (or inside HookManager.raw_gradients())."
             )
+
+    def check_compatible(self, train: CaptureFacts, test: CaptureFacts) -> None:
+        """LESS's own refusal of a second-moment corrected train side first, then the base's."""
+        _refuse_corrected(train.metadata, f"({train.source or 'train'})")
+        super().check_compatible(train, test)
 
     def block_weight(self, block: GradientBlock) -> float:
         """``w_t``: the call's ``learning_rates``, ``checkpoint_weights`` or the recorded rate."""
@@ -254,6 +269,18 @@ class LESSAttributor(TracInAttributor):
             "optimizer": self.optimizers[checkpoint],
             "precondition_scale": self.precondition_scale,
         }
+
+
+def _refuse_corrected(metadata: Mapping[str, Any], where: str) -> None:
+    """Refuse train gradients corrected by TrackStar's second moment (not LESS's direction)."""
+    if capture_correction(metadata) is not None:
+        raise ValueError(
+            f"LESSAttributor: the train gradients {where} were corrected by TrackStar's "
+            '1/sqrt(v + eps) at capture (precondition="second_moment"), not mapped to Adam\'s '
+            "update direction. Capture the train side with HookManager(model, optimizer=opt) "
+            "(precondition=True), or score this store with TracInAttributor(normalized_grad="
+            "True) against queries corrected alike."
+        )
 
 
 def _check_distinct_states(optimizers: Sequence[Any]) -> None:

@@ -16,7 +16,12 @@ Two per-sample maps shared by the attributors:
   per coordinate, so it is exact only on exact coordinates: raw gradients, or a ``"mask"``
   projection recorded with the same mask. A store captured with a coordinate-mixing projection
   (``"dense"``, ``"sparse"``, ``"logra"``) is refused: the correction must come before the
-  projection, and a projected store no longer has the coordinates. An attributor's
+  projection, and a projected store no longer has the coordinates: for TrackStar's
+  correct-then-project recipe, correct at capture instead,
+  ``HookManager(model, optimizer=opt, precondition="second_moment")`` on both sides
+  (:mod:`dattri_llm.gradient.optim.second_moment`, the same ``ε`` default, ``1/√(v + ε)`` and
+  fingerprint; an attributor's ``second_moment=`` on such a capture is refused by
+  :func:`refuse_double_correction`, as twice corrected). An attributor's
   ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
   family fits its preconditioner on the corrected gradients
   (:mod:`dattri_llm.attribution.kronecker_moment`).
@@ -24,7 +29,6 @@ Two per-sample maps shared by the attributors:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +36,13 @@ import torch
 
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.layer_gradient import Materialized
+from dattri_llm.gradient.optim.second_moment import (
+    DEFAULT_EPS,
+    adam_second_moments,
+    capture_correction,
+    moment_fingerprint,
+    moment_scales,
+)
 
 __all__ = [
     "SecondMoment",
@@ -43,6 +54,7 @@ __all__ = [
     "unit_per_sample",
     "dense_row_dot",
     "check_flag",
+    "refuse_double_correction",
 ]
 
 #: Projected layer types whose coordinates are the original ones (a subset of them).
@@ -106,9 +118,30 @@ def check_exact_coords(name: str, layer_type: str) -> None:
         raise ValueError(
             f"SecondMoment: layer {name!r} was captured with a {lt!r} projection, which "
             "mixes coordinates; the per-coordinate correction 1/sqrt(v + eps) must come "
-            "before such a projection, so it is refused on this store. Capture raw "
-            "gradients (or a 'mask' projection), or use LESS's preconditioned capture "
-            "(HookManager(optimizer=...)), which maps before projecting."
+            "before such a projection, so it is refused on this store. Correct at capture "
+            "instead, before the projection, on both the train and the query side: "
+            'HookManager(model, optimizer=opt, precondition="second_moment") (TrackStar\'s '
+            "recipe; then score without second_moment=), or capture raw gradients (or a "
+            "'mask' projection) and keep second_moment=."
+        )
+
+
+def refuse_double_correction(attributor: Any, train: Any) -> None:
+    """Refuse ``second_moment=`` on gradients already corrected at capture (twice corrected).
+
+    Args:
+        attributor: The attributor (its ``second_moment`` attribute, if any, is read).
+        train: The train side's :class:`~dattri_llm.gradient.compat.CaptureFacts`.
+    """
+    if getattr(attributor, "second_moment", None) is None:
+        return
+    if capture_correction(train.metadata) is not None:
+        name = type(attributor).__name__
+        raise ValueError(
+            f"{name}(second_moment=...): the train gradients ({train.source or 'train'}) were "
+            'already corrected at capture (HookManager(..., precondition="second_moment")); '
+            f"correcting them again would divide by sqrt(v + eps) twice. Use {name} without "
+            "second_moment= on corrected captures."
         )
 
 
@@ -132,7 +165,7 @@ class SecondMoment:
         ValueError: a negative or non-finite ``v``, or ``eps <= 0``.
     """
 
-    def __init__(self, second_moment: Mapping[str, torch.Tensor], eps: float = 1e-8) -> None:
+    def __init__(self, second_moment: Mapping[str, torch.Tensor], eps: float = DEFAULT_EPS) -> None:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"SecondMoment(eps=) must be a number > 0, got {eps!r}.")
         if not isinstance(second_moment, Mapping) or not second_moment:
@@ -154,18 +187,17 @@ class SecondMoment:
         self._fingerprint: str | None = None
 
     def fingerprint(self) -> str:
-        """A SHA-256 of ``ε`` and every layer's name, dtype and ``v`` (what a saved fit records)."""
+        """A SHA-256 of ``ε`` and every layer's name, dtype and ``v`` (what a saved fit records).
+
+        The same definition (:func:`~dattri_llm.gradient.optim.second_moment.moment_fingerprint`)
+        as the one a corrected capture records in its metadata.
+        """
         if self._fingerprint is None:
-            h = hashlib.sha256(f"eps={self.eps!r}".encode())
-            for name in sorted(self.v):
-                v = self.v[name]
-                h.update(f"|{name}|{v.dtype}|{v.numel()}|".encode())
-                h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().data)
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = moment_fingerprint(self.v, self.eps)
         return self._fingerprint
 
     @classmethod
-    def from_dynamics(cls, dynamics: Any, step: int | None = None, eps: float = 1e-8) -> Any:
+    def from_dynamics(cls, dynamics: Any, step: int | None = None, eps: float = DEFAULT_EPS) -> Any:
         """The second moment an Adam run left after update ``step`` (default: the last).
 
         Args:
@@ -189,7 +221,7 @@ class SecondMoment:
         return cls({n: sd.tensor(n, "exp_avg_sq.post") for n in dyn.layer_names}, eps=eps)
 
     @classmethod
-    def from_optimizer(cls, optimizer: Any, hook_manager: Any, eps: float = 1e-8) -> Any:
+    def from_optimizer(cls, optimizer: Any, hook_manager: Any, eps: float = DEFAULT_EPS) -> Any:
         """The current second moment of an Adam / AdamW optimizer (e.g. after ``load_state_dict``).
 
         Args:
@@ -198,24 +230,12 @@ class SecondMoment:
                 captured with (it lays the moments out like them).
             eps: ``ε``.
         """
-        from dattri_llm.gradient.optim.kinds import param_hypers, param_state
+        from dattri_llm.gradient.optim.kinds import resolve_optimizer
         from dattri_llm.gradient.optim.layout import layer_layouts
 
-        where = "SecondMoment.from_optimizer"
-        hypers = param_hypers(optimizer, where)
-        out = {}
-        for name, layout in layer_layouts(hook_manager).items():
-            state = {}
-            for pname, p in layout.params:
-                h = hypers.get(id(p))
-                if h is None or h.kind != "adam":
-                    raise ValueError(
-                        f"{where}: parameter {pname!r} of layer {name!r} is not trained by an "
-                        "Adam / AdamW optimizer here, so it has no second moment."
-                    )
-                state[pname] = param_state(optimizer, p, h)["exp_avg_sq"].detach()
-            out[name] = layout.gather(state)
-        return cls(out, eps=eps)
+        opt = resolve_optimizer(optimizer, "SecondMoment.from_optimizer")
+        layouts = layer_layouts(hook_manager)
+        return cls(adam_second_moments(opt, layouts, "SecondMoment.from_optimizer"), eps=eps)
 
     def scales(self, name: str, width: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
         """``1/√(v + ε)`` of layer ``name`` ``(P,)``; refuses a width that does not match."""
@@ -230,7 +250,7 @@ class SecondMoment:
                 f"SecondMoment: layer {name!r} has {width} captured coordinates but its second "
                 f"moment {v.numel()}; capture and record with the same layers and mask."
             )
-        return (v.to(device=device, dtype=torch.float64) + self.eps).rsqrt().to(dtype)
+        return moment_scales(v, self.eps, device, dtype)
 
     def apply(self, gradient: Gradient) -> Gradient:
         """Every layer of ``gradient`` (materialized) times ``1/√(v + ε)`` per coordinate.

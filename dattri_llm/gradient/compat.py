@@ -10,8 +10,10 @@ one block, one source or one store, and :func:`check_compatible` refuses a diffe
 error that names it.
 
 How a layer was captured (factors or dense) never matters, and neither do the dtype or the
-record metadata (e.g. a preconditioned LESS train capture scored against a raw test capture):
-those are recorded in the facts for attributors that need to decide
+record metadata (e.g. a preconditioned LESS train capture scored against a raw test capture),
+except TrackStar's capture-time second-moment correction, which both sides must carry alike
+(:mod:`dattri_llm.gradient.optim.second_moment`). The rest is recorded in the facts for
+attributors that need to decide
 (:meth:`BaseAttributor.check_compatible <dattri_llm.attribution.base.BaseAttributor>`).
 """
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dattri_llm.gradient.gradient import Gradient, Shared
+from dattri_llm.gradient.optim.second_moment import check_same_correction
 
 __all__ = [
     "LayerFacts",
@@ -180,8 +183,11 @@ def check_compatible(train: CaptureFacts, test: CaptureFacts, ignore: Collection
     """Refuse train and test gradients that do not live in the same space.
 
     Compares layer names, layer types (projected or not) and ``module_kwargs`` (shapes,
-    hyper-parameters, projection style / size / seed); the dtype and the record metadata
-    are not compared.
+    hyper-parameters, projection style / size / seed), and whether the record metadata carry
+    the capture-time second-moment correction (TrackStar's, which must be on both sides:
+    :func:`~dattri_llm.gradient.optim.second_moment.check_same_correction`, a ``ValueError``);
+    the dtype and the rest of the metadata (e.g. LESS's preconditioned train side against raw
+    queries) are not compared.
 
     Args:
         train: Facts of the train capture.
@@ -192,6 +198,14 @@ def check_compatible(train: CaptureFacts, test: CaptureFacts, ignore: Collection
         IncompatibleGradientsError: naming both sources and every difference.
     """
     diffs = compare_facts(train, test, ignore)
+    if not diffs:
+        check_same_correction(
+            train.metadata,
+            test.metadata,
+            f"the train gradients ({train.source or 'train'})",
+            f"the test gradients ({test.source or 'test'})",
+            strict=False,  # a store's checkpoints may each carry their own v
+        )
     if diffs:
         raise IncompatibleGradientsError(
             f"the train gradients ({train.source or 'train'}) and the test gradients "

@@ -202,6 +202,9 @@ class GradientStreamer:
         optimizer: Preconditioned capture (LESS): each gradient mapped through this
             optimizer's update (see ``HookManager(optimizer=...)``); default raw gradients.
         precondition_scale: ``HookManager(precondition_scale=...)`` of that map.
+        precondition: ``HookManager(precondition=...)``: ``"second_moment"`` corrects each
+            gradient by TrackStar's ``1/√(v + ε)`` instead (e.g. queries for a train store
+            captured so).
 
     ``rereadable`` is ``False``: iterating again recomputes every block.
     """
@@ -227,6 +230,7 @@ class GradientStreamer:
         desc: str = "gradients",
         optimizer: Any = None,
         precondition_scale: float | str = 1.0,
+        precondition: bool | str = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -268,6 +272,7 @@ class GradientStreamer:
         self.desc = desc
         self.optimizer = optimizer
         self.precondition_scale = precondition_scale
+        self.precondition = precondition
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -323,6 +328,7 @@ class GradientStreamer:
             callbacks=[cb],
             optimizer=self.optimizer,
             precondition_scale=self.precondition_scale,
+            precondition=self.precondition,
         )
         hm.checkpoint = self.checkpoint
         loader = self._loader()

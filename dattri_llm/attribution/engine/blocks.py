@@ -20,6 +20,7 @@ from dattri_llm.gradient.compat import CaptureFacts, check_same_capture, facts_o
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, Materialized, Shared
 from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.layer_gradient import concat_layer
+from dattri_llm.gradient.optim.second_moment import check_same_correction
 
 if TYPE_CHECKING:
     from dattri_llm.attribution.engine.prepared import PreparedTest
@@ -151,6 +152,12 @@ class Accumulator:
         if id(test) not in self._checked:
             attributor.check_compatible(self.facts, test.facts)
             self._checked.add(id(test))
+        check_same_correction(  # every block: a store may hold several corrections
+            block.metadata,
+            test.facts.metadata,
+            f"the train gradients at step {block.step} ({self.source})",
+            f"the test gradients ({test.facts.source or 'test'})",
+        )
 
     def add(
         self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None

@@ -91,7 +91,9 @@ class HookManager:
             mapped to the optimizer's update direction as if that sample alone were the batch
             (see :mod:`dattri_llm.gradient.optim.precondition`; SGD, Adam and AdamW). Also
             available to callbacks as ``manager.optimizer``.
-        precondition: Set ``False`` to keep an ``optimizer`` for callbacks only (raw capture).
+        precondition: ``False`` keeps an ``optimizer`` for callbacks only (raw capture);
+            ``"second_moment"``: TrackStar's ``g/√(v + ε)`` instead, Adam's ``exp_avg_sq``
+            before any projection (:mod:`dattri_llm.gradient.optim.second_moment`).
         precondition_scale: Multiplies each captured gradient before the map: ``"batch_size"``
             turns a mean loss's share ``∇ℓ/B`` into the sample's own ``∇ℓ`` (default ``1.0``).
 
@@ -107,7 +109,7 @@ class HookManager:
         config: HookManagerConfig | None = None,
         callbacks: Sequence[HookCallback] | None = None,
         optimizer: Any = None,
-        precondition: bool = True,
+        precondition: bool | str = True,
         precondition_scale: float | str = 1.0,
     ) -> None:
         self.model = model
@@ -164,11 +166,10 @@ class HookManager:
                 self.config.projection, self.layers, self._shared_groups
             )
         #: The preconditioned-capture map (``None`` for raw capture).
-        self.preconditioner = None
-        if optimizer is not None and precondition:
-            from dattri_llm.gradient.optim.precondition import Preconditioner
+        from dattri_llm.gradient.optim.second_moment import capture_map
 
-            self.preconditioner = Preconditioner(optimizer, precondition_scale)
+        self.preconditioner = capture_map(optimizer, precondition, precondition_scale)
+        if self.preconditioner is not None:
             self.preconditioner.bind(self)
         try:
             self._signature = inspect.signature(model.forward)

@@ -23,12 +23,16 @@ mean loss). Γ is not scale-free once the moments are non-zero, so ``scale`` tur
 the gradient the paper means: ``scale="batch_size"`` multiplies by the step's batch size
 (``∇ℓ`` for a mean loss), a number multiplies by itself. The default ``1.0`` maps the share as
 captured (right for a sum loss).
+
+``precondition="second_moment"`` selects the other capture-time map, TrackStar's
+``g/√(v + ε)`` (:mod:`dattri_llm.gradient.optim.second_moment`), built on this one's checks and
+on :func:`map_and_project`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +50,7 @@ from dattri_llm.gradient.optim.layout import LayerLayout, layer_layouts
 if TYPE_CHECKING:
     from dattri_llm.gradient.hooks.host import CaptureHost
 
-__all__ = ["Preconditioner"]
+__all__ = ["Preconditioner", "map_and_project"]
 
 _WHERE = "HookManager(optimizer=...)"
 
@@ -119,21 +123,16 @@ class Preconditioner:
         """Map every layer of one step; returns the new layers and the record's metadata."""
         opt = resolve_optimizer(self.optimizer, _WHERE)
         hypers = param_hypers(opt, _WHERE)
-        scale = float(batch_size) if self.scale == "batch_size" else float(self.scale)
-        out: dict[str, LayerGradient] = {}
         lrs: set[float] = set()
         counts: set[int] = set()
-        for name, lg in layers.items():
-            layout = self.layouts[name]
-            dense = lg.materialize()  # sums the calls / sites: the map needs the whole gradient
-            gamma, lr, count = self._map_layer(opt, hypers, layout, dense.data * scale)
-            item: LayerGradient = Materialized(gamma, dense.layer_type, dense.module_kwargs)
-            lp = projection[name] if projection is not None else None
-            if lp is not None and lp.style in ("dense", "sparse"):
-                item = lp.project_item(item)
-            out[name] = item
-            lrs |= lr
-            counts |= count
+
+        def direction(name: str, g: torch.Tensor) -> torch.Tensor:
+            gamma, lr, count = self._map_layer(opt, hypers, self.layouts[name], g)
+            lrs.update(lr)
+            counts.update(count)
+            return gamma
+
+        out = map_and_project(layers, projection, direction, self.step_scale(batch_size))
         meta: dict[str, Any] = {
             "preconditioned": {
                 "optimizer": type(opt).__name__,
@@ -147,6 +146,10 @@ class Preconditioner:
         else:
             meta["learning_rates"] = sorted(lrs)
         return out, meta
+
+    def step_scale(self, batch_size: int) -> float:
+        """The factor each captured gradient is multiplied by before the map."""
+        return float(batch_size) if self.scale == "batch_size" else float(self.scale)
 
     def _map_layer(
         self,
@@ -231,3 +234,28 @@ class Preconditioner:
         nesterov = coord("nesterov")
         gamma = torch.where(nesterov > 0, g + mom * buf, buf)
         return torch.where(mom != 0, gamma, g), lrs, set()
+
+
+def map_and_project(
+    layers: dict[str, LayerGradient],
+    projection: Any,
+    fn: Callable[[str, torch.Tensor], torch.Tensor],
+    scale: float,
+) -> dict[str, LayerGradient]:
+    """Each layer's complete gradient times ``scale``, mapped by ``fn(name, rows)``, projected.
+
+    Every layer is materialised first (the calls of a reused module and the sites of a tied
+    parameter summed: a map needs the whole gradient; a ``"mask"`` layer is already its exact
+    entries), and a ``"dense"`` / ``"sparse"`` projection is applied after the map.
+    """
+    out: dict[str, LayerGradient] = {}
+    for name, lg in layers.items():
+        dense = lg.materialize()
+        item: LayerGradient = Materialized(
+            fn(name, dense.data * scale), dense.layer_type, dense.module_kwargs
+        )
+        lp = projection[name] if projection is not None else None
+        if lp is not None and lp.style in ("dense", "sparse"):
+            item = lp.project_item(item)
+        out[name] = item
+    return out

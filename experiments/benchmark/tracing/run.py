@@ -220,27 +220,37 @@ def _attribute(
         return attributor.attribute(train, test, **(call or {})).query(train, test)
 
 
-def _ekfac_mix(d: tdata.TracingData, states: list[dict], mix: float) -> torch.Tensor:
-    """EK-FAC (unit) fit on a train / query mixture: ``mix`` needs the test side at fit time,
-    which the live ``attribute()`` refuses; the same gradients go through
-    ``attribute_sources`` (streamed once at the final weights)."""
+def _streamed(
+    d: tdata.TracingData, state: dict, cls_name: str, kw: dict, stream: Any = None
+) -> torch.Tensor:
+    """``cls_name(**kw)`` over train and query gradients streamed once at ``state``'s weights,
+    through ``attribute_sources``; ``stream(model)`` gives extra ``GradientStreamer`` options
+    (e.g. a capture-time correction with an optimizer over ``model``'s parameters)."""
     import dattri_llm
     from dattri_llm.gradient.streaming import GradientStreamer
 
     train, test = samples(d)
-    model = load(d, states[-1])
+    model = load(d, state)
     with tempfile.TemporaryDirectory() as tmp:
         args = dattri_llm.AttributionArguments(output_dir=tmp, use_cpu=True, show_progress=False)
         task = dattri_llm.AttributionTask(
-            loss_func=doc_loss_sum, model=model, checkpoints=states[-1:], target_func=query_loss_sum
+            loss_func=doc_loss_sum, model=model, checkpoints=[state], target_func=query_loss_sum
         )
-        attributor = dattri_llm.EKFACAttributor(args, task=task, normalized_grad=True, mix=mix)
+        attributor = getattr(dattri_llm, cls_name)(args, task=task, **kw)
         task.load_checkpoint(0)
+        extra = stream(task.model) if stream is not None else {}
         blocks = [
-            list(GradientStreamer(task.model, ds, loss, batch_size=64))
+            list(GradientStreamer(task.model, ds, loss, batch_size=64, **extra))
             for ds, loss in ((train, task.train_loss), (test, task.test_loss))
         ]
         return attributor.attribute_sources(*blocks).query(train, test)
+
+
+def _ekfac_mix(d: tdata.TracingData, states: list[dict], mix: float) -> torch.Tensor:
+    """EK-FAC (unit) fit on a train / query mixture: ``mix`` needs the test side at fit time,
+    which the live ``attribute()`` refuses; the same gradients go through
+    ``attribute_sources`` (streamed once at the final weights)."""
+    return _streamed(d, states[-1], "EKFACAttributor", {"normalized_grad": True, "mix": mix})
 
 
 def _projection(style: str, dim: int) -> Any:
@@ -422,6 +432,10 @@ def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[
             ),
             "EK-FAC unit, diagonal + second moment (3 ckpts)": (
                 lambda d, s, seed: recipes.ekfac_moment(d, s, _attribute, load)
+            ),
+            recipes.TRACKSTAR_DENSE: lambda d, s, seed: recipes.trackstar_dense(d, s, _streamed),
+            recipes.TRACIN_DENSE: lambda d, s, seed: recipes.trackstar_dense(
+                d, s, _streamed, "TracInAttributor"
             ),
             "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
                 d,
