@@ -119,16 +119,16 @@ def check_dynamics_layout(
 class AdamWInfluenceAttributor(TrajectoryAttributor):
     """Influence of each training sample unrolled through the recorded Adam / AdamW run.
 
-    Regime: the first-order effect of removing a few samples from *this* run (small removals;
-    the quality benchmark's trajectory-specific LOO and LDS at 1 % removals). Measured on the
-    GPT-2 fine-tuning setting (docs/BENCHMARKS.md, headline table): with
-    ``curvature=ExactHessian(...)`` LDS 0.85 at 1 % removals against the recorded run (100
-    subsets), falling to 0.58 / 0.39 / 0.18 at 5 / 10 / 50 %; with the default empirical
-    Fisher 0.29-0.39 at every fraction (EK-FAC 0.48-0.60). For half-data LDS, where each half
-    is retrained with its own batch order, a final-weights influence function ranks better
-    (EK-FAC 0.67 against 0.34 with the empirical Fisher and 0.21 with ``ExactHessian``;
-    Grad-Dot 0.20); see
-    docs/benchmarks/quality.md ("Issue 24").
+    Regime: the effect of removing a few samples from *this* run (small removals; the quality
+    benchmark's trajectory-specific LOO and LDS at 1-10 % removals). Measured on the GPT-2
+    fine-tuning setting (docs/BENCHMARKS.md, headline table; LDS against the recorded run):
+    with ``curvature=ExactHessian(...), push="exact", exact_steps=2`` 0.975 at 1 % removals
+    (100 subsets), 0.94 / 0.93 / 0.75 at 5 / 10 / 50 %; with ``ExactHessian`` alone (the
+    derivative of the run) 0.85 / 0.58 / 0.39 / 0.18; with the default empirical Fisher
+    0.29-0.39 (0.42-0.49 with ``push="exact", exact_steps=2``; EK-FAC 0.48-0.60). For
+    half-data LDS, where each half is retrained with its own batch order, a final-weights
+    influence function ranks better (EK-FAC 0.67 against 0.34 with the empirical Fisher);
+    see docs/benchmarks/quality.md ("Issue 24").
 
     Args:
         args: Run options.
@@ -151,18 +151,17 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             default) or ``"exact"`` (torch's Adam update recomputed from the recorded pre-step
             state without the sample; the later steps stay linear). The derivative of Adam's
             update is unbounded where ``v`` is young (``ε/(|g|+ε)²`` per coordinate at the
-            first update) while the update itself is bounded, so samples of the first updates
-            of a fresh optimizer get derivatives far larger than their effect. On the GPT-2
-            fine-tuning setting (no warm-up) the 8 samples of the first batch carry the 8
-            largest ``ExactHessian`` scores (15-150x the median) and cost the 1 % LDS
-            0.85 -> 0.96 (docs/benchmarks/quality.md, "first-order ceiling"). Not with AMSGrad
+            first update, ``≈ sign(g)``) while the update itself is bounded, so the samples of
+            a fresh optimizer's first updates get derivatives far larger than their effect
+            (on the GPT-2 setting the 8 samples of the first batch: 5-57x). Not with AMSGrad
             or gradient clipping (refused).
         exact_steps: With ``push="exact"``, the first ``exact_steps`` steps of the recorded run
             also carry earlier removals through torch's exact update (the gradient change
             ``A δθ`` stays linear), where a young ``v`` makes the linearised carry as wrong as
             the linearised push; their removals are carried forward through those steps and
             scored against the adjoint after them (memory ∝ their samples × 3 P). ``0``: only
-            the own step is exact.
+            the own step is exact. ``2`` for a run that starts from a fresh optimizer without
+            warm-up (measured on GPT-2: 2 and 4 level, 16 worse; docs/benchmarks/quality.md).
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)

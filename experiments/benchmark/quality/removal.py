@@ -286,6 +286,14 @@ def methods(setting: Setting, quick: bool) -> list:
         )
         rows.append(
             Method(
+                "AdamW-influence + exact push, exact_steps=2 (every step, all coordinates)",
+                "dattri_llm",
+                traj.adamw_influence("full", push="exact", exact_steps=2),
+                "empirical Fisher, push='exact', exact_steps=2",
+            )
+        )
+        rows.append(
+            Method(
                 EXACT_PUSH_ROW,
                 "dattri_llm",
                 functools.partial(traj.adamw_influence_exact_hessian, push="exact"),

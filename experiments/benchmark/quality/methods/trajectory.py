@@ -364,10 +364,11 @@ def adamw_influence(
     curvature: bool = True,
     exclude: tuple[str, ...] = (),
     push: str = "linear",
+    exact_steps: int = 0,
 ) -> Any:
     """AdamW-influence over every step of the recorded reference run (adjoint sweep);
     ``exclude``: module-name regexes left out of the capture (their coordinates are then
-    neither pushed nor propagated); ``push``: the attributor's ``push=``."""
+    neither pushed nor propagated); ``push`` / ``exact_steps``: the attributor's."""
 
     def fn(ctx: Context) -> torch.Tensor:
         from dattri_llm import HookManagerConfig, OptimizerDynamics, ProjectionConfig
@@ -382,7 +383,7 @@ def adamw_influence(
         dynamics = OptimizerDynamics(rec["trajectory"])
         itemsize = 8 if compute_dtype == torch.float64 else 4
         with tempfile.TemporaryDirectory() as tmp:
-            kw = {"push": push} if push != "linear" else {}
+            kw = {"push": push, "exact_steps": exact_steps} if push != "linear" else {}
             attributor = cls(_args(tmp), loss_reduction="mean", compute_dtype=compute_dtype, **kw)
             scores = chunked(
                 ctx,
