@@ -156,3 +156,62 @@ def test_removal_ground_truth_keeps_the_subsets_of_an_interrupted_build(tmp_path
     fake.calls = 0
     got, meta = removal.removal_ground_truth(fake.setting, tmp_path, 0.05, 4, 2, ref)
     assert fake.calls == 2 * 2 and meta["spec"]["num_subsets"] == 4
+
+
+def test_gpt2_remove_weight_is_a_partial_removal_of_the_whole_set(monkeypatch):
+    """``remove_weight=w`` keeps the removed set at weight ``w`` in a weighted batch mean: at
+    ``w = 1`` it is the full run bit for bit, at ``w = 0`` the removal, and for one index it is
+    the trajectory mask's ``mask_weight`` path (a separate branch) bit for bit; for two indices
+    it equals a written-out weighted loop."""
+    pytest.importorskip("transformers")
+    from experiments.benchmark.quality import gpt2
+
+    ids = torch.randint(0, 256, (16, gpt2.BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    train = TupleDataset(ids[:12, :-1].clone(), ids[:12, 1:].clone())
+    test = TupleDataset(ids[12:, :-1].clone(), ids[12:, 1:].clone())
+    monkeypatch.setattr(gpt2, "make_data", lambda: (None, train, test, {}))
+    monkeypatch.setitem(gpt2.MODEL, "n_layer", 1)
+    monkeypatch.setitem(gpt2.HP, "epochs", 2)
+    torch.manual_seed(1)
+    start = gpt2.TinyGPT2(**gpt2.MODEL).state_dict()
+    monkeypatch.setattr(gpt2, "pretrain", lambda make_model, _ids: start)
+    s = gpt2.make_setting()
+    loader = DataLoader(s.train, batch_size=s.batch_size)
+
+    def run(**kw):
+        return s.train_func(loader, seed=3, **kw).state_dict()
+
+    full = run()
+    gone = run(remove=torch.tensor([2, 5]))
+    for k in full:
+        assert torch.equal(run(remove=torch.tensor([2, 5]), remove_weight=1.0)[k], full[k])
+        assert torch.equal(run(remove=torch.tensor([2, 5]), remove_weight=0.0)[k], gone[k])
+    one = run(remove=torch.tensor([5]), remove_weight=0.3)
+    masked = run(mask_index=5, mask_weight=0.3)
+    assert all(torch.equal(one[k], masked[k]) for k in full)
+    # written out: the same loop with per-sample weights 0.3 on samples 2 and 5
+    got = run(remove=torch.tensor([2, 5]), remove_weight=0.3)
+    gpt2.seed_all(3)
+    model = s.make_model()
+    model.load_state_dict(start, strict=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=gpt2.HP["lr"], betas=gpt2.HP["betas"], weight_decay=0
+    )
+    gen = torch.Generator().manual_seed(3)
+    steps, step = 2 * 2, 0
+    for _ in range(2):
+        perm = torch.randperm(12, generator=gen)
+        for b in range(0, 12, 8):
+            step += 1
+            idx = perm[b : b + 8]
+            w = torch.tensor([0.3 if int(i) in (2, 5) else 1.0 for i in idx])
+            for group in opt.param_groups:
+                group["lr"] = gpt2.HP["lr"] * (1 - (step - 1) / steps)
+            ce = gpt2.per_sample_ce(model, train.x[idx], train.y[idx])
+            opt.zero_grad(set_to_none=True)
+            ((w * ce).sum() / w.sum()).backward()
+            opt.step()
+    want = model.state_dict()
+    for k in full:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert any(not torch.allclose(got[k], full[k], atol=1e-6) for k in full)

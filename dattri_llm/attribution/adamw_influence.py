@@ -119,16 +119,16 @@ def check_dynamics_layout(
 class AdamWInfluenceAttributor(TrajectoryAttributor):
     """Influence of each training sample unrolled through the recorded Adam / AdamW run.
 
-    Regime: the first-order effect of removing a few samples from *this* run (small removals;
-    the quality benchmark's trajectory-specific LOO and LDS at 1 % removals). Measured on the
-    GPT-2 fine-tuning setting (docs/BENCHMARKS.md, headline table): with
-    ``curvature=ExactHessian(...)`` LDS 0.85 at 1 % removals against the recorded run (100
-    subsets), falling to 0.58 / 0.39 / 0.18 at 5 / 10 / 50 %; with the default empirical
-    Fisher 0.29-0.39 at every fraction (EK-FAC 0.48-0.60). For half-data LDS, where each half
-    is retrained with its own batch order, a final-weights influence function ranks better
-    (EK-FAC 0.67 against 0.34 with the empirical Fisher and 0.21 with ``ExactHessian``;
-    Grad-Dot 0.20); see
-    docs/benchmarks/quality.md ("Issue 24").
+    Regime: the effect of removing a few samples from *this* run (small removals; the quality
+    benchmark's trajectory-specific LOO and LDS at 1-10 % removals). Measured on the GPT-2
+    fine-tuning setting (docs/BENCHMARKS.md, headline table; LDS against the recorded run):
+    with ``curvature=ExactHessian(...), push="exact", exact_steps=2`` 0.975 at 1 % removals
+    (100 subsets), 0.94 / 0.93 / 0.75 at 5 / 10 / 50 %; with ``ExactHessian`` alone (the
+    derivative of the run) 0.85 / 0.58 / 0.39 / 0.18; with the default empirical Fisher
+    0.29-0.39 (0.42-0.49 with ``push="exact", exact_steps=2``; EK-FAC 0.48-0.60). For
+    half-data LDS, where each half is retrained with its own batch order, a final-weights
+    influence function ranks better (EK-FAC 0.67 against 0.34 with the empirical Fisher);
+    see docs/benchmarks/quality.md ("Issue 24").
 
     Args:
         args: Run options.
@@ -147,6 +147,21 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             the captured gradients), an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian` (the true
             Hessian, replayed from parameter snapshots) or ``"none"``.
+        push: How a removal changes the update of its own step: ``"linear"`` (the derivative,
+            default) or ``"exact"`` (torch's Adam update recomputed from the recorded pre-step
+            state without the sample; the later steps stay linear). The derivative of Adam's
+            update is unbounded where ``v`` is young (``ε/(|g|+ε)²`` per coordinate at the
+            first update, ``≈ sign(g)``) while the update itself is bounded, so the samples of
+            a fresh optimizer's first updates get derivatives far larger than their effect
+            (on the GPT-2 setting the 8 samples of the first batch: 5-57x). Not with AMSGrad
+            or gradient clipping (refused).
+        exact_steps: With ``push="exact"``, the first ``exact_steps`` steps of the recorded run
+            also carry earlier removals through torch's exact update (the gradient change
+            ``A δθ`` stays linear), where a young ``v`` makes the linearised carry as wrong as
+            the linearised push; their removals are carried forward through those steps and
+            scored against the adjoint after them (memory ∝ their samples × 3 P). ``0``: only
+            the own step is exact. ``2`` for a run that starts from a fresh optimizer without
+            warm-up (measured on GPT-2: 2 and 4 level, 16 worse; docs/benchmarks/quality.md).
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -166,7 +181,24 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         compute_dtype: torch.dtype | None = None,
         curvature: str | ExactHessian = "empirical_fisher",
         normalized_grad: bool = False,
+        push: str = "linear",
+        exact_steps: int = 0,
     ) -> None:
+        if push not in ("linear", "exact"):
+            raise ValueError(
+                f"AdamWInfluenceAttributor(push=): expected 'linear' (the derivative) or "
+                f"'exact' (the removal's own step taken exactly), got {push!r}."
+            )
+        if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
+            raise ValueError(
+                f"AdamWInfluenceAttributor(exact_steps=): expected an int >= 0 (how many of "
+                f"the run's first steps carry perturbations exactly), got {exact_steps!r}."
+            )
+        if exact_steps and push != "exact":
+            raise ValueError(
+                "AdamWInfluenceAttributor(exact_steps=) needs push='exact' (the steps it "
+                f"takes exactly include the removals' own), got push={push!r}."
+            )
         super().__init__(
             args,
             task,
@@ -178,6 +210,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         check_curvature(curvature, _CURVATURES)
         self.dynamics = dynamics
         self.curvature = curvature
+        self.push = push
+        self.exact_steps = exact_steps
 
     def attribute_from_cache(
         self,
@@ -237,7 +271,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         def load(step: int) -> tuple[AdamStep, StepPushes]:
             shares, hashes = dense_rows(index.load(step), layers, dtype, device)
             pushes = self.removal_pushes(shares, step)
-            return self._step(dyn, step, layers, shares, dtype, device), StepPushes(
+            early = step in index.steps[: self.exact_steps]
+            return self._step(dyn, step, layers, shares, dtype, device, early), StepPushes(
                 step, pushes, hashes
             )
 
@@ -251,6 +286,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         shares: torch.Tensor,
         dtype: torch.dtype,
         device: Any,
+        nonlinear: bool = False,
     ) -> AdamStep:
         where = f"{type(self).__name__} (step {step})"
         sd = dyn.step(step, device)
@@ -293,6 +329,14 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             coupled_decay=coupled if bool((coupled != 0).any()) else None,
             operator=self.curvature.operator(step, layers, dtype, device) if exact else None,
         )
+        exact_push = self.push == "exact"
+        if exact_push and (amsgrad or unit is not None or clip != 1.0):
+            why = "AMSGrad" if amsgrad else f"gradient norm clipping (factor {clip:.4g})"
+            raise ValueError(
+                f"{where}: push='exact' recomputes the step's update without the sample, but "
+                f"the run used {why}, which it does not model. Use push='linear' (the "
+                "derivative, which models it)."
+            )
         vmax = vmax_pre = None
         if amsgrad:
             vmax = cat(lambda n: sd.tensor(n, "max_exp_avg_sq.post"))
@@ -310,6 +354,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             exp_avg_sq=v_post,
             max_exp_avg_sq=vmax,
             max_exp_avg_sq_pre=vmax_pre,
+            exact_push=exact_push,
+            nonlinear=nonlinear,
         )
 
     def _clip(

@@ -144,6 +144,38 @@ METHODS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         },
     ),
     (
+        'AdamW-influence (empirical Fisher), `push="exact"`',
+        {
+            "removal": ("AdamW-influence + exact push (every step, all coordinates)",),
+            "tracing": ("AdamW-influence + exact push (every step)",),
+        },
+    ),
+    (
+        'AdamW-influence, `ExactHessian`, `push="exact"`',
+        {
+            "removal": (
+                "AdamW-influence, exact Hessian + exact push (every step, all coordinates)",
+            ),
+            "tracing": ("AdamW-influence, exact Hessian + exact push (every step)",),
+        },
+    ),
+    (
+        'AdamW-influence (empirical Fisher), `push="exact", exact_steps=2`',
+        {"removal": ("AdamW-influence + exact push, exact_steps=2 (every step, all coordinates)",)},
+    ),
+    *[
+        (
+            f'AdamW-influence, `ExactHessian`, `push="exact", exact_steps={k}`',
+            {
+                "removal": (
+                    f"AdamW-influence, exact Hessian + exact push, exact_steps={k} "
+                    "(every step, all coordinates)",
+                )
+            },
+        )
+        for k in (2, 4, 16)
+    ],
+    (
         "reference: exact IF (explicit Hessian, float64)",
         {"quality": ("Exact IF (explicit Hessian)",), "removal": ("Exact IF (explicit Hessian)",)},
     ),

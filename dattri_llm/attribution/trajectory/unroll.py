@@ -25,6 +25,13 @@ Per step (torch's exact semantics; ``c`` the optimizer's update count):
 Two equivalent evaluations (tested equal): :func:`forward_sweep` carries every sample's
 perturbation forward (memory ∝ samples; gives DVEmb's data value embeddings), and
 :func:`adjoint_sweep` carries each query's adjoint backward (memory ∝ queries, matrix-free).
+
+Adam's update is bounded per coordinate but its derivative is not where ``v`` is young (the
+first update of a fresh optimizer is ``≈ sign(g)``). ``AdamStep(exact_push=True)`` takes a
+removal's own step exactly (torch's update recomputed without the sample) and
+``AdamStep(nonlinear=True)`` also carries earlier perturbations through the exact update (the
+gradient change ``A δθ`` stays linear); nonlinear steps must open the run, and the adjoint
+sweep evaluates them forward (:func:`adjoint_sweep`).
 The score of an occurrence is ``q_Tᵀ δθ_T`` of its removal: positive when removing the sample
 would raise the query's loss, i.e. the sample helped (the library's sign).
 """
@@ -111,6 +118,8 @@ class LinearStep:
     """One step's linear map on state perturbations, and its transpose."""
 
     components: tuple[str, ...] = ("theta",)
+    #: carries incoming perturbations through a map that is not linear (see ``AdamStep``)
+    nonlinear: bool = False
 
     def __init__(self, curvature: Curvature) -> None:
         self.curvature = curvature
@@ -131,6 +140,14 @@ class LinearStep:
         """The state perturbation after this step from removing samples ``s`` ``(N, P)``."""
         zero = {c: torch.zeros_like(s) for c in self.components}
         return self.update(zero, self.curvature.push(s))
+
+    def push_scores(self, adj: State, gamma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``(N, R)`` scores of removing rows ``s`` at this step: ``⟨γ_r, p(s_n)⟩``.
+
+        ``adj`` is the adjoint of the state after the step (used by pushes that are not linear
+        in ``δg``), ``gamma`` the adjoint of ``δg`` from :meth:`adjoint`.
+        """
+        return self.curvature.push_scores(gamma, s)
 
     def adjoint(self, adj: State) -> tuple[State, torch.Tensor]:
         """Adjoints of the incoming state (curvature included) and of ``δg``."""
@@ -199,6 +216,11 @@ class AdamStep(LinearStep):
         grad: The consumed gradient ``g`` ``(P,)`` (recovered from the moments).
         exp_avg: ``m`` after the update; ``exp_avg_sq``: ``v`` after it.
         max_exp_avg_sq: ``v_max`` after the update (AMSGrad) and ``vmax_pre`` before it.
+        exact_push: Take the removal's own step exactly instead of linearised (see
+            :meth:`exact_update`). Not with AMSGrad.
+        nonlinear: Also carry earlier removals through this step's exact update
+            (:meth:`forward`); the steps so marked must be the first of the run (see
+            :func:`adjoint_sweep`). Implies ``exact_push``.
     """
 
     def __init__(
@@ -215,8 +237,14 @@ class AdamStep(LinearStep):
         exp_avg_sq: torch.Tensor,
         max_exp_avg_sq: torch.Tensor | None = None,
         max_exp_avg_sq_pre: torch.Tensor | None = None,
+        exact_push: bool = False,
+        nonlinear: bool = False,
     ) -> None:
         super().__init__(curvature)
+        if (exact_push or nonlinear) and max_exp_avg_sq is not None:
+            raise ValueError("AdamStep: the exact update is not modelled with AMSGrad.")
+        self.exact = exact_push or nonlinear
+        self.nonlinear = nonlinear
         self.lr, self.beta1, self.beta2 = lr, beta1, beta2
         self.decay = 1 - lr * decoupled_decay
         self.grad = grad
@@ -236,6 +264,61 @@ class AdamStep(LinearStep):
         if self.amsgrad:
             assert max_exp_avg_sq_pre is not None
             self.branch = (exp_avg_sq >= max_exp_avg_sq_pre).to(exp_avg_sq.dtype)
+        if self.exact:
+            self.bc1, self.bc2, self.eps = bc1, bc2, eps
+            self.m_hat, self.root, self.v = m_hat, root, exp_avg_sq
+
+    def exact_update(self, state: State, dg: torch.Tensor) -> State:
+        """The state change after this step, without linearising the optimizer's update.
+
+        ``state`` is the incoming perturbation ``(δθ, δm, δv)`` and ``dg`` the change of the
+        consumed gradient. Torch's update from the perturbed pre-step state gives
+        ``δm' = β₁δm + (1−β₁) dg``, ``δv' = β₂δv + (1−β₂)(2g + dg) ⊙ dg`` and
+        ``δθ' = (1 − ηλ_d) δθ − η (m̂'/(√v̂'+ε) − m̂/(√v̂+ε))``, the last evaluated as
+        ``−η (δm̂ (r+ε) − m̂ δr) / ((r'+ε)(r+ε))`` with ``δr = δv̂ / (r' + r)`` (no cancellation
+        for small changes; its limit is the linearised :meth:`update`). Adam's update is
+        bounded per coordinate, its derivative is not (``ε/(|g|+ε)²`` at the first update,
+        where ``v̂ = g²``), so a sample that dominates coordinates of a young ``v`` moves the
+        run far less than the derivative says; this map is exact there.
+        """
+        dm = self.beta1 * state["m"] + (1 - self.beta1) * dg
+        dv = self.beta2 * state["v"] + (1 - self.beta2) * (2 * self.grad + dg) * dg
+        dv_hat = dv / self.bc2
+        root_new = (self.v / self.bc2 + dv_hat).clamp_min(0).sqrt()
+        both = root_new + self.root
+        d_root = torch.where(both > 0, dv_hat / torch.where(both > 0, both, 1.0), 0.0)
+        num = dm / self.bc1 * (self.root + self.eps) - self.m_hat * d_root
+        step = self.lr * num / ((root_new + self.eps) * (self.root + self.eps))
+        return {"theta": self.decay * state["theta"] - step, "m": dm, "v": dv}
+
+    def exact_push(self, s: torch.Tensor) -> State:
+        """The state change after this step from removing rows ``s``, not linearised.
+
+        :meth:`exact_update` of the removal's gradient change from an unperturbed state.
+        """
+        zero = {c: torch.zeros_like(s) for c in self.components}
+        return self.exact_update(zero, self.curvature.push(s))
+
+    def forward(self, state: State) -> State:
+        """Carry incoming perturbations through the step.
+
+        Linearised, or through the exact update (``nonlinear``) with the gradient change
+        ``A δθ`` still linear.
+        """
+        if self.nonlinear:
+            return self.exact_update(state, self.curvature.apply(state["theta"]))
+        return super().forward(state)
+
+    def push(self, s: torch.Tensor) -> State:
+        """The state perturbation after this step from removing rows ``s`` ``(N, P)``."""
+        return self.exact_push(s) if self.exact else super().push(s)
+
+    def push_scores(self, adj: State, gamma: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``(N, R)`` scores of removing rows ``s`` here (exact push: ``Σ_c ⟨adj_c, δc⟩``)."""
+        if not self.exact:
+            return super().push_scores(adj, gamma, s)
+        d = self.exact_push(s)
+        return sum(d[c] @ adj[c].T for c in ("theta", "m", "v"))
 
     def update(self, state: State, dg: torch.Tensor) -> State:
         """Moments and parameters after the step, linearised."""
@@ -285,6 +368,43 @@ def _align(state: State, components: Sequence[str], like: torch.Tensor) -> State
     return {c: state[c] if c in state else torch.zeros_like(like) for c in components}
 
 
+def _carry(
+    steps: Sequence[int],
+    load: Callable[[int], tuple[LinearStep, StepPushes]],
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
+    keep: Callable[[StepPushes], StepPushes] | None = None,
+) -> tuple[State, list[str], list[int], LinearStep]:
+    """Every removal's state perturbation after the last of ``steps``.
+
+    Returns the state (rows in step order), each row's identity and step, and the last step's
+    map.
+    """
+    state: State | None = None
+    hashes: list[str] = []
+    rows: list[int] = []
+    op = None
+    linear_seen = False
+    for step in progress(steps):
+        op, pushes = load(step)
+        if op.nonlinear and linear_seen:
+            raise ValueError(
+                f"step {step} carries perturbations nonlinearly after a linearised step; the "
+                "nonlinear steps must be the first of the run."
+            )
+        linear_seen = linear_seen or not op.nonlinear
+        if keep is not None:
+            pushes = keep(pushes)
+        if state is not None:
+            state = op.forward(_align(state, op.components, state["theta"]))
+        new = op.push(pushes.shares)
+        state = new if state is None else {c: torch.cat([state[c], new[c]]) for c in new}
+        hashes += list(pushes.hashes)
+        rows += [pushes.step] * pushes.shares.shape[0]
+    if state is None or op is None:
+        raise ValueError("the trajectory holds no steps.")
+    return state, hashes, rows, op
+
+
 def forward_sweep(
     steps: Sequence[int],
     load: Callable[[int], tuple[LinearStep, StepPushes]],
@@ -305,21 +425,7 @@ def forward_sweep(
         ``δθ_T`` of removing each occurrence (DVEmb's data value embeddings, for SGD), in
         step order, with each row's sample identity and step.
     """
-    state: State | None = None
-    hashes: list[str] = []
-    rows: list[int] = []
-    for step in progress(steps):
-        op, pushes = load(step)
-        if keep is not None:
-            pushes = keep(pushes)
-        if state is not None:
-            state = op.forward(_align(state, op.components, state["theta"]))
-        new = op.push(pushes.shares)
-        state = new if state is None else {c: torch.cat([state[c], new[c]]) for c in new}
-        hashes += list(pushes.hashes)
-        rows += [pushes.step] * pushes.shares.shape[0]
-    if state is None:
-        raise ValueError("the trajectory holds no steps.")
+    state, hashes, rows, _ = _carry(steps, load, progress, keep)
     return state["theta"], hashes, rows
 
 
@@ -330,6 +436,11 @@ def adjoint_sweep(
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda x: x,
 ) -> tuple[torch.Tensor, list[str], list[int]]:
     """Carry the queries' adjoints backward; score each occurrence at its own step.
+
+    Steps whose map is ``nonlinear`` (the first steps of the run; see ``AdamStep``) cannot be
+    transposed: the sweep stops at the last of them, carries those steps' removals *forward*
+    through them (:func:`forward_sweep`'s recursion) and scores each against the adjoint of the
+    state after that step.
 
     Args:
         steps: The steps in training order.
@@ -342,13 +453,24 @@ def adjoint_sweep(
     """
     adj: State = {"theta": queries}
     out: list[tuple[int, torch.Tensor, list[str]]] = []
-    for step in progress(list(reversed(list(steps)))):
+    order = list(steps)
+    prefix: list[int] = []
+    for i, step in enumerate(progress(list(reversed(order)))):
         op, pushes = load(step)
+        if op.nonlinear:
+            prefix = order[: len(order) - i]
+            break
         adj = _align(adj, op.components, queries)
         prev, gamma = op.adjoint(adj)
-        out.append((pushes.step, op.curvature.push_scores(gamma, pushes.shares), pushes.hashes))
+        out.append((pushes.step, op.push_scores(adj, gamma, pushes.shares), pushes.hashes))
         adj = prev
     out.reverse()
+    if prefix:
+        state, hashes, rows, last = _carry(prefix, load)
+        adj = _align(adj, last.components, queries)
+        scores = sum(state[c] @ adj[c].T for c in last.components)
+        early = [(st, scores[i : i + 1], [h]) for i, (st, h) in enumerate(zip(rows, hashes))]
+        out = early + out
     if not out:
         raise ValueError("the trajectory holds no steps.")
     scores = torch.cat([s for _, s, _ in out])

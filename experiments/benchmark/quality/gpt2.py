@@ -236,6 +236,7 @@ def make_setting(name: str = "gpt2") -> Setting:
         observer: TrainObserver | None = None,
         mask_weight: float = 0.0,
         remove: torch.Tensor | None = None,
+        remove_weight: float = 0.0,
         **_: Any,
     ) -> Any:
         """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
@@ -248,7 +249,9 @@ def make_setting(name: str = "gpt2") -> Setting:
         ``observer`` watches the loop (the trajectory methods record the reference run with it).
         ``remove`` (small-removal LDS, ``quality/removal.py``): a set of train indices dropped
         from every batch the same way; a batch left empty skips its update (the schedule
-        still advances).
+        still advances). With ``remove_weight`` ``w != 0`` the set is kept with weight ``w``
+        in a weighted batch mean instead (a partial removal of the whole set,
+        ``quality/linearity.py``).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
@@ -277,7 +280,10 @@ def make_setting(name: str = "gpt2") -> Setting:
                         idx = idx[idx != int(mask_index)]
                     elif mask_index is not None and bool((idx == int(mask_index)).any()):
                         weight = 1 - (1 - mask_weight) * (idx == int(mask_index)).float()
-                    idx = idx[~dropped[idx]] if remove is not None else idx
+                    if remove is not None and remove_weight == 0:
+                        idx = idx[~dropped[idx]]
+                    elif remove is not None and bool(dropped[idx].any()):
+                        weight = 1 - (1 - remove_weight) * dropped[idx].float()
                     for group in opt.param_groups:
                         group["lr"] = lr_at(step, steps)
                     if len(idx) == 0:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -62,6 +63,17 @@ ROWS = {
     r"DVEmb \(empirical Fisher\)|AdamW-influence)$",
 }
 EXACT_HESSIAN_ROW = "AdamW-influence, exact Hessian (every step, all coordinates)"
+EXACT_PUSH_ROW = "AdamW-influence, exact Hessian + exact push (every step, all coordinates)"
+#: ``exact_steps=`` of the AdamW-influence rows that carry the run's first steps exactly
+EXACT_STEPS = (2, 4, 16)
+
+
+def exact_steps_row(k: int) -> str:
+    """The removal table's name of the ``ExactHessian`` + ``push="exact", exact_steps=k`` row."""
+    return (
+        f"AdamW-influence, exact Hessian + exact push, exact_steps={k} "
+        "(every step, all coordinates)"
+    )
 
 
 def protocol(setting: str, quick: bool) -> dict:
@@ -263,6 +275,43 @@ def methods(setting: Setting, quick: bool) -> list:
                 "curvature=ExactHessian(...): each step's batch-loss Hessian by HVPs",
             )
         )
+        rows.append(
+            Method(
+                "AdamW-influence + exact push (every step, all coordinates)",
+                "dattri_llm",
+                traj.adamw_influence("full", push="exact"),
+                "empirical Fisher, push='exact': each removal's own Adam step recomputed "
+                "without the sample, the later steps linear",
+            )
+        )
+        rows.append(
+            Method(
+                "AdamW-influence + exact push, exact_steps=2 (every step, all coordinates)",
+                "dattri_llm",
+                traj.adamw_influence("full", push="exact", exact_steps=2),
+                "empirical Fisher, push='exact', exact_steps=2",
+            )
+        )
+        rows.append(
+            Method(
+                EXACT_PUSH_ROW,
+                "dattri_llm",
+                functools.partial(traj.adamw_influence_exact_hessian, push="exact"),
+                "curvature=ExactHessian(...), push='exact': each removal's own Adam step "
+                "recomputed without the sample, the later steps linear",
+            )
+        )
+        rows += [
+            Method(
+                exact_steps_row(k),
+                "dattri_llm",
+                functools.partial(traj.adamw_influence_exact_hessian, push="exact", exact_steps=k),
+                f"curvature=ExactHessian(...), push='exact', exact_steps={k}: the run's first {k} "
+                "updates carry every perturbation through torch's exact Adam update (gradient "
+                "change linear)",
+            )
+            for k in EXACT_STEPS
+        ]
     return rows
 
 

@@ -363,10 +363,12 @@ def adamw_influence(
     compute_dtype: torch.dtype | None = None,
     curvature: bool = True,
     exclude: tuple[str, ...] = (),
+    push: str = "linear",
+    exact_steps: int = 0,
 ) -> Any:
     """AdamW-influence over every step of the recorded reference run (adjoint sweep);
     ``exclude``: module-name regexes left out of the capture (their coordinates are then
-    neither pushed nor propagated)."""
+    neither pushed nor propagated); ``push`` / ``exact_steps``: the attributor's."""
 
     def fn(ctx: Context) -> torch.Tensor:
         from dattri_llm import HookManagerConfig, OptimizerDynamics, ProjectionConfig
@@ -381,7 +383,8 @@ def adamw_influence(
         dynamics = OptimizerDynamics(rec["trajectory"])
         itemsize = 8 if compute_dtype == torch.float64 else 4
         with tempfile.TemporaryDirectory() as tmp:
-            attributor = cls(_args(tmp), loss_reduction="mean", compute_dtype=compute_dtype)
+            kw = {"push": push, "exact_steps": exact_steps} if push != "linear" else {}
+            attributor = cls(_args(tmp), loss_reduction="mean", compute_dtype=compute_dtype, **kw)
             scores = chunked(
                 ctx,
                 config,
@@ -394,12 +397,16 @@ def adamw_influence(
     return fn
 
 
-def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> torch.Tensor:
+def adamw_influence_exact_hessian(
+    ctx: Context, limit: int | None = None, push: str = "linear", exact_steps: int = 0
+) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
     a parameter-snapshot recording of the same run); every step, every coordinate, float32.
     Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
-    ``limit``: the first test samples only (each query costs one HVP per step)."""
+    ``limit``: the first test samples only (each query costs one HVP per step). ``push``: the
+    attributor's ``push=`` (``"exact"``: each removal's own step taken exactly) and
+    ``exact_steps=``."""
     from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
     from experiments.benchmark.quality.gpt2 import per_sample_ce
 
@@ -415,7 +422,11 @@ def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> tor
     dynamics = OptimizerDynamics(rec["trajectory"])
     with tempfile.TemporaryDirectory() as tmp:
         attributor = AdamWInfluenceAttributor(
-            _args(tmp), loss_reduction="mean", curvature=curvature
+            _args(tmp),
+            loss_reduction="mean",
+            curvature=curvature,
+            push=push,
+            exact_steps=exact_steps,
         )
         scores = chunked(
             ctx,
