@@ -27,6 +27,11 @@ perturbation forward (memory ∝ samples; gives DVEmb's data value embeddings), 
 :func:`adjoint_sweep` carries each query's adjoint backward (memory ∝ queries, matrix-free).
 The score of an occurrence is ``q_Tᵀ δθ_T`` of its removal: positive when removing the sample
 would raise the query's loss, i.e. the sample helped (the library's sign).
+
+A sweep whose numbers stop being finite is refused (:class:`FloatingPointError`), never
+returned: when the linearised steps amplify perturbations (a run whose derivative grows
+exponentially backward, e.g. the true Hessian of a from-scratch run at a large learning rate)
+the adjoint can pass the compute dtype's range (float32: 3.4e38) within the run.
 """
 
 from __future__ import annotations
@@ -285,6 +290,27 @@ def _align(state: State, components: Sequence[str], like: torch.Tensor) -> State
     return {c: state[c] if c in state else torch.zeros_like(like) for c in components}
 
 
+def _check_finite(values: torch.Tensor, at: str, sweep: str) -> None:
+    """Refuse non-finite scores / perturbations (see the module docstring).
+
+    Raises:
+        FloatingPointError: naming the step, the dtype and the ways out.
+    """
+    if bool(torch.isfinite(values).all()):
+        return
+    big = values[torch.isfinite(values)].abs()
+    largest = f"{float(big.max()):.3g}" if big.numel() else "none"
+    raise FloatingPointError(
+        f"{sweep}: non-finite values (inf/NaN) {at} in {values.dtype} (largest finite "
+        f"magnitude {largest}). Either the inputs (captured gradients, queries, optimizer "
+        "record) hold non-finite values, or the linearised training steps amplify "
+        "perturbations past the dtype's range: the run's first-order influence is then "
+        "astronomically large and holds only for vanishingly small removals. Pass "
+        "compute_dtype=torch.float64 to compute it anyway, or use a curvature that does not "
+        "amplify (the default empirical Fisher, or none)."
+    )
+
+
 def forward_sweep(
     steps: Sequence[int],
     load: Callable[[int], tuple[LinearStep, StepPushes]],
@@ -320,6 +346,7 @@ def forward_sweep(
         rows += [pushes.step] * pushes.shares.shape[0]
     if state is None:
         raise ValueError("the trajectory holds no steps.")
+    _check_finite(state["theta"], f"by step {rows[-1]} (the end of the run)", "forward sweep")
     return state["theta"], hashes, rows
 
 
@@ -346,7 +373,9 @@ def adjoint_sweep(
         op, pushes = load(step)
         adj = _align(adj, op.components, queries)
         prev, gamma = op.adjoint(adj)
-        out.append((pushes.step, op.curvature.push_scores(gamma, pushes.shares), pushes.hashes))
+        scores = op.curvature.push_scores(gamma, pushes.shares)
+        _check_finite(scores, f"at step {step}", "adjoint sweep")
+        out.append((pushes.step, scores, pushes.hashes))
         adj = prev
     out.reverse()
     if not out:
