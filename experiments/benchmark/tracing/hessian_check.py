@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,8 @@ CACHE = run.RESULTS / "cache" / "tracing-hessian-check"
 VERSION = 1
 #: Row -> the quality benchmark's trajectory method (see :func:`_method`).
 ROWS = ("exact Hessian", "empirical Fisher", "no curvature")
+#: The exact-Hessian row as the tracing table ran it (float32; scored, then only summarised).
+FLOAT32 = "exact Hessian, float32 (as in the tracing table)"
 #: ``ε`` of the partial removals: ``w = 1 − ε`` is exact in float32 for every one.
 EPSILONS = (1.0, 0.1, 0.01, 2.0**-10, 2.0**-14, 2.0**-17, 2.0**-20, 2.0**-24)
 #: The rounding control: every document at weight 0.9 in every batch (the same weighted mean,
@@ -128,7 +131,9 @@ def watched_sweeps(record: list[dict]) -> Any:
 def _method(row: str) -> Callable:
     from experiments.benchmark.quality.methods import trajectory as qt
 
-    if row == "exact Hessian":
+    if row == "exact Hessian":  # float64: in float32 the adjoint passes 3.4e38 on this run
+        return partial(qt.adamw_influence_exact_hessian, compute_dtype=torch.float64)
+    if row == FLOAT32:
         return qt.adamw_influence_exact_hessian
     return qt.adamw_influence("full", curvature=row == "empirical Fisher")
 
@@ -140,8 +145,8 @@ def score_rows(d: tdata.TracingData, states: Any, seed: int, cfg: dict, log: Cal
     from dattri_llm import hash_sample
     from experiments.benchmark.quality.methods.ours import _samples
 
-    out = {}
-    for row in ROWS:
+    out: dict[str, Any] = {}
+    for row in (*ROWS, FLOAT32):
         path = CACHE / f"scores-s{seed}-{_key(cfg, row)}.safetensors"
         if path.exists():
             out[row] = {**load_file(str(path))}
@@ -150,8 +155,13 @@ def score_rows(d: tdata.TracingData, states: Any, seed: int, cfg: dict, log: Cal
         ctx = run.trajectory_context(d, states, seed, cfg)
         record: list[dict] = []
         t0 = time.perf_counter()
-        with watched_sweeps(record):
-            scores = _method(row)(ctx)
+        try:
+            with watched_sweeps(record):
+                scores = _method(row)(ctx)
+        except FloatingPointError as err:  # the library refuses an overflowing sweep
+            out[row] = {"refused": str(err)}
+            log(f"  {row}: refused: {err}")
+            continue
         seconds = time.perf_counter() - t0
         ids = {h: i for i, h in enumerate(hash_sample(s) for s in _samples(ctx)[0])}
         per_epoch_steps = len(d.docs) // cfg["batch_size"]
@@ -363,6 +373,56 @@ def analyse(
         "documents": per_doc,
         "joint": joint,
         "dynamics": dynamics_summary(d, cfg, facts, scores),
+        "rankings": ranking_summary(d, scores, cfg["k"]),
+        "float32": float32_summary(d, scores, cfg["k"]),
+    }
+
+
+def ranking_summary(d: tdata.TracingData, scores: dict, k: int = 10) -> dict[str, Any]:
+    """Per row, over every fact: recall@k, the mean Pearson between two facts' score columns
+    (near 1: one ranking whatever the query), the distinct documents in the union of the
+    facts' top-k lists, and the share of the total |contribution| from the first epoch."""
+    from experiments.benchmark.tracing import metrics as tm
+
+    out = {}
+    n = len(d.facts)
+    for r in ROWS:
+        s = scores[r]["scores"]
+        corr = np.corrcoef(s.T.numpy())
+        contrib = scores[r]["contrib"].abs()
+        out[r] = {
+            f"recall@{k}": tm.recall_at_k(s, d.relevant(), k).tolist(),
+            "mean Pearson between facts' columns": float(corr[~np.eye(n, dtype=bool)].mean()),
+            f"distinct documents in the {n} top-{k} lists": len(
+                {i for col in tm.top_k(s, k) for i in col}
+            ),
+            "share of |contribution| from the first epoch": float(
+                contrib[:, 0].sum() / contrib.sum()
+            ),
+        }
+    return out
+
+
+def float32_summary(d: tdata.TracingData, scores: dict, k: int = 10) -> dict[str, Any]:
+    """The exact-Hessian row as the tracing table ran it (float32) against float64: per fact,
+    its non-finite scores, recall@k, and the Pearson with float64 over its finite scores (or
+    the library's refusal, since the sweeps refuse non-finite values)."""
+    from experiments.benchmark.tracing import metrics as tm
+
+    s32 = scores[FLOAT32]
+    if "refused" in s32:
+        return {"refused": s32["refused"]}
+    a, b = s32["scores"], scores["exact Hessian"]["scores"]
+    finite = torch.isfinite(a)
+    return {
+        "non-finite scores per fact": (~finite).sum(0).tolist(),
+        f"recall@{k}": tm.recall_at_k(a, d.relevant(), k).tolist(),
+        "Pearson with float64 over the finite scores, per fact": [
+            _pearson(a[finite[:, q], q].numpy(), b[finite[:, q], q].numpy())
+            for q in range(a.shape[1])
+        ],
+        "largest finite |score|": float(a[finite].abs().max()),
+        "largest |score| in float64": float(b.abs().max()),
     }
 
 
@@ -428,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--facts", type=int, nargs="+", default=[3, 6])
     parser.add_argument("--jobs", type=int, default=1, help="retraining processes")
     parser.add_argument("--quick", action="store_true", help="smoke: the quick configuration")
+    parser.add_argument("--scores-only", action="store_true", help="score (and cache), then stop")
     ns = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = dict(run.QUICK if ns.quick else run.FULL)
@@ -447,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     base = lp[torch.arange(len(attrs)), attrs].numpy()
     log(f"seed {ns.seed}: trained; scoring {ROWS}")
     scores = score_rows(d, states, ns.seed, cfg, log)
+    if ns.scores_only:
+        return
     why = chosen_documents(d, ns.facts, scores, ns.seed)
     log(f"documents: {why}")
     specs = [ROUNDING] + [("weight", 1 - e, (z,)) for z in sorted(why) for e in EPSILONS]

@@ -394,10 +394,13 @@ def adamw_influence(
     return fn
 
 
-def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> torch.Tensor:
+def adamw_influence_exact_hessian(
+    ctx: Context, limit: int | None = None, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
-    a parameter-snapshot recording of the same run); every step, every coordinate, float32.
+    a parameter-snapshot recording of the same run); every step, every coordinate, float32
+    (``compute_dtype``: raise it, e.g. float64 where float32's range is passed).
     Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
     ``limit``: the first test samples only (each query costs one HVP per step)."""
     from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
@@ -415,13 +418,13 @@ def adamw_influence_exact_hessian(ctx: Context, limit: int | None = None) -> tor
     dynamics = OptimizerDynamics(rec["trajectory"])
     with tempfile.TemporaryDirectory() as tmp:
         attributor = AdamWInfluenceAttributor(
-            _args(tmp), loss_reduction="mean", curvature=curvature
+            _args(tmp), loss_reduction="mean", curvature=curvature, compute_dtype=compute_dtype
         )
         scores = chunked(
             ctx,
             config,
             lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
-            4,
+            8 if compute_dtype == torch.float64 else 4,
             limit=limit,
         )
     ctx.extra["last_note"] = _note(
