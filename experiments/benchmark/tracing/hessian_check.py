@@ -77,17 +77,20 @@ ROUNDING = ("weight", 0.9, "all")
 
 # ---- the adjoint sweep, watched --------------------------------------------------------------
 @contextlib.contextmanager
-def watched_sweeps(record: list[dict]) -> Any:
+def watched_sweeps(record: list[dict], keep: tuple[int, ...] = ()) -> Any:
     """Within: every adjoint sweep of a trajectory attributor appends to ``record`` the norms
     (per step in training order, per query) of the adjoints it carries into each step
     (``theta``, ``m``, ``v``) and of ``γ``, and each occurrence's score with its sample
-    identity and step. The sweep's numbers are untouched."""
+    identity and step; ``keep``: steps whose parameter adjoint is kept whole (``"kept"``, in
+    float64). A sweep the library refuses appends ``{"kept", "refused"}`` and re-raises. The
+    sweep's numbers are untouched."""
     from dattri_llm.attribution.trajectory import base
 
     original = base.adjoint_sweep
 
     def sweep(steps: Any, load: Callable, queries: torch.Tensor, *rest: Any) -> Any:
         norms: dict[int, dict[str, torch.Tensor]] = {}
+        kept: dict[int, torch.Tensor] = {}
 
         def load_watched(step: int) -> Any:
             op, pushes = load(step)
@@ -97,12 +100,18 @@ def watched_sweeps(record: list[dict]) -> Any:
                 prev, gamma = inner(adj)
                 norms[step] = {c: adj[c].norm(dim=1) for c in adj}
                 norms[step]["gamma"] = gamma.norm(dim=1)
+                if step in keep:
+                    kept[step] = adj["theta"].detach().double().clone()
                 return prev, gamma
 
             op.adjoint = adjoint
             return op, pushes
 
-        scores, hashes, rows = original(steps, load_watched, queries, *rest)
+        try:
+            scores, hashes, rows = original(steps, load_watched, queries, *rest)
+        except FloatingPointError as err:
+            record.append({"kept": kept, "refused": str(err), "query_norm": queries.norm(dim=1)})
+            raise
         order = sorted(norms)
         record.append(
             {
@@ -114,6 +123,7 @@ def watched_sweeps(record: list[dict]) -> Any:
                     for c in ("theta", "m", "v", "gamma")
                 },
                 "query_norm": queries.norm(dim=1),
+                "kept": kept,
                 "scores": scores,
                 "hashes": hashes,
                 "rows": rows,
