@@ -332,3 +332,41 @@ def test_doc_weights_is_a_weighted_batch_mean_and_leaves_the_run_alone():
         run.train(d, keep, cfg, 1, doc_weights={5: 0.5})
     with pytest.raises(ValueError, match="expected a finite weight >= 0"):
         run.train(d, keep, cfg, 1, doc_weights={z: -1.0})
+
+
+def test_watched_sweeps_record_the_adjoint_and_leave_the_scores_alone():
+    """``hessian_check.watched_sweeps``: the library's adjoint sweep inside it returns the same
+    scores and records the adjoint norms written out for an expanding SGD step (``A = −c I``:
+    the adjoint grows by ``1 + c η`` per step backward), the kept adjoints whole, and a
+    refused (overflowing float32) sweep's kept adjoints before re-raising."""
+    from dattri_llm.attribution.trajectory import base
+    from dattri_llm.attribution.trajectory.unroll import Curvature, SGDStep, StepPushes
+    from experiments.benchmark.tracing.hessian_check import watched_sweeps
+
+    c, lr, n = 3.0, 0.5, 6
+
+    def load_in(dtype):
+        def load(step):
+            op = SGDStep(
+                Curvature(None, operator=lambda x: -c * x), lr=torch.tensor(lr, dtype=dtype)
+            )
+            return op, StepPushes(step, torch.ones(1, 4, dtype=dtype), [f"s{step}"])
+
+        return load
+
+    q = torch.ones(2, 4, dtype=torch.float64)
+    plain = base.adjoint_sweep(list(range(n)), load_in(torch.float64), q)[0]
+    record: list[dict] = []
+    with watched_sweeps(record, keep=(0, 5)):
+        watched = base.adjoint_sweep(list(range(n)), load_in(torch.float64), q)[0]
+    assert torch.equal(watched, plain) and len(record) == 1
+    growth = torch.tensor([(1 + c * lr) ** (n - 1 - k) for k in range(n)], dtype=torch.float64)
+    torch.testing.assert_close(record[0]["norms"]["theta"], 2 * growth[:, None].expand(n, 2))
+    torch.testing.assert_close(record[0]["kept"][0], growth[0] * q)
+    assert record[0]["steps"] == list(range(n))
+
+    record.clear()
+    steps = list(range(120))  # 2.5^119 ≈ 1e47 passes float32's range (3.4e38)
+    with watched_sweeps(record, keep=(119,)), pytest.raises(FloatingPointError):
+        base.adjoint_sweep(steps, load_in(torch.float32), q.float())
+    assert "refused" in record[0] and torch.equal(record[0]["kept"][119], q)
