@@ -9,7 +9,7 @@ facts), and for the tied token embedding the vocabulary rows that hold most of i
 token's count in the training documents. On the full configuration the float32 sweep passes
 float32's range and the library refuses it; the updates it reached are reported.
 
-Writes ``results/tracing_hessian_layers[-quick].json``.
+Writes ``results/tracing_hessian_layers[-quick][-sSEED].json`` (no seed suffix for seed 0).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - t0,
         "load_average": os.getloadavg(),
     }
-    path = run.RESULTS / f"tracing_hessian_layers{'-quick' if ns.quick else ''}.json"
+    tag = ("-quick" if ns.quick else "") + (f"-s{ns.seed}" if ns.seed else "")
+    path = run.RESULTS / f"tracing_hessian_layers{tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
