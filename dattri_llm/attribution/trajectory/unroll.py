@@ -34,6 +34,11 @@ gradient change ``A δθ`` stays linear); nonlinear steps must open the run, and
 sweep evaluates them forward (:func:`adjoint_sweep`).
 The score of an occurrence is ``q_Tᵀ δθ_T`` of its removal: positive when removing the sample
 would raise the query's loss, i.e. the sample helped (the library's sign).
+
+A sweep whose numbers stop being finite is refused (:class:`FloatingPointError`), never
+returned: when the linearised steps amplify perturbations (a run whose derivative grows
+exponentially backward, e.g. the true Hessian of a from-scratch run at a large learning rate)
+the adjoint can pass the compute dtype's range (float32: 3.4e38) within the run.
 """
 
 from __future__ import annotations
@@ -368,6 +373,27 @@ def _align(state: State, components: Sequence[str], like: torch.Tensor) -> State
     return {c: state[c] if c in state else torch.zeros_like(like) for c in components}
 
 
+def _check_finite(values: torch.Tensor, at: str, sweep: str) -> None:
+    """Refuse non-finite scores / perturbations (see the module docstring).
+
+    Raises:
+        FloatingPointError: naming the step, the dtype and the ways out.
+    """
+    if bool(torch.isfinite(values).all()):
+        return
+    big = values[torch.isfinite(values)].abs()
+    largest = f"{float(big.max()):.3g}" if big.numel() else "none"
+    raise FloatingPointError(
+        f"{sweep}: non-finite values (inf/NaN) {at} in {values.dtype} (largest finite "
+        f"magnitude {largest}). Either the inputs (captured gradients, queries, optimizer "
+        "record) hold non-finite values, or the linearised training steps amplify "
+        "perturbations past the dtype's range: the run's first-order influence is then "
+        "astronomically large and holds only for vanishingly small removals. Pass "
+        "compute_dtype=torch.float64 to compute it anyway, or use a curvature that does not "
+        "amplify (the default empirical Fisher, or none)."
+    )
+
+
 def _carry(
     steps: Sequence[int],
     load: Callable[[int], tuple[LinearStep, StepPushes]],
@@ -426,6 +452,7 @@ def forward_sweep(
         step order, with each row's sample identity and step.
     """
     state, hashes, rows, _ = _carry(steps, load, progress, keep)
+    _check_finite(state["theta"], f"by step {rows[-1]} (the end of the run)", "forward sweep")
     return state["theta"], hashes, rows
 
 
@@ -462,13 +489,16 @@ def adjoint_sweep(
             break
         adj = _align(adj, op.components, queries)
         prev, gamma = op.adjoint(adj)
-        out.append((pushes.step, op.push_scores(adj, gamma, pushes.shares), pushes.hashes))
+        scores = op.push_scores(adj, gamma, pushes.shares)
+        _check_finite(scores, f"at step {step}", "adjoint sweep")
+        out.append((pushes.step, scores, pushes.hashes))
         adj = prev
     out.reverse()
     if prefix:
         state, hashes, rows, last = _carry(prefix, load)
         adj = _align(adj, last.components, queries)
         scores = sum(state[c] @ adj[c].T for c in last.components)
+        _check_finite(scores, f"by step {prefix[-1]} (the exactly taken steps)", "adjoint sweep")
         early = [(st, scores[i : i + 1], [h]) for i, (st, h) in enumerate(zip(rows, hashes))]
         out = early + out
     if not out:

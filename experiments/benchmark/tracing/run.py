@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import shlex
 import sys
@@ -77,10 +78,15 @@ MODEL: dict[str, Any] = {"n_layer": 2, "n_head": 4, "n_embd": 64}
 
 
 # ---- model, losses, training ----------------------------------------------------------------
+def doc_losses(model: Any, batch: dict) -> torch.Tensor:
+    """``(B,)`` each document's mean next-token cross-entropy."""
+    logits = model(batch["x"])
+    return F.cross_entropy(logits.transpose(1, 2), batch["y"], reduction="none").mean(1)
+
+
 def doc_loss_sum(model: Any, batch: dict) -> torch.Tensor:
     """Sum over the batch of each document's mean next-token cross-entropy (training loss)."""
-    logits = model(batch["x"])
-    return F.cross_entropy(logits.transpose(1, 2), batch["y"], reduction="none").mean(1).sum()
+    return doc_losses(model, batch).sum()
 
 
 def query_loss_sum(model: Any, batch: dict) -> torch.Tensor:
@@ -135,6 +141,7 @@ def train(
     seed: int,
     snapshots: int = 1,
     observer: Any = None,
+    doc_weights: dict[int, float] | None = None,
 ) -> Snapshots:
     """AdamW from the seed's initialisation on the documents ``keep``; linear decay to 0.
 
@@ -143,6 +150,11 @@ def train(
     being the final weights, with the optimizer's state at each (``Snapshots.optimizer``).
     ``observer`` (a quality-benchmark ``TrainObserver``) watches the loop: the trajectory rows
     record the run through it; it does not change the run (checked bit for bit).
+    ``doc_weights`` (partial removal, :mod:`.hessian_check`): ``{document: w}``, each a member
+    of ``keep``; a batch holding one of them takes the weighted mean
+    ``Σ w_i ℓ_i / Σ w_i`` of its documents' losses (the others weigh 1); the batch order, the
+    step count and the schedule stay the run's. Without it (``None``) the loop is the
+    reference run bit for bit (tested).
     """
     torch.manual_seed(seed)
     model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
@@ -155,6 +167,7 @@ def train(
     marks = set(snapshot_steps(len(keep), cfg, snapshots))
     states, step = Snapshots(), 0
     kept = torch.as_tensor(keep, dtype=torch.long)
+    weights = _doc_weights(keep, doc_weights)
     with observer.run(model, opt) if observer is not None else contextlib.nullcontext():
         for _ in range(epochs):
             for idx in torch.randperm(len(keep), generator=gen).split(bs):
@@ -163,7 +176,11 @@ def train(
                 batch = {"x": x[idx], "y": y[idx]}
                 if observer is not None:
                     observer.before_backward(step, kept[idx], batch)
-                loss = doc_loss_sum(model, batch) / len(idx)
+                if weights is None or bool(torch.isnan(weights[idx]).all()):
+                    loss = doc_loss_sum(model, batch) / len(idx)
+                else:  # a weighted document is in the batch (the others weigh 1)
+                    w = torch.nan_to_num(weights[idx], nan=1.0)
+                    loss = (w * doc_losses(model, batch)).sum() / w.sum()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -174,6 +191,25 @@ def train(
                     states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
                     states.optimizer.append(copy.deepcopy(opt.state_dict()))
     return states
+
+
+def _doc_weights(keep: list[int], doc_weights: dict[int, float] | None) -> torch.Tensor | None:
+    """Per position in ``keep``, the document's weight (NaN: not weighted), or ``None``."""
+    if not doc_weights:
+        return None
+    where = {doc: i for i, doc in enumerate(keep)}
+    missing = sorted(set(doc_weights) - set(where))
+    if missing:
+        raise ValueError(
+            f"doc_weights: documents {missing} are not in keep (the trained documents); weight "
+            "only documents the run trains on, or remove them from keep instead."
+        )
+    out = torch.full((len(keep),), float("nan"))
+    for doc, w in doc_weights.items():
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"doc_weights[{doc}] = {w}: expected a finite weight >= 0.")
+        out[where[doc]] = float(w)
+    return out
 
 
 def load(d: tdata.TracingData, state: dict) -> Any:

@@ -398,11 +398,16 @@ def adamw_influence(
 
 
 def adamw_influence_exact_hessian(
-    ctx: Context, limit: int | None = None, push: str = "linear", exact_steps: int = 0
+    ctx: Context,
+    limit: int | None = None,
+    push: str = "linear",
+    exact_steps: int = 0,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
-    a parameter-snapshot recording of the same run); every step, every coordinate, float32.
+    a parameter-snapshot recording of the same run); every step, every coordinate, float32
+    (``compute_dtype``: raise it, e.g. float64 where float32's range is passed).
     Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
     ``limit``: the first test samples only (each query costs one HVP per step). ``push``: the
     attributor's ``push=`` (``"exact"``: each removal's own step taken exactly) and
@@ -427,12 +432,13 @@ def adamw_influence_exact_hessian(
             curvature=curvature,
             push=push,
             exact_steps=exact_steps,
+            compute_dtype=compute_dtype,
         )
         scores = chunked(
             ctx,
             config,
             lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
-            4,
+            8 if compute_dtype == torch.float64 else 4,
             limit=limit,
         )
     ctx.extra["last_note"] = _note(
