@@ -218,8 +218,10 @@ def tour(args: argparse.Namespace, out: str) -> dict:
         optimizers.append(torch.optim.AdamW(model.parameters(), lr=args.lr))
         optimizers[-1].load_state_dict(state)
     at_final = AttributionTask(loss_func=loss_fn, model=model, checkpoints=final)
+    # the SGD copy's learning rate: under the summed token loss 0.01 diverges (NaN by its 6th
+    # step, which the sweep refuses), 1e-3 stays finite
     sgd = AttributionArguments(
-        output_dir=f"{out}/scores", show_progress=False, optimizer="sgd", learning_rate=0.01,
+        output_dir=f"{out}/scores", show_progress=False, optimizer="sgd", learning_rate=1e-3,
         per_device_train_batch_size=16, lr_scheduler_type="constant",
     )  # fmt: skip
     tr, te, at_last = f"{out}/train", f"{out}/query", {"checkpoints": [last]}
