@@ -40,8 +40,7 @@ FILLED = "carriers + random (same size)"
 
 #: ``(keep) -> (n_facts, vocab)`` log-probabilities of the model retrained on ``keep``; set
 #: before the worker processes fork (they inherit it, nothing is pickled to them).
-_RETRAIN: Callable[[list[int]], np.ndarray] | None = None
-_N_DOCS = 0
+_JOB: Callable[[Any], np.ndarray] | None = None
 
 
 def control_removals(d: tdata.TracingData, k: int, seed: int) -> dict[str, list[list[int]]]:
@@ -59,12 +58,10 @@ def control_removals(d: tdata.TracingData, k: int, seed: int) -> dict[str, list[
     return {CARRIERS: [sorted(f.docs) for f in d.facts], FILLED: filled}
 
 
-def _retrain_one(key: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray, float]:
-    assert _RETRAIN is not None
-    gone = set(key)
-    keep = [i for i in range(_N_DOCS) if i not in gone]
+def _run_one(key: Any) -> tuple[Any, np.ndarray, float]:
+    assert _JOB is not None
     t0 = time.perf_counter()
-    lp = _RETRAIN(keep)
+    lp = _JOB(key)
     return key, lp, time.perf_counter() - t0
 
 
@@ -118,10 +115,29 @@ def retrain_all(
     the order of ``keys``, in ``jobs`` forked processes; returns the log-probabilities per
     removal and each (new) retraining's wall time. Removals found in ``cache`` are not
     retrained; new ones are added to it. ``on_done(results so far)`` after each."""
-    global _RETRAIN, _N_DOCS
+
+    def job(key: tuple[int, ...]) -> np.ndarray:
+        gone = set(key)
+        return retrain([i for i in range(n_docs) if i not in gone])
+
+    return run_cached(keys, job, jobs, log, cache, on_done)
+
+
+def run_cached(
+    keys: list[Any],
+    job: Callable[[Any], np.ndarray],
+    jobs: int = 1,
+    log: Callable[[str], None] = print,
+    cache: Any = None,
+    on_done: Callable[[dict], None] | None = None,
+) -> tuple[dict, list[float]]:
+    """``job(key)`` for each distinct key, in the order of ``keys``, in ``jobs`` forked
+    processes; keys ``cache.get`` returns are not run, new results are ``cache.put``. Returns
+    the result per key and each new run's wall time; ``on_done(results so far)`` after each."""
+    global _JOB
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    out: dict[tuple[int, ...], np.ndarray] = {}
+    out: dict = {}
     todo = []
     for key in dict.fromkeys(keys):
         hit = cache.get(key) if cache is not None else None
@@ -133,14 +149,14 @@ def retrain_all(
         log(f"    {len(out)} removals from the retrain cache, {len(todo)} to retrain")
     if on_done is not None and out:
         on_done(out)
-    _RETRAIN, _N_DOCS = retrain, n_docs
+    _JOB = job
     secs: list[float] = []
     try:
         if jobs == 1:
-            results: Any = map(_retrain_one, todo)
+            results: Any = map(_run_one, todo)
         else:
             pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            results = pool.map(_retrain_one, todo)
+            results = pool.map(_run_one, todo)
         for n, (key, lp, s) in enumerate(results, 1):
             out[key] = lp
             secs.append(s)
@@ -153,7 +169,7 @@ def retrain_all(
         if jobs > 1:
             pool.shutdown()
     finally:
-        _RETRAIN = None
+        _JOB = None
     return out, secs
 
 

@@ -41,13 +41,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import shlex
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,8 +57,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from experiments.benchmark.tracing import (
+    causal,  # noqa: E402
+    run,  # noqa: E402
+)
 from experiments.benchmark.tracing import data as tdata  # noqa: E402
-from experiments.benchmark.tracing import run  # noqa: E402
 
 CACHE = run.RESULTS / "cache" / "tracing-hessian-check"
 VERSION = 1
@@ -212,13 +213,24 @@ def _key(cfg: dict, *parts: Any) -> str:
 
 
 # ---- retrainings -----------------------------------------------------------------------------
-_JOB: Callable[[tuple], np.ndarray] | None = None
+class _SpecCache:
+    """This diagnosis's retrainings on disk, one file per spec (atomic writes)."""
 
+    def __init__(self, cfg: dict, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
 
-def _one(spec: tuple) -> tuple[tuple, np.ndarray, float]:
-    assert _JOB is not None
-    t0 = time.perf_counter()
-    return spec, _JOB(spec), time.perf_counter() - t0
+    def _path(self, spec: tuple) -> Path:
+        return CACHE / f"retrain-s{self.seed}-{_key(self.cfg, spec)}.safetensors"
+
+    def get(self, spec: tuple) -> np.ndarray | None:
+        path = self._path(spec)
+        return load_file(str(path))["logp"].numpy() if path.exists() else None
+
+    def put(self, spec: tuple, lp: np.ndarray) -> None:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(spec).with_suffix(".tmp")
+        save_file({"logp": torch.from_numpy(np.ascontiguousarray(lp))}, str(tmp))
+        os.replace(tmp, self._path(spec))
 
 
 def retrain_specs(
@@ -227,7 +239,6 @@ def retrain_specs(
     """Per spec, every fact's attribute log-probability ``(n_facts,)`` after the retraining:
     ``("weight", w, docs)`` keeps ``docs`` at weight ``w`` in a weighted batch mean,
     ``("remove", docs)`` retrains without them (the benchmark's causal removal). Cached."""
-    global _JOB
     attrs = d.attribute_ids()
     everything = list(range(len(d.docs)))
 
@@ -241,39 +252,7 @@ def retrain_specs(
         lp, _ = run.attribute_logp(run.load(d, states[-1]), d)
         return lp[torch.arange(len(attrs)), attrs].numpy()
 
-    def path(spec: tuple) -> Path:
-        return CACHE / f"retrain-s{seed}-{_key(cfg, spec)}.safetensors"
-
-    out: dict[tuple, np.ndarray] = {}
-    todo = []
-    for spec in dict.fromkeys(specs):
-        if path(spec).exists():
-            out[spec] = load_file(str(path(spec)))["logp"].numpy()
-        else:
-            todo.append(spec)
-    log(f"  {len(out)} retrainings from the cache, {len(todo)} to run")
-    _JOB = job
-    secs: list[float] = []
-    try:
-        if jobs > 1:
-            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            results: Any = pool.map(_one, todo)
-        else:
-            results = map(_one, todo)
-        for n, (spec, lp, s) in enumerate(results, 1):
-            out[spec] = lp
-            secs.append(s)
-            CACHE.mkdir(parents=True, exist_ok=True)
-            tmp = path(spec).with_suffix(".tmp")
-            save_file({"logp": torch.from_numpy(np.ascontiguousarray(lp))}, str(tmp))
-            os.replace(tmp, path(spec))
-            if n % 10 == 0 or n == len(todo):
-                log(f"    retrained {n}/{len(todo)} ({np.mean(secs):.1f} s each)")
-        if jobs > 1:
-            pool.shutdown()
-    finally:
-        _JOB = None
-    return out, secs
+    return causal.run_cached(specs, job, jobs, log, _SpecCache(cfg, seed))
 
 
 def chosen_documents(
