@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 from experiments.benchmark.quality import ground_truth as gtm
 from experiments.benchmark.quality import removal
 from experiments.benchmark.quality.common import RESULTS_DIR, Setting, environment
-from experiments.benchmark.quality.metrics import N_BOOT, spearman_columns
+from experiments.benchmark.quality.metrics import lds_summed_scores, spearman_columns
 
 
 def prediction_agreement(pred: np.ndarray, truth: np.ndarray, seed: int = 0) -> dict:
@@ -55,18 +55,7 @@ def prediction_agreement(pred: np.ndarray, truth: np.ndarray, seed: int = 0) -> 
     interval (delete-one-subset jackknife + test-sample bootstrap) and the mean Pearson."""
     per_test = spearman_columns(pred, truth)
     value = float(np.nanmean(per_test))
-    s = pred.shape[0]
-    jack = np.array(
-        [
-            np.nanmean(spearman_columns(np.delete(pred, i, 0), np.delete(truth, i, 0)))
-            for i in range(s)
-        ]
-    )
-    var_subsets = (s - 1) / s * float(((jack - jack.mean()) ** 2).sum())
-    v = per_test[~np.isnan(per_test)]
-    rng = np.random.default_rng(seed)
-    var_tests = float(v[rng.integers(0, len(v), (N_BOOT, len(v)))].mean(1).var())
-    se = float(np.sqrt(var_subsets + var_tests))
+    se = removal.interval_se(pred, truth, per_test, seed)
     pc = pred - pred.mean(0)
     tc = truth - truth.mean(0)
     pearson = (pc * tc).sum(0) / np.sqrt((pc * pc).sum(0) * (tc * tc).sum(0))
@@ -187,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         from safetensors.torch import load_file
 
         scores = load_file(str(path))["scores"].to(torch.float64)
-        summed = removal_summed(scores, indices)
+        summed = lds_summed_scores(scores, indices)
         zeroed, true = scores.clone(), scores.clone()
         zeroed[first] = 0.0
         norms = scores.norm(dim=1)
@@ -201,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                 "vs_truth_run0": prediction_agreement(summed, truth0.numpy()),
                 "first_batch_norm_over_median": float(norms[first].mean() / norms.median()),
                 "first_batch_zeroed": prediction_agreement(
-                    removal_summed(zeroed, indices), truth0.numpy()
+                    lds_summed_scores(zeroed, indices), truth0.numpy()
                 ),
                 "first_batch_true_effects": prediction_agreement(
-                    removal_summed(true, indices), truth0.numpy()
+                    lds_summed_scores(true, indices), truth0.numpy()
                 ),
             }
         )
@@ -250,15 +239,10 @@ def _scale(
     that hold none of ``skip`` (a method's scores in target units, so its first-batch scores
     can be replaced by true effects ``Δ(1) / c``)."""
     total = scores.sum(0)
-    removed = total[None] - torch.as_tensor(removal_summed(scores, indices))
+    removed = total[None] - torch.as_tensor(lds_summed_scores(scores, indices))
     clean = torch.tensor([bool(np.isin(skip, k.numpy()).all()) for k in indices])
     r, t = removed[clean], slope[clean]
     return float((r * t).sum() / (r * r).sum())
-
-
-def removal_summed(scores: torch.Tensor, indices: torch.Tensor) -> np.ndarray:
-    """(S, n_test): a method's scores summed over each subset's kept samples (dattri's LDS)."""
-    return torch.stack([scores[k.long()].sum(0) for k in indices]).numpy()
 
 
 if __name__ == "__main__":

@@ -237,7 +237,14 @@ def lds_with_ci(scores: torch.Tensor, gt: torch.Tensor, kept: torch.Tensor, seed
     per_test, _ = lds(scores.to(torch.float64), (gt, kept))
     value = float(np.nanmean(per_test.numpy()))
     summed = torch.stack([scores.to(torch.float64)[k].sum(0) for k in kept]).numpy()
-    truth = gt.numpy()
+    se = interval_se(summed, gt.numpy(), per_test.numpy(), seed)
+    return {"mean": value, "lo": value - 1.96 * se, "hi": value + 1.96 * se, "se": se}
+
+
+def interval_se(summed: np.ndarray, truth: np.ndarray, per_test: np.ndarray, seed: int) -> float:
+    """The standard error of an LDS: the delete-one-subset jackknife variance of the mean
+    per-test Spearman of ``summed`` against ``truth`` (both ``(S, n_test)``) plus the bootstrap
+    variance of the mean of ``per_test`` over test samples."""
     s = truth.shape[0]
     jack = np.array(
         [
@@ -246,12 +253,10 @@ def lds_with_ci(scores: torch.Tensor, gt: torch.Tensor, kept: torch.Tensor, seed
         ]
     )
     var_subsets = (s - 1) / s * float(((jack - jack.mean()) ** 2).sum())
-    v = per_test.numpy()
-    v = v[~np.isnan(v)]
+    v = per_test[~np.isnan(per_test)]
     rng = np.random.default_rng(seed)
     var_tests = float(v[rng.integers(0, len(v), (N_BOOT, len(v)))].mean(1).var())
-    se = float(np.sqrt(var_subsets + var_tests))
-    return {"mean": value, "lo": value - 1.96 * se, "hi": value + 1.96 * se, "se": se}
+    return float(np.sqrt(var_subsets + var_tests))
 
 
 def methods(setting: Setting, quick: bool) -> list:
