@@ -479,7 +479,7 @@ def adjoint_sweep(
         ``(scores (N_occ, R), hashes, steps)`` in step order.
     """
     adj: State = {"theta": queries}
-    out: list[tuple[int, torch.Tensor, list[str]]] = []
+    out: list[tuple[torch.Tensor, list[str], list[int]]] = []  # (scores, hashes, steps)
     order = list(steps)
     prefix: list[int] = []
     for i, step in enumerate(progress(list(reversed(order)))):
@@ -491,7 +491,7 @@ def adjoint_sweep(
         prev, gamma = op.adjoint(adj)
         scores = op.push_scores(adj, gamma, pushes.shares)
         _check_finite(scores, f"at step {step}", "adjoint sweep")
-        out.append((pushes.step, scores, pushes.hashes))
+        out.append((scores, list(pushes.hashes), [pushes.step] * scores.shape[0]))
         adj = prev
     out.reverse()
     if prefix:
@@ -499,11 +499,10 @@ def adjoint_sweep(
         adj = _align(adj, last.components, queries)
         scores = sum(state[c] @ adj[c].T for c in last.components)
         _check_finite(scores, f"by step {prefix[-1]} (the exactly taken steps)", "adjoint sweep")
-        early = [(st, scores[i : i + 1], [h]) for i, (st, h) in enumerate(zip(rows, hashes))]
-        out = early + out
+        out.insert(0, (scores, hashes, rows))
     if not out:
         raise ValueError("the trajectory holds no steps.")
-    scores = torch.cat([s for _, s, _ in out])
-    hashes = [h for _, _, hs in out for h in hs]
-    rows = [st for st, s, _ in out for _ in range(s.shape[0])]
+    scores = torch.cat([s for s, _, _ in out])
+    hashes = [h for _, hs, _ in out for h in hs]
+    rows = [st for _, _, sts in out for st in sts]
     return scores, hashes, rows
