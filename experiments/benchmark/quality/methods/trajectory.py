@@ -383,8 +383,13 @@ def adamw_influence(
         dynamics = OptimizerDynamics(rec["trajectory"])
         itemsize = 8 if compute_dtype == torch.float64 else 4
         with tempfile.TemporaryDirectory() as tmp:
-            kw = {"push": push, "exact_steps": exact_steps} if push != "linear" else {}
-            attributor = cls(_args(tmp), loss_reduction="mean", compute_dtype=compute_dtype, **kw)
+            attributor = cls(
+                _args(tmp),
+                loss_reduction="mean",
+                compute_dtype=compute_dtype,
+                push=push,
+                exact_steps=exact_steps,
+            )
             scores = chunked(
                 ctx,
                 config,
