@@ -26,7 +26,7 @@ from dattri_llm import (
     ParameterSnapshotCallback,
     TrajectorySnapshots,
 )
-from dattri_llm.attribution.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
 from tests.trajectory_reference import (
     DT,
     Hyper,

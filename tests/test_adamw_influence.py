@@ -444,7 +444,7 @@ def test_exact_hessian_equals_the_exact_derivative(tmp_path, name):
     the snapshots) the first-order influence is the exact derivative of the final query loss:
     equal to autograd through the unrolled run to rounding, also with clipping and masks'
     restriction aside. The empirical Fisher default is measured beside it."""
-    from dattri_llm.attribution.curvature import ExactHessian
+    from dattri_llm.attribution.trajectory.curvature import ExactHessian
 
     run = make_run(tmp_path, name, snapshots=True)
     exact = exact_scores(run)

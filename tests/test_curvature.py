@@ -19,7 +19,7 @@ from dattri_llm import (
     ProjectionConfig,
     TrajectorySnapshots,
 )
-from dattri_llm.attribution.curvature import ExactHessian
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
 from dattri_llm.gradient.hooks import HookManager
 from tests.trajectory_reference import DT, lm_batch, lm_sample_losses, make_lm
 

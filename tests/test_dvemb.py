@@ -498,7 +498,7 @@ def test_exact_hessian_equals_the_exact_derivative(tmp_path, case):
     """DVEmb with ``curvature=ExactHessian(...)``: the embeddings are the exact first-order
     effect of removing each occurrence (equal to autograd through the unrolled SGD run to
     rounding, momentum and weight decay included); the paper's empirical Fisher beside it."""
-    from dattri_llm.attribution.curvature import ExactHessian
+    from dattri_llm.attribution.trajectory.curvature import ExactHessian
 
     kw = SGD_CASES.get(case, {})
     run = make_run(tmp_path, opt_kw=kw, snapshots=True)

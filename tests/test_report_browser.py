@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dattri_llm.attribution.report import SampleText, write_report
+from dattri_llm.attribution.views.report import SampleText, write_report
 from dattri_llm.attribution.score import AttributionScore
 
 BROWSER = next(

@@ -285,7 +285,7 @@ _KILLED = textwrap.dedent(
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
                             world_size=world)
     from dattri_llm import AttributionArguments, EKFACAttributor, TracInAttributor
-    from dattri_llm.attribution import resume, scoring
+    from dattri_llm.attribution.engine import resume, scoring
     saves = {{"n": 0}}
     orig = resume.ScoreCheckpoint.save
 

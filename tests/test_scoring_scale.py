@@ -27,7 +27,7 @@ from dattri_llm import (
     OffloadCallback,
     TracInAttributor,
 )
-from dattri_llm.attribution.scoring import ScoreLoop
+from dattri_llm.attribution.engine.scoring import ScoreLoop
 
 V, T = 11, 4
 
@@ -147,7 +147,7 @@ def test_the_test_side_join_releases_each_layer_of_the_blocks_as_it_goes(monkeyp
     (peak: the joined side plus one layer, not twice the side) and equals concatenate."""
     import weakref
 
-    from dattri_llm.attribution import blocks as blocks_mod
+    from dattri_llm.attribution.engine import blocks as blocks_mod
     from dattri_llm.gradient.gradient import Factorized, Gradient, GradientBlock
 
     def block(seed: int) -> GradientBlock:
@@ -190,7 +190,7 @@ def test_a_train_chunk_frees_its_blocks_layer_by_layer(stores, tmp_path, monkeyp
     gradients once), from a store and live; the scores stay exact."""
     import weakref
 
-    from dattri_llm.attribution import blocks as blocks_mod
+    from dattri_llm.attribution.engine import blocks as blocks_mod
 
     root, model, train, test = stores
     previous: list[weakref.ref] = []
@@ -287,7 +287,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import torch
     from dattri_llm import AttributionArguments, TracInAttributor
-    from dattri_llm.attribution import resume, scoring
+    from dattri_llm.attribution.engine import resume, scoring
 
     kill_after, where, top_k = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     top_k = None if top_k == "none" else int(top_k)
@@ -423,7 +423,7 @@ def test_a_partly_factorized_test_side_gets_chunks_as_wide_as_the_queries(
     """Test layers the budget leaves factorized are re-materialized for every chunk, so chunks
     take about as many rows as test columns, unless one layer of such a chunk would exceed
     ``_REMATERIALIZE_LAYER`` (fresh pages then cost more). Scores are exact either way."""
-    from dattri_llm.attribution import prepared, scoring
+    from dattri_llm.attribution.engine import prepared, scoring
 
     root, model, train, test = stores
     ref = brute_force(model, train, test)

@@ -6,7 +6,7 @@
 * One linear layer: each position's score equals ``<g_t a_t^T, G_test>`` built from explicit
   tensors (activations and output gradients by autograd, the test gradient checked against
   torch.func), also with Grad-Cos and a logra projection.
-* The HTML / terminal renderer (``dattri_llm.attribution.token_view``).
+* The HTML / terminal renderer (``dattri_llm.attribution.views.token_view``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dattri_llm import (
     OffloadCallback,
     TracInAttributor,
 )
-from dattri_llm.attribution.token_view import (
+from dattri_llm.attribution.views.token_view import (
     TokenHeatmap,
     display_token,
     html_page,
@@ -385,7 +385,7 @@ def test_terminal_heatmap_and_errors():
 def test_terminal_colours_only_on_a_terminal_without_no_color(monkeypatch):
     import io
 
-    from dattri_llm.attribution.token_view import color_enabled
+    from dattri_llm.attribution.views.token_view import color_enabled
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

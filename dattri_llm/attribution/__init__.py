@@ -11,9 +11,6 @@ heatmaps) and ``index/`` (nearest-neighbour search over a projected store, FAISS
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.score import AttributionScore, TopK
@@ -59,26 +56,3 @@ __all__ += ["SecondMoment"]
 from dattri_llm.attribution.index import GradientIndex  # noqa: E402
 
 __all__ += ["GradientIndex"]
-
-# Modules that moved into the subpackages keep their old import paths as the *same* module
-# objects (not copies), so ``import dattri_llm.attribution.scoring``, ``from
-# dattri_llm.attribution import resume`` and monkeypatching either keep working.
-_MOVED_MODULES = {
-    "blocks": "engine.blocks",
-    "distributed": "engine.distributed",
-    "prepared": "engine.prepared",
-    "resume": "engine.resume",
-    "scoring": "engine.scoring",
-    "sinks": "engine.sinks",
-    "units": "engine.units",
-    "curvature": "trajectory.curvature",
-    "training": "trajectory.training",
-    "unroll": "trajectory.unroll",
-    "report": "views.report",
-    "token_view": "views.token_view",
-}
-for _old, _new in _MOVED_MODULES.items():
-    _module = importlib.import_module(f"{__name__}.{_new}")
-    sys.modules[f"{__name__}.{_old}"] = _module
-    globals()[_old] = _module
-del _old, _new, _module

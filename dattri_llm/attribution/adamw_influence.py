@@ -213,45 +213,15 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         self.push = push
         self.exact_steps = exact_steps
 
-    def attribute_from_cache(
-        self,
-        train_dir: Any,
-        test_dir: Any,
-        attribution_granularity: str = "sample",
-        layers: Any = None,
-        checkpoints: Any = None,
-        dynamics: Any = None,
-        top_k: int | None = None,
-    ) -> Any:
-        """Unroll a captured run (see :meth:`TrajectoryAttributor.attribute_from_cache`).
-
-        Args:
-            train_dir: Store of the raw per-step per-sample gradients (or a
-                :class:`~dattri_llm.ReplayGradientSource`).
-            test_dir: Store of the queries' raw gradients at the end of the run.
-            attribution_granularity: ``"sample"``.
-            layers: Use only these layers.
-            checkpoints: Read only records with these checkpoint labels.
-            dynamics: ``OptimizerStateCallback.dynamics()`` (or its directory).
-            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
-                :meth:`TrajectoryAttributor.attribute_sources`).
-        """
-        return super().attribute_from_cache(
-            train_dir,
-            test_dir,
-            attribution_granularity,
-            layers,
-            checkpoints,
-            dynamics=dynamics,
-            top_k=top_k,
-        )
+    #: ``dynamics=`` of a call holds for that call alone (the specification passes it there).
+    call_options = ("dynamics",)
 
     def step_loader(
-        self, index: StepIndex, layers: list[str], dtype: torch.dtype, dynamics: Any = None
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype
     ) -> Callable[[int], tuple[AdamStep, StepPushes]]:
         """Each step's linearised Adam / AdamW update from the recorded dynamics."""
         where = type(self).__name__
-        dyn = coerce_dynamics(dynamics if dynamics is not None else self.dynamics, where)
+        dyn = coerce_dynamics(self.dynamics, where)
         if dyn.kind != "adam":
             raise ValueError(
                 f"{where}: the run was trained with {dyn.optimizer}; AdamW-influence models "

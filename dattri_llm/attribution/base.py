@@ -1,16 +1,23 @@
-"""``BaseAttributor``: the attributor interface, and the entry points every method shares.
+"""``BaseAttributor``: the attributor interface, and the one road every call takes.
 
-Train blocks (from a store or streamed live) are scored against the test gradients of the
-same checkpoint, ``score_block_size`` train rows by ``score_block_size`` test columns at a
-time, and collected into an :class:`AttributionScore`. The loop itself is the score engine
-(:mod:`dattri_llm.attribution.engine`); a method overrides the extension points below.
+The entry points (:meth:`~BaseAttributor.attribute`, :meth:`~BaseAttributor.attribute_from_cache`,
+:meth:`~BaseAttributor.attribute_sources`) are written once, here: each resolves its two sides
+(a dataset streamed live with the task's model, a store, or any gradient source), opens the
+call's plan (per-call options merged over the constructor's, undone when the call returns) and
+hands both sides to one driver. Train blocks are scored against the test gradients of the same
+checkpoint, ``score_block_size`` train rows by ``score_block_size`` test columns at a time, and
+collected into an :class:`AttributionScore`. The loop itself is the score engine
+(:mod:`dattri_llm.attribution.engine`); a method overrides the extension points below, never an
+entry point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,7 +56,7 @@ from dattri_llm.gradient.optim.second_moment import check_same_correction
 from dattri_llm.gradient.sources import GradientBlock, GradientSource, as_source
 from dattri_llm.utils.distributed import get_rank, get_world_size
 
-__all__ = ["BaseAttributor"]
+__all__ = ["BaseAttributor", "LiveSides", "StoredSides"]
 
 _MODES = ("auto", "factorized", "materialized")
 _NO_TOKEN_SPLIT = (
@@ -58,12 +65,36 @@ _NO_TOKEN_SPLIT = (
 )
 
 
+@dataclass(frozen=True)
+class LiveSides:
+    """The two sides of a live call: datasets streamed through the task's model."""
+
+    train_set: Any
+    test_set: Any
+    hook_config: HookManagerConfig | None
+    collate_fn: Callable[[list[Any]], Any] | None
+
+
+@dataclass(frozen=True)
+class StoredSides:
+    """The two sides of a stored call: gradient sources (stores or any other source)."""
+
+    train: Any
+    test: Any
+
+
 class BaseAttributor:
     """Base of the gradient-based attributors: data handling, pairing and the score loop.
 
     Entry points: :meth:`attribute` (live: a model, a train set and a test set; nothing is
     written), :meth:`attribute_from_cache` (two gradient stores; no model) and
-    :meth:`attribute_sources` (any two :class:`GradientSource`).
+    :meth:`attribute_sources` (any two :class:`GradientSource`). They are written once, here,
+    and every method takes the same road through them: a call's keyword options named in
+    :attr:`call_options` set the constructor's option of that name for the call alone (checked
+    by :meth:`check_option`; nothing survives the call), the others go to :meth:`fit`; then
+    :meth:`score_live` (live) or :meth:`score` (stored) runs the engine. A method implements its
+    mathematics in the extension points below; the trajectory methods replace :meth:`score`
+    with their sweep.
 
     Pairing: a train block captured at checkpoint ``c`` is scored against the test gradients
     captured at checkpoint ``c``; a test side with a single checkpoint pairs with every train
@@ -76,6 +107,10 @@ class BaseAttributor:
       scoring (e.g. K-FAC covariances, keyed by ``block.checkpoint``). ``kwargs`` are the extra
       keyword arguments of the ``attribute*`` call; the default accepts none. In the live path
       the source streams every checkpoint (it loads them) and is not re-readable.
+    * ``check_call(granularity, live)`` — refuse a call the method cannot score (e.g. token
+      granularity on materialized, corrected gradients) before anything is read.
+    * ``check_option(name, value, where)`` — validate a per-call option of
+      :attr:`call_options`.
     * ``prepare_test(gradient, checkpoint) -> Gradient`` — applied once to the concatenated test
       gradients of a checkpoint before scoring (e.g. an inverse-Fisher preconditioner, a
       normalisation). Default: identity.
@@ -118,6 +153,16 @@ class BaseAttributor:
     #: Score ``top_k`` over a vector store with the block reader (``engine/vector_scan.py``):
     #: for attributors whose ``prepare_train`` / ``score_block`` act row by row.
     vector_scan: bool = False
+    #: Constructor options a call may set for itself (``attribute*(..., name=value)``): the
+    #: value holds for that call alone (``None`` keeps the constructor's), checked by
+    #: :meth:`check_option`. Every other keyword option of a call goes to :meth:`fit`.
+    call_options: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``attribute_from_cache(checkpoints=...)`` filters the test store as well as
+    #: the train store.
+    filter_test_checkpoints: ClassVar[bool] = True
+    #: Scratch of the call in progress (e.g. a warning given once per call); emptied when the
+    #: call returns.
+    call_state: dict[str, Any]
 
     def __init__(
         self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
@@ -129,6 +174,7 @@ class BaseAttributor:
         self.args = args if args is not None else AttributionArguments()
         self.task = AttributionTask.coerce(task)
         self.mode = mode
+        self.call_state = {}
 
     @property
     def device(self) -> torch.device:
@@ -183,6 +229,72 @@ class BaseAttributor:
             return ops.cross_dot_per_token(train_grad, test_grad, mode=self.mode)
         return ops.cross_dot(train_grad, test_grad, mode=self.mode)
 
+    # ---- the call's plan -------------------------------------------------------------------
+    def check_option(self, name: str, value: Any, where: str) -> Any:
+        """Validate a per-call option (one of :attr:`call_options`); return the value to use.
+
+        Default: the value as given. A method with call options checks them here, with the
+        same rules as its constructor.
+        """
+        return value
+
+    def check_call(self, granularity: str, live: bool) -> None:
+        """Refuse a call the method cannot score, before anything is read (default: none).
+
+        Args:
+            granularity: The call's ``attribution_granularity``.
+            live: Whether the call streams from the task's model (:meth:`attribute`).
+        """
+
+    @contextlib.contextmanager
+    def _plan(self, options: dict[str, Any], where: str) -> Iterator[dict[str, Any]]:
+        """Within: the call's own values of :attr:`call_options`; yields the other options.
+
+        A call's option overrides the constructor's value for that call alone (``None`` keeps
+        the constructor's); on return every option is back to the constructor's value and
+        :attr:`call_state` is emptied, so no call reads what an earlier one left.
+        ``call_state["options"]`` names the options the call set.
+        """
+        name = type(self).__name__
+        own = {k: v for k, v in options.items() if k in self.call_options and v is not None}
+        checked = {k: self.check_option(k, v, f"{name}.{where}({k}=)") for k, v in own.items()}
+        outer, self.call_state = self.call_state, {"options": frozenset(checked)}
+        try:
+            with self._overriding(checked):
+                yield {k: v for k, v in options.items() if k not in self.call_options}
+        finally:
+            self.call_state = outer
+
+    @contextlib.contextmanager
+    def _overriding(self, values: dict[str, Any]) -> Iterator[None]:
+        """Within: these attributes set to these values; restored on the way out."""
+        kept = {k: getattr(self, k) for k in values}
+        try:
+            for key, value in values.items():
+                setattr(self, key, value)
+            yield
+        finally:
+            for key, value in kept.items():
+                setattr(self, key, value)
+
+    def _drive(
+        self,
+        where: str,
+        sides: LiveSides | StoredSides,
+        granularity: str,
+        top_k: int | None,
+        options: dict[str, Any],
+    ) -> AttributionScore:
+        """The one road: validate the call, open its plan, score the two sides."""
+        check_granularity(granularity)
+        k = check_top_k(top_k)
+        with self._plan(options, where) as rest:
+            live = isinstance(sides, LiveSides)
+            self.check_call(granularity, live)
+            if live:
+                return self.score_live(sides, granularity, k, rest)
+            return self.score(sides.train, sides.test, granularity, k, rest, where)
+
     # ---- entry points ----------------------------------------------------------------------
     def attribute(
         self,
@@ -192,7 +304,7 @@ class BaseAttributor:
         attribution_granularity: str = "sample",
         collate_fn: Callable[[list[Any]], Any] | None = None,
         top_k: int | None = None,
-        **kwargs: Any,
+        **options: Any,
     ) -> AttributionScore:
         """Attribute live: stream gradients from the task's model; nothing is written.
 
@@ -205,14 +317,13 @@ class BaseAttributor:
             collate_fn: Overrides ``args.dataloader_collate``.
             top_k: Keep only each test sample's ``top_k`` largest and smallest scores while
                 streaming (see :meth:`attribute_sources`).
-            **kwargs: Passed to :meth:`fit`.
+            **options: The method's per-call options (:attr:`call_options`, e.g.
+                ``normalized_grad=`` or ``damping=``: for this call only); the others are
+                passed to :meth:`fit`.
 
         Under ``torch.distributed`` each rank scores a contiguous slice of ``train_set``
         (see :mod:`dattri_llm.attribution.engine.distributed`).
         """
-        from dattri_llm.gradient.streaming import GradientStreamer
-
-        check_granularity(attribution_granularity)
         if self.task is None:
             raise ValueError(
                 f"{type(self).__name__}.attribute needs a task: pass "
@@ -225,8 +336,102 @@ class BaseAttributor:
                     f"{name} must be a sequence or a torch Dataset of samples, got "
                     f"{type(ds).__name__}."
                 )
+        sides = LiveSides(train_set, test_set, hook_config, self._collate(collate_fn))
+        return self._drive("attribute", sides, attribution_granularity, top_k, options)
+
+    def attribute_from_cache(
+        self,
+        train_dir: str | os.PathLike | Any,
+        test_dir: str | os.PathLike | Any,
+        attribution_granularity: str = "sample",
+        layers: Sequence[str] | None = None,
+        checkpoints: Sequence[int] | None = None,
+        top_k: int | None = None,
+        **options: Any,
+    ) -> AttributionScore:
+        """Attribute from two gradient stores (no model, no backward).
+
+        Args:
+            train_dir: Store of the train gradients (its directory or a
+                ``GradientStorageManager``; a trajectory method also takes a
+                :class:`~dattri_llm.ReplayGradientSource`).
+            test_dir: Store of the test gradients, captured on the same layers.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            layers: Score only these layers (default: all captured).
+            checkpoints: Read only records with these checkpoint labels from both stores
+                (e.g. ``[last]`` for Grad-Dot on stores captured at several checkpoints);
+                default: all.
+            top_k: Keep only each test sample's ``top_k`` largest and smallest scores (see
+                :meth:`attribute_sources`).
+            **options: As for :meth:`attribute`.
+        """
+        for name, where in (("train_dir", train_dir), ("test_dir", test_dir)):
+            if where is None or isinstance(where, (str, os.PathLike)):
+                if where is None or not os.path.isdir(where):
+                    raise FileNotFoundError(
+                        f"{name} {os.fspath(where) if where is not None else None!r} is not a "
+                        "directory: pass the save_dir of a GradientStorageManager the gradients "
+                        "were offloaded to."
+                    )
+        test_checkpoints = checkpoints if self.filter_test_checkpoints else None
+        sides = StoredSides(
+            self._stored_side(train_dir, layers, checkpoints),
+            self._stored_side(test_dir, layers, test_checkpoints),
+        )
+        return self._drive("attribute_from_cache", sides, attribution_granularity, top_k, options)
+
+    def attribute_sources(
+        self,
+        train_source: GradientSource | Iterable[GradientBlock],
+        test_source: GradientSource | Iterable[GradientBlock],
+        attribution_granularity: str = "sample",
+        top_k: int | None = None,
+        **options: Any,
+    ) -> AttributionScore:
+        """Attribute from any two gradient sources.
+
+        A source yields ``(step, Gradient, hashes)`` blocks, optionally with ``checkpoint``
+        (default 0) and ``metadata`` after them, or :class:`GradientBlock` (see
+        :func:`~dattri_llm.gradient.sources.as_source`). ``fit`` reads ``train_source`` first
+        when a method needs it, so pass a re-readable source to such attributors.
+
+        Args:
+            train_source: The train gradients.
+            test_source: The test gradients.
+            attribution_granularity: ``"sample"`` or ``"token"``.
+            top_k: Keep only each test sample's ``top_k`` largest and smallest scores (see
+                :meth:`score`).
+            **options: As for :meth:`attribute`.
+        """
+        sides = StoredSides(train_source, test_source)
+        return self._drive("attribute_sources", sides, attribution_granularity, top_k, options)
+
+    def _stored_side(self, where: Any, layers: Sequence[str] | None, checkpoints: Any) -> Any:
+        """A store (directory or manager) opened as a source; any other source as it is."""
+        from dattri_llm.gradient.sources import DiskGradientSource
+        from dattri_llm.gradient.store import GradientStorageManager
+
+        if not isinstance(where, (str, os.PathLike, GradientStorageManager)):
+            return where  # a gradient source (e.g. a ReplayGradientSource)
+        return DiskGradientSource(where, layers=layers, device=self.device, checkpoints=checkpoints)
+
+    # ---- the drivers -----------------------------------------------------------------------
+    def score_live(
+        self, sides: LiveSides, granularity: str, k: int | None, fit_options: dict[str, Any]
+    ) -> AttributionScore:
+        """Score a live call: per checkpoint, the test set's gradients, then the train set's.
+
+        Args:
+            sides: The datasets, hook config and collate of the call.
+            granularity: ``"sample"`` or ``"token"``.
+            k: ``top_k`` (``None``: every score).
+            fit_options: The call's options for :meth:`fit`.
+        """
+        from dattri_llm.gradient.streaming import GradientStreamer
+
         args, task = self.args, self.task
-        collate_fn = self._collate(collate_fn)
+        train_set, test_set = sides.train_set, sides.test_set
+        hook_config, collate_fn = sides.hook_config, sides.collate_fn
 
         def stream(ds: Any, loss: Callable, bs: int, c: int, desc: str) -> GradientStreamer:
             side = "test" if desc.startswith("test") else "train"
@@ -256,12 +461,11 @@ class BaseAttributor:
                     f"train ckpt {c}",
                 )
 
-        k = check_top_k(top_k)
         keys = None
         split = distributed.active(args)
         if split:
             distributed.join(args, f"{type(self).__name__}.attribute")
-            if attribution_granularity == "token":
+            if granularity == "token":
                 raise ValueError(_NO_TOKEN_SPLIT)
             n = len(train_set)
             mine = distributed.live_slice(n, get_rank(), get_world_size())
@@ -271,7 +475,7 @@ class BaseAttributor:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             live = LiveSource(train_source, int(args.live_cache_gb * 2**30))
-            self.fit(live, **kwargs)
+            self.fit_call(live, None, sides, fit_options)
             counts = None
             if k is not None:
                 from dattri_llm.gradient.streaming import sample_id
@@ -299,9 +503,9 @@ class BaseAttributor:
                 del test_blocks  # the test side holds what scoring needs
                 if acc is None:
                     acc = Accumulator(
-                        attribution_granularity,
+                        granularity,
                         "the live train set",
-                        self._sink(k, attribution_granularity, counts, len(columns)),
+                        self._sink(k, granularity, counts, len(columns)),
                     )
                 train = live.cached(c)  # blocks fit already streamed, if they were kept
                 if train is None:
@@ -317,63 +521,30 @@ class BaseAttributor:
         assert acc is not None
         return self._result(acc.sink, list(columns), k, keys, split)
 
-    def attribute_from_cache(
-        self,
-        train_dir: str | os.PathLike | Any,
-        test_dir: str | os.PathLike | Any,
-        attribution_granularity: str = "sample",
-        layers: Sequence[str] | None = None,
-        checkpoints: Sequence[int] | None = None,
-        top_k: int | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute from two gradient stores (no model, no backward).
+    def fit_call(
+        self, train: Any, test: Any, sides: LiveSides | None, fit_options: dict[str, Any]
+    ) -> None:
+        """Run :meth:`fit` for one call, before any score (default: ``fit(train, **options)``).
 
         Args:
-            train_dir: Store of the train gradients (a ``GradientStorageManager`` or its
-                directory).
-            test_dir: Store of the test gradients, captured on the same layers.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            layers: Score only these layers (default: all captured).
-            checkpoints: Read only records with these checkpoint labels from both stores
-                (e.g. ``[last]`` for Grad-Dot on stores captured at several checkpoints);
-                default: all.
-            top_k: Keep only each test sample's ``top_k`` largest and smallest scores (see
-                :meth:`attribute_sources`).
-            **kwargs: Passed to :meth:`fit`.
+            train: The train side as the fit reads it (a source, the store's units of this
+                rank, or the live stream).
+            test: The test blocks of a stored call (``None`` on the live path).
+            sides: The live call's datasets (``None`` for stored sides).
+            fit_options: The call's options that are not :attr:`call_options`.
         """
-        check_granularity(attribution_granularity)
-        for name, d in (("train_dir", train_dir), ("test_dir", test_dir)):
-            if d is not None and not isinstance(d, (str, os.PathLike)):
-                continue  # a GradientStorageManager
-            if d is None or not os.path.isdir(d):
-                raise FileNotFoundError(
-                    f"{name} {os.fspath(d) if d is not None else None!r} is not a directory: pass "
-                    "the save_dir of a GradientStorageManager the gradients were offloaded to."
-                )
-        from dattri_llm.gradient.sources import DiskGradientSource
+        self.fit(train, **fit_options)
 
-        device = self.device
-        train = DiskGradientSource(train_dir, layers=layers, device=device, checkpoints=checkpoints)
-        test = DiskGradientSource(test_dir, layers=layers, device=device, checkpoints=checkpoints)
-        return self.attribute_sources(train, test, attribution_granularity, top_k=top_k, **kwargs)
-
-    def attribute_sources(
+    def score(
         self,
-        train_source: GradientSource | Iterable[GradientBlock],
-        test_source: GradientSource | Iterable[GradientBlock],
-        attribution_granularity: str = "sample",
-        top_k: int | None = None,
-        **kwargs: Any,
+        train_source: Any,
+        test_source: Any,
+        granularity: str,
+        k: int | None,
+        fit_options: dict[str, Any],
+        where: str = "attribute_sources",
     ) -> AttributionScore:
-        """Attribute from any two gradient sources (the loop behind the other entry points).
-
-        A source yields ``(step, Gradient, hashes)`` blocks, optionally with ``checkpoint``
-        (default 0) and ``metadata`` after them, or :class:`GradientBlock` (see
-        :func:`~dattri_llm.gradient.sources.as_source`).
-
-        ``fit`` reads ``train_source`` first when a subclass needs it, so pass a re-readable
-        source to such attributors.
+        """Score two gradient sources: the engine behind the stored entry points.
 
         Train blocks are joined into chunks sized from ``args.score_memory_gb`` (see
         :mod:`dattri_llm.attribution.engine.scoring`). Over a store:
@@ -389,9 +560,15 @@ class BaseAttributor:
           (:mod:`dattri_llm.attribution.engine.resume`).
         * under ``torch.distributed`` the records are split across ranks and the results
           merged (:mod:`dattri_llm.attribution.engine.distributed`).
+
+        Args:
+            train_source: The train gradients (any source :func:`as_source` reads).
+            test_source: The test gradients.
+            granularity: ``"sample"`` or ``"token"``.
+            k: ``top_k`` (``None``: every score).
+            fit_options: The call's options for :meth:`fit`.
+            where: The entry point, as errors name it.
         """
-        check_granularity(attribution_granularity)
-        k = check_top_k(top_k)
         train_source, test_source = as_source(train_source, "train"), as_source(test_source, "test")
         names = (source_name(train_source, "train"), source_name(test_source, "test"))
         if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
@@ -400,8 +577,8 @@ class BaseAttributor:
         units = units_of(train_source)
         split = distributed.active(self.args)
         if split:
-            distributed.join(self.args, f"{type(self).__name__}.attribute_from_cache")
-            if attribution_granularity == "token":
+            distributed.join(self.args, f"{type(self).__name__}.{where}")
+            if granularity == "token":
                 raise ValueError(_NO_TOKEN_SPLIT)
             if units is None:
                 raise ValueError(
@@ -413,9 +590,10 @@ class BaseAttributor:
             full = units
             units, _ = distributed.split_units(full, get_rank(), get_world_size())
             distributed.check_shares(full, units, self.collective_fit)
-        self.fit(units if split else train_source, **kwargs)
+        test_blocks = list(test_source)  # read once: a fit on train and queries reads it too
+        self.fit_call(units if split else train_source, test_blocks, None, fit_options)
         by_ckpt: dict[int, list[GradientBlock]] = {}
-        for block in test_source:
+        for block in test_blocks:
             by_ckpt.setdefault(self.pairing_key(block), []).append(block)
         if not by_ckpt:
             raise ValueError("the test source yielded no gradients.")
@@ -424,10 +602,10 @@ class BaseAttributor:
             c: self._test_side(blocks, c, columns, grow=True, source=names[1])
             for c, blocks in sorted(by_ckpt.items())
         }
-        del by_ckpt
+        del by_ckpt, test_blocks
         counts = row_counts(units.units) if units is not None else None
-        sink = self._sink(k, attribution_granularity, counts, len(columns))
-        acc = Accumulator(attribution_granularity, names[0], sink)
+        sink = self._sink(k, granularity, counts, len(columns))
+        acc = Accumulator(granularity, names[0], sink)
         loop = ScoreLoop(self, tests, len(columns), acc)
         show = self.args.show_progress
         checkpoint = None
@@ -437,11 +615,11 @@ class BaseAttributor:
             loop.run_blocks(train_source, bar)
         else:
             if self.args.resumable:
-                checkpoint = self._checkpoint(units, tests, attribution_granularity, k, columns)
+                checkpoint = self._checkpoint(units, tests, granularity, k, columns)
             start = checkpoint.resume(sink) if checkpoint is not None else 0
             done = sum(u.num_rows for u in units.units[:start])
             bar = progress_bar(show, units.num_samples, "scoring", initial=done)
-            vectors = self._vector_layers(units, k, attribution_granularity)
+            vectors = self._vector_layers(units, k, granularity)
             if vectors is not None and checkpoint is None:
                 run_vector_scan(self, units, vectors, tests, len(columns), acc, bar)
             else:

@@ -251,6 +251,13 @@ class DVEmbAttributor(TrajectoryAttributor):
         normalized_grad: TrackStar's unit normalization of both sides: each sample's
             embedding summed over its occurrences and each query divided by its norm (see
             :class:`TrajectoryAttributor`).
+        dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
+            rates, momentum and weight decay are used instead of the arguments above.
+        curvature_source: With ``curvature="mc_fisher"``: the store / source of the
+            sampled-label gradients.
+
+    ``learning_rate=``, ``dynamics=`` and ``curvature_source=`` may also be passed to a call
+    (:meth:`attribute_from_cache`, :meth:`embed`, ...): they hold for that call alone.
     """
 
     default_optimizer = "sgd"
@@ -270,6 +277,8 @@ class DVEmbAttributor(TrajectoryAttributor):
         method: str = "auto",
         compute_dtype: torch.dtype | None = None,
         normalized_grad: bool = False,
+        dynamics: Any = None,
+        curvature_source: Any = None,
     ) -> None:
         if method == "auto":
             method = "forward" if normalized_grad is True else "adjoint"
@@ -288,45 +297,10 @@ class DVEmbAttributor(TrajectoryAttributor):
         self.momentum_buffer_existed = momentum_buffer_existed
         self._first_step = 0
         self.curvature = curvature
+        self.dynamics = dynamics
+        self.curvature_source = curvature_source
 
-    def attribute_from_cache(
-        self,
-        train_dir: Any,
-        test_dir: Any,
-        attribution_granularity: str = "sample",
-        layers: Any = None,
-        checkpoints: Any = None,
-        learning_rate: Any = None,
-        dynamics: Any = None,
-        curvature_source: Any = None,
-        top_k: int | None = None,
-    ) -> AttributionScore:
-        """Embed the captured run and score the queries (gradients at the end of the run).
-
-        Args:
-            train_dir: Store of the raw per-step per-sample gradients (or a replay source).
-            test_dir: Store of the queries' gradients at θ_T.
-            attribution_granularity: ``"sample"``.
-            layers: Use only these layers.
-            checkpoints: Read only records with these checkpoint labels.
-            learning_rate: The schedule (overrides the constructor's); or
-            dynamics: A recorded SGD run (``OptimizerStateCallback.dynamics()``), whose learning
-                rates, momentum and weight decay are used.
-            curvature_source: ``"mc_fisher"``: store / source of the sampled-label gradients.
-            top_k: Reduce to each query's ``top_k`` proponents and opponents (see
-                :meth:`TrajectoryAttributor.attribute_sources`).
-        """
-        return super().attribute_from_cache(
-            train_dir,
-            test_dir,
-            attribution_granularity,
-            layers,
-            checkpoints,
-            learning_rate=learning_rate,
-            dynamics=dynamics,
-            curvature_source=curvature_source,
-            top_k=top_k,
-        )
+    call_options = ("learning_rate", "dynamics", "curvature_source")
 
     def embed(
         self,
@@ -336,7 +310,24 @@ class DVEmbAttributor(TrajectoryAttributor):
         curvature_source: Any = None,
         save_to: str | os.PathLike | None = None,
     ) -> DataValueEmbeddings:
-        """Compute (and optionally save) the data value embeddings of a captured run."""
+        """Compute (and optionally save) the data value embeddings of a captured run.
+
+        Args:
+            train: The run's per-step per-sample gradients (a store, a source).
+            learning_rate: The schedule, for this call (``None``: the constructor's).
+            dynamics: A recorded SGD run, for this call.
+            curvature_source: ``"mc_fisher"``'s sampled-label gradients, for this call.
+            save_to: Save the embeddings in this directory.
+        """
+        options = {
+            "learning_rate": learning_rate,
+            "dynamics": dynamics,
+            "curvature_source": curvature_source,
+        }
+        with self._plan(options, "embed"):
+            return self._embed(train, save_to)
+
+    def _embed(self, train: Any, save_to: str | os.PathLike | None) -> DataValueEmbeddings:
         index = step_index(train, device=self.device)
         index.check_contiguous(type(self).__name__)
         first = index.load(index.steps[0])[0].gradient
@@ -347,7 +338,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             else torch.promote_types(first.dtype, self.compute_dtype)
         )
         with self.declared_reduction("embed", index=index) as index:
-            load = self.step_loader(index, layers, dtype, learning_rate, dynamics, curvature_source)
+            load = self.step_loader(index, layers, dtype)
             emb, hashes, steps = forward_sweep(index.steps, load, self._bar("embed"))
         out = DataValueEmbeddings(emb.cpu(), hashes, steps, layer_widths(first, layers))
         if save_to is not None:
@@ -361,12 +352,11 @@ class DVEmbAttributor(TrajectoryAttributor):
         index: StepIndex,
         layers: list[str],
         dtype: torch.dtype,
-        learning_rate: Any = None,
-        dynamics: Any = None,
-        curvature_source: Any = None,
     ) -> Callable[[int], tuple[SGDStep, StepPushes]]:
         """Each step's linearised SGD update (schedule, momentum, decay) and curvature."""
         where = type(self).__name__
+        learning_rate, dynamics = self.learning_rate, self.dynamics
+        curvature_source = self.curvature_source
         device = self.device
         dyn = None
         first = index.load(index.steps[0])[0].gradient

@@ -533,6 +533,12 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             train_source, test_source, attribution_granularity, **kwargs
         )
 
+    def fit_call(self, train: Any, test: Any, sides: Any, fit_options: dict[str, Any]) -> None:
+        """Fit for one call; a ``mix > 0`` fit reads the call's test blocks too."""
+        if self.mix > 0 and fit_options.get("factors") is None and test is not None:
+            fit_options = {**fit_options, "query_source": test}
+        self.fit(train, **fit_options)
+
 
 class EKFACAttributor(KFACAttributor):
     """EK-FAC influence: the K-FAC eigenbasis with empirical eigenvalues.

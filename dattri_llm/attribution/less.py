@@ -32,7 +32,6 @@ Numerics follow the inputs (float64 in, float64 out); nothing is carried between
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.tracin import TracInAttributor
 from dattri_llm.attribution.trajectory.base import as_schedule
 from dattri_llm.gradient.compat import CaptureFacts
@@ -73,6 +71,11 @@ class LESSAttributor(TracInAttributor):
         precondition_scale: See ``HookManager(precondition_scale=...)`` (live form):
             ``"batch_size"`` maps a mean loss's ``∇ℓ`` instead of its share ``∇ℓ/B``.
         mode: Routing of the inner products.
+        learning_rates: Trajectory form: the weights ``w_t`` by step (a number, a sequence
+            indexed by step, a ``{step: lr}`` mapping or a callable); default: the learning
+            rates recorded at capture. A call may pass its own (for that call only).
+        pair_by: ``"checkpoint"`` (a train block pairs with the queries of its checkpoint
+            label) or ``"step"`` (queries captured at every step). A call may pass its own.
 
     Example:
         >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
@@ -89,6 +92,8 @@ class LESSAttributor(TracInAttributor):
         checkpoint_weights: Sequence[float] | Mapping[int, float] | None = None,
         precondition_scale: float | str = 1.0,
         mode: str = "auto",
+        learning_rates: LearningRates | None = None,
+        pair_by: str = "checkpoint",
     ) -> None:
         super().__init__(args, task, normalized_grad=True, mode=mode)
         self.checkpoint_weights = None  # TracIn's weighting is replaced by block_weight
@@ -107,13 +112,32 @@ class LESSAttributor(TracInAttributor):
                 )
         self.optimizers = optimizers
         self.precondition_scale = precondition_scale
-        self._call: dict[str, Any] = {}
+        self.learning_rates = self.check_option(
+            "learning_rates", learning_rates, "LESSAttributor(learning_rates=)"
+        )
+        self.pair_by = self.check_option("pair_by", pair_by, "LESSAttributor(pair_by=)")
 
-    # ---- entry points -------------------------------------------------------------------------
-    def attribute(
-        self, train_set: Any, test_set: Any, *args: Any, **kwargs: Any
-    ) -> AttributionScore:
-        """Frozen form, live: Γ at each checkpoint with its optimizer, raw queries."""
+    # ---- the call's plan ----------------------------------------------------------------------
+    call_options = ("learning_rates", "pair_by")
+
+    def check_option(self, name: str, value: Any, where: str) -> Any:
+        """``learning_rates`` (as a schedule by step) or ``pair_by`` of a call."""
+        if name == "pair_by":
+            if value not in _PAIRINGS:
+                raise ValueError(f"pair_by must be one of {_PAIRINGS}, got {value!r}.")
+            return value
+        if value is not None and self._frozen_weights is not None:
+            raise ValueError(
+                "LESSAttributor: pass learning_rates= (by step) or checkpoint_weights= (by "
+                "checkpoint), not both."
+            )
+        return None if value is None else as_schedule(value, "learning_rates")
+
+    def check_call(self, granularity: str, live: bool) -> None:
+        """The live (frozen) form needs one optimizer state per checkpoint."""
+        super().check_call(granularity, live)
+        if not live:
+            return
         if self.optimizers is None:
             raise ValueError(
                 "LESSAttributor.attribute needs optimizers=[...] (one per checkpoint of the task, "
@@ -121,80 +145,10 @@ class LESSAttributor(TracInAttributor):
                 "preconditioned capture with attribute_from_cache."
             )
         _check_distinct_states(self.optimizers)
-        try:
-            return super().attribute(train_set, test_set, *args, **kwargs)
-        finally:
-            self._call = {}
-
-    def attribute_from_cache(
-        self,
-        train_dir: str | os.PathLike | Any,
-        test_dir: str | os.PathLike | Any,
-        attribution_granularity: str = "sample",
-        layers: Sequence[str] | None = None,
-        checkpoints: Sequence[int] | None = None,
-        learning_rates: LearningRates | None = None,
-        pair_by: str = "checkpoint",
-        top_k: int | None = None,
-    ) -> AttributionScore:
-        """Score a preconditioned train store against a raw query store.
-
-        Args:
-            train_dir: Store captured with ``HookManager(optimizer=...)``.
-            test_dir: Store of the queries' raw gradients.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            layers: Score only these layers.
-            checkpoints: Read only records with these checkpoint labels.
-            learning_rates: The weights ``w_t`` by step: a number, a sequence indexed by step,
-                a ``{step: lr}`` mapping or a callable; default: the learning rates recorded
-                at capture.
-            pair_by: ``"checkpoint"`` or ``"step"`` (queries captured at every step).
-            top_k: Keep only each query's ``top_k`` proponents and opponents (streamed; see
-                :meth:`BaseAttributor.attribute_sources`).
-        """
-        return super().attribute_from_cache(
-            train_dir,
-            test_dir,
-            attribution_granularity,
-            layers=layers,
-            checkpoints=checkpoints,
-            learning_rates=learning_rates,
-            pair_by=pair_by,
-            top_k=top_k,
-        )
-
-    # ---- per call ---------------------------------------------------------------------------
-    def fit(
-        self,
-        train_source: Any,
-        learning_rates: LearningRates | None = None,
-        pair_by: str = "checkpoint",
-    ) -> None:
-        """Take this call's weights and pairing (nothing from an earlier call survives)."""
-        if pair_by not in _PAIRINGS:
-            raise ValueError(f"pair_by must be one of {_PAIRINGS}, got {pair_by!r}.")
-        if learning_rates is not None and self._frozen_weights is not None:
-            raise ValueError(
-                "LESSAttributor: pass learning_rates= (by step) or checkpoint_weights= (by "
-                "checkpoint), not both."
-            )
-        self._call = {
-            "weights": None
-            if learning_rates is None
-            else as_schedule(learning_rates, "learning_rates"),
-            "pair_by": pair_by,
-        }
-
-    def attribute_sources(self, *args: Any, **kwargs: Any) -> AttributionScore:
-        """See :meth:`BaseAttributor.attribute_sources` (``learning_rates=``, ``pair_by=``)."""
-        try:
-            return super().attribute_sources(*args, **kwargs)
-        finally:
-            self._call = {}
 
     def pairing_key(self, block: GradientBlock) -> int:
         """The block's checkpoint label, or its step with ``pair_by="step"``."""
-        return int(block.step if self._call.get("pair_by") == "step" else block.checkpoint)
+        return int(block.step if self.pair_by == "step" else block.checkpoint)
 
     def check_block(self, block: GradientBlock, side: str) -> None:
         """Train blocks must be preconditioned, test blocks raw."""
@@ -227,15 +181,14 @@ class LESSAttributor(TracInAttributor):
 
     def block_weight(self, block: GradientBlock) -> float:
         """``w_t``: the call's ``learning_rates``, ``checkpoint_weights`` or the recorded rate."""
-        weights = self._call.get("weights")
-        if weights is not None:
-            return weights(int(block.step))
+        if self.learning_rates is not None:
+            return self.learning_rates(int(block.step))
         if self._frozen_weights is not None:
             return self._frozen_weights(int(block.checkpoint))
         lr = block.metadata.get("learning_rate")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-            if lr == 0 and not self._call.get("warned_zero"):
-                self._call["warned_zero"] = True
+            if lr == 0 and not self.call_state.get("warned_zero"):
+                self.call_state["warned_zero"] = True
                 warnings.warn(
                     f"LESSAttributor: the learning rate recorded at step {block.step} "
                     f"(checkpoint {block.checkpoint}) is 0, so it weighs nothing (e.g. the last "

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,10 +15,8 @@ from dattri_llm.attribution.normalization import (
     check_second_moment,
     moment_at,
 )
-from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.gradient import Gradient
-from dattri_llm.gradient.hooks import HookManagerConfig
 
 __all__ = ["TracInAttributor"]
 
@@ -54,9 +51,9 @@ class TracInAttributor(BaseAttributor):
     ``"mask"``-projected) gradients only: a store captured with a mixing projection is refused.
 
     ``normalized_grad`` is accepted by the constructor (the default of every call) and by
-    :meth:`attribute`, :meth:`attribute_from_cache` and :meth:`attribute_sources` (as in the
-    original dattri-llm). A value given to a call overrides the constructor's for that call
-    only; ``None`` (the calls' default) uses the constructor's. Nothing is kept between calls.
+    every entry point (as in the original dattri-llm): a value given to a call overrides the
+    constructor's for that call only; ``None`` uses the constructor's. Nothing is kept between
+    calls.
 
     Args:
         args: Run options.
@@ -88,7 +85,6 @@ class TracInAttributor(BaseAttributor):
         super().__init__(args, task, mode=mode)
         self.normalized_grad = check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
         self.second_moment = check_second_moment(second_moment, "TracInAttributor(second_moment=)")
-        self._call_normalized: bool | None = None  # set for the duration of one call only
         if checkpoint_weights is not None:
             if isinstance(checkpoint_weights, Mapping):
                 checkpoint_weights = {int(k): float(v) for k, v in checkpoint_weights.items()}
@@ -116,108 +112,22 @@ class TracInAttributor(BaseAttributor):
                 f"{have}); give one weight per checkpoint label of the gradients."
             ) from None
 
-    @property
-    def _normalizes(self) -> bool:
-        """Whether the call in progress is Grad-Cos."""
-        return self.normalized_grad if self._call_normalized is None else self._call_normalized
+    # ---- the call's plan ------------------------------------------------------------------
+    call_options = ("normalized_grad",)
 
-    @contextlib.contextmanager
-    def _per_call(self, normalized_grad: bool | None, where: str) -> Iterator[None]:
-        """Apply a per-call ``normalized_grad`` for the duration of one call."""
-        if normalized_grad is None or self._call_normalized is not None:
-            yield  # the constructor's value, or an outer call already chose
-            return
-        self._call_normalized = check_flag(normalized_grad, f"{where}(normalized_grad=)")
-        try:
-            yield
-        finally:
-            self._call_normalized = None
+    def check_option(self, name: str, value: Any, where: str) -> Any:
+        """``normalized_grad`` of one call: ``True`` or ``False``."""
+        return check_flag(value, where)
 
-    # ---- entry points (normalized_grad per call) ------------------------------------------
-    def attribute(
-        self,
-        train_set: Any,
-        test_set: Any,
-        hook_config: HookManagerConfig | None = None,
-        attribution_granularity: str = "sample",
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        normalized_grad: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute live (see :meth:`BaseAttributor.attribute`).
-
-        Args:
-            train_set: Train samples.
-            test_set: Test samples.
-            hook_config: Which layers to capture.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            collate_fn: Overrides ``args.dataloader_collate``.
-            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
-            **kwargs: As :meth:`BaseAttributor.attribute`.
-        """
-        self._check_granularity(attribution_granularity)
-        with self._per_call(normalized_grad, "attribute"):
-            return super().attribute(
-                train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
-            )
-
-    def attribute_from_cache(
-        self,
-        train_dir: Any,
-        test_dir: Any,
-        attribution_granularity: str = "sample",
-        layers: Sequence[str] | None = None,
-        checkpoints: Sequence[int] | None = None,
-        normalized_grad: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute from two gradient stores (see :meth:`BaseAttributor.attribute_from_cache`).
-
-        Args:
-            train_dir: Train gradient store.
-            test_dir: Test gradient store.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            layers: Score only these layers (default: all captured).
-            checkpoints: Read only records with these checkpoint labels (default: all).
-            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
-            **kwargs: As :meth:`BaseAttributor.attribute_from_cache`.
-        """
-        with self._per_call(normalized_grad, "attribute_from_cache"):
-            return super().attribute_from_cache(
-                train_dir, test_dir, attribution_granularity, layers, checkpoints, **kwargs
-            )
-
-    def attribute_sources(
-        self,
-        train_source: Any,
-        test_source: Any,
-        attribution_granularity: str = "sample",
-        normalized_grad: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute from two gradient sources (see :meth:`BaseAttributor.attribute_sources`).
-
-        Args:
-            train_source: Train gradient source.
-            test_source: Test gradient source.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            normalized_grad: Grad-Cos for this call (``None``: the constructor's value).
-            **kwargs: As :meth:`BaseAttributor.attribute_sources`.
-        """
-        self._check_granularity(attribution_granularity)
-        with self._per_call(normalized_grad, "attribute_sources"):
-            return super().attribute_sources(
-                train_source, test_source, attribution_granularity, **kwargs
-            )
-
-    # ---- scoring hooks ---------------------------------------------------------------------
-    def _check_granularity(self, granularity: str) -> None:
+    def check_call(self, granularity: str, live: bool) -> None:
+        """Refuse token granularity on corrected (materialized) gradients."""
         if granularity == "token" and self.second_moment is not None:
             raise ValueError(
                 "TracInAttributor(second_moment=...) scores the corrected gradients, which are "
                 "materialized (no token axis): use attribution_granularity='sample'."
             )
 
+    # ---- scoring hooks ---------------------------------------------------------------------
     def _normalize(self, gradient: Gradient) -> Gradient:
         norms = ops.grad_norm_sq(gradient, mode=self.mode).clamp_min(0).sqrt()
         inv = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
@@ -227,13 +137,13 @@ class TracInAttributor(BaseAttributor):
         """Correct by the second moment (if given), then normalise for Grad-Cos."""
         if self.second_moment is not None:
             gradient = moment_at(self.second_moment, checkpoint).apply(gradient)
-        return self._normalize(gradient) if self._normalizes else gradient
+        return self._normalize(gradient) if self.normalized_grad else gradient
 
     def prepare_train(self, gradient: Gradient, checkpoint: int) -> Gradient:
         """Correct (second moment), normalise (Grad-Cos) and weight a checkpoint's train rows."""
         if self.second_moment is not None:
             gradient = moment_at(self.second_moment, checkpoint).apply(gradient)
-        if self._normalizes:
+        if self.normalized_grad:
             gradient = self._normalize(gradient)
         w = self.checkpoint_weight(checkpoint)
         return gradient if w == 1.0 else gradient.scale(w)

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from dattri_llm.attribution.base import BaseAttributor
+from dattri_llm.attribution.base import BaseAttributor, LiveSides
 from dattri_llm.attribution.engine import distributed
-from dattri_llm.attribution.engine.sinks import check_top_k, top_k_of
+from dattri_llm.attribution.engine.sinks import top_k_of
 from dattri_llm.attribution.normalization import check_flag, unit_per_sample, unit_rows_dense
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.trajectory.reduction import (
@@ -282,12 +282,12 @@ class TrajectoryAttributor(BaseAttributor):
 
     # ---- what subclasses implement ---------------------------------------------------------
     def step_loader(
-        self, index: StepIndex, layers: list[str], dtype: torch.dtype, **kwargs: Any
+        self, index: StepIndex, layers: list[str], dtype: torch.dtype
     ) -> Callable[[int], tuple[LinearStep, StepPushes]]:
         """``step -> (LinearStep, StepPushes)``: the step's linearised update and removals.
 
-        Validate the call's options here (they are the ``attribute_from_cache`` keyword
-        arguments); the base runs the sweep (:meth:`run`).
+        Validate the method's options here (the call's plan has set them on the attributor);
+        the base runs the sweep (:meth:`run`).
         """
         raise NotImplementedError
 
@@ -299,7 +299,6 @@ class TrajectoryAttributor(BaseAttributor):
         query_hashes: list[str],
         dtype: torch.dtype = torch.float64,
         row_filter: Callable[[Any], Any] | None = None,
-        **kwargs: Any,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
         """Scores ``(N_occ, R)`` with each row's sample identity and step.
 
@@ -307,7 +306,7 @@ class TrajectoryAttributor(BaseAttributor):
         ``"forward"`` carries every removal forward and takes inner products at the end.
         ``row_filter`` (forward only) keeps a subset of each step's removals (a rank's share).
         """
-        load = self.step_loader(index, layers, dtype, **kwargs)
+        load = self.step_loader(index, layers, dtype)
         if self.method == "forward":
             emb, hashes, rows = forward_sweep(index.steps, load, self._bar("unroll"), row_filter)
             if self.normalized_grad:
@@ -320,17 +319,24 @@ class TrajectoryAttributor(BaseAttributor):
 
     #: The optimizer ``AttributionArguments(optimizer="auto")`` means for the live path.
     default_optimizer = "adamw_torch"
+    #: The queries are the run's final gradients, whatever their checkpoint label.
+    filter_test_checkpoints = False
+    #: The recorded optimizer dynamics a method reads (``None``: the method reads none, or
+    #: the call passes them).
+    dynamics: Any = None
 
-    # ---- entry points ------------------------------------------------------------------------
-    def attribute(
-        self,
-        train_set: Any,
-        test_set: Any,
-        hook_config: Any = None,
-        attribution_granularity: str = "sample",
-        collate_fn: Callable | None = None,
-        trajectory: Any = None,
-        **kwargs: Any,
+    # ---- the call's plan ---------------------------------------------------------------------
+    def check_call(self, granularity: str, live: bool) -> None:
+        """An unrolled trajectory scores whole samples only."""
+        if granularity != "sample":
+            raise ValueError(
+                f"{type(self).__name__} scores whole samples; attribution_granularity='token' "
+                "is not defined for an unrolled trajectory."
+            )
+
+    # ---- the drivers -------------------------------------------------------------------------
+    def score_live(
+        self, sides: LiveSides, granularity: str, k: int | None, fit_options: dict[str, Any]
     ) -> AttributionScore:
         """Live: train a copy of the task's model while recording, then score the queries.
 
@@ -339,16 +345,8 @@ class TrajectoryAttributor(BaseAttributor):
         task's model is not modified, and the queries' gradients are taken at the trained weights.
         With ``trajectory=`` (a :class:`~dattri_llm.TrajectorySnapshots` directory holding
         parameters, batches and dynamics of a run already done) the run is replayed instead, and
-        the queries are taken at the task's model as it is (its final weights).
-
-        Args:
-            train_set: Sequence or ``Dataset`` of train samples.
-            test_set: Same for the queries.
-            hook_config: Which layers to capture.
-            attribution_granularity: ``"sample"``.
-            collate_fn: Overrides ``args.dataloader_collate``.
-            trajectory: Replay this recorded run instead of training.
-            **kwargs: Method options of :meth:`attribute_from_cache`.
+        the queries are taken at the task's model as it is (its final weights). The recorded
+        run's dynamics are used unless the call passes its own ``dynamics=``.
         """
         from dattri_llm.attribution.trajectory.training import record_training
         from dattri_llm.gradient.streaming import GradientStreamer
@@ -358,33 +356,31 @@ class TrajectoryAttributor(BaseAttributor):
             TrajectorySnapshots,
         )
 
-        if self.task is None:
-            raise ValueError(
-                f"{type(self).__name__}.attribute needs a task: pass task=AttributionTask("
-                "loss_func=..., model=...), or use attribute_from_cache."
-            )
         args, task = self.args, self.task
-        collate_fn = self._collate(collate_fn)
+        hook_config, collate_fn = sides.hook_config, sides.collate_fn
+        fit_options = dict(fit_options)
+        trajectory = fit_options.pop("trajectory", None)
+        dynamics = None
         if trajectory is None:
             run = record_training(
                 task.model,
-                train_set,
+                sides.train_set,
                 task.train_loss,
                 args,
                 self.default_optimizer,
                 hook_config,
                 collate_fn,
             )
-            model, train, extra = run.model, run.gradients, {"dynamics": run.dynamics}
+            model, train, dynamics = run.model, run.gradients, run.dynamics
         else:
             snaps = TrajectorySnapshots(trajectory)
             model = task.model
             train = ReplayGradientSource(model, snaps, task.train_loss, hook_config)
-            extra = {"dynamics": OptimizerDynamics(snaps)} if snaps.has("layout", -1) else {}
-        extra.update(kwargs)
+            if snaps.has("layout", -1):
+                dynamics = OptimizerDynamics(snaps)
         test = GradientStreamer(
             model,
-            test_set,
+            sides.test_set,
             task.test_loss,
             hook_config=hook_config,
             batch_size=args.per_device_eval_batch_size,
@@ -392,58 +388,20 @@ class TrajectoryAttributor(BaseAttributor):
             show_progress=args.show_progress,
             desc="queries",
         )
-        with self.declared_reduction("attribute", live=True):  # trained on the sum
-            return self.attribute_sources(train, test, attribution_granularity, **extra)
+        recorded = {}
+        if dynamics is not None and "dynamics" not in self.call_state.get("options", ()):
+            recorded = {"dynamics": dynamics}  # the run just recorded, unless the call chose
+        with self._overriding(recorded), self.declared_reduction("attribute", live=True):
+            return self.score(train, test, granularity, k, fit_options, "attribute")
 
-    def attribute_from_cache(
-        self,
-        train_dir: Any,
-        test_dir: Any,
-        attribution_granularity: str = "sample",
-        layers: Sequence[str] | None = None,
-        checkpoints: Sequence[int] | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Unroll the run captured in ``train_dir`` for the queries in ``test_dir``.
-
-        Args:
-            train_dir: Store of the raw per-step per-sample gradients (or a
-                ``ReplayGradientSource``).
-            test_dir: Store of the queries' gradients at the end of the run.
-            attribution_granularity: Only ``"sample"``.
-            layers: Use only these layers.
-            checkpoints: Read only records with these checkpoint labels.
-            **kwargs: Method options (``dynamics=``, ``learning_rate=``, ...).
-        """
-        from dattri_llm.gradient.sources import DiskGradientSource
-
-        if attribution_granularity != "sample":
-            raise ValueError(
-                f"{type(self).__name__} scores whole samples; attribution_granularity='token' "
-                "is not defined for an unrolled trajectory."
-            )
-        from dattri_llm.gradient.store import GradientStorageManager
-
-        device = self.device
-
-        def source(where: Any, name: str, ckpts: Any) -> Any:
-            if isinstance(where, (str, os.PathLike)) and not os.path.isdir(where):
-                raise FileNotFoundError(f"{name} {os.fspath(where)!r} is not a directory.")
-            if isinstance(where, (str, os.PathLike, GradientStorageManager)):
-                return DiskGradientSource(where, layers=layers, device=device, checkpoints=ckpts)
-            return where  # a gradient source (e.g. a ReplayGradientSource)
-
-        train = source(train_dir, "train_dir", checkpoints)
-        test = source(test_dir, "test_dir", None)
-        return self.attribute_sources(train, test, **kwargs)
-
-    def attribute_sources(
+    def score(
         self,
         train_source: Any,
         test_source: Any,
-        attribution_granularity: str = "sample",
-        top_k: int | None = None,
-        **kwargs: Any,
+        granularity: str,
+        k: int | None,
+        fit_options: dict[str, Any],
+        where: str = "attribute_sources",
     ) -> AttributionScore:
         """Unroll a train source (store, replay, records) for the queries of a test source.
 
@@ -451,10 +409,21 @@ class TrajectoryAttributor(BaseAttributor):
         same form as the streamed top-k of the other attributors, ``score.top_k_kept == k``).
         It is a reduction of the full result, not a stream: the sweep's own state — the
         queries' adjoints, or every occurrence's embedding — is what bounds its memory.
+
+        Args:
+            train_source: The run's per-step per-sample gradients.
+            test_source: The queries' gradients at the end of the run.
+            granularity: ``"sample"``.
+            k: ``top_k`` (``None``: every score).
+            fit_options: Must be empty: a trajectory method's options are its
+                :attr:`call_options`.
+            where: The entry point, as errors name it.
         """
-        k = check_top_k(top_k)
-        if attribution_granularity != "sample":
-            raise ValueError(f"{type(self).__name__} supports attribution_granularity='sample'.")
+        if fit_options:
+            raise TypeError(
+                f"{type(self).__name__}.{where} got unexpected options {sorted(fit_options)}; "
+                f"its per-call options are {list(self.call_options)}."
+            )
         index = step_index(train_source, device=self.device)
         index.check_contiguous(type(self).__name__)
         first = index.load(index.steps[0])
@@ -474,13 +443,9 @@ class TrajectoryAttributor(BaseAttributor):
         with self.declared_reduction("attribute_sources", index=index) as index:
             if distributed.active(self.args):
                 distributed.join(self.args, f"{type(self).__name__}.attribute_sources")
-                scores, hashes, steps = self._run_split(
-                    index, layers, queries, query_hashes, dtype, kwargs
-                )
+                scores, hashes, steps = self._run_split(index, layers, queries, query_hashes, dtype)
             else:
-                scores, hashes, steps = self.run(
-                    index, layers, queries, query_hashes, dtype=dtype, **kwargs
-                )
+                scores, hashes, steps = self.run(index, layers, queries, query_hashes, dtype=dtype)
         score = AttributionScore(
             scores.detach().cpu(), hashes, steps, query_hashes, output_dir=self.args.output_dir
         )
@@ -493,7 +458,6 @@ class TrajectoryAttributor(BaseAttributor):
         queries: torch.Tensor,
         query_hashes: list[str],
         dtype: torch.dtype,
-        kwargs: dict,
     ) -> tuple[torch.Tensor, list[str], list[int]]:
         """The sweep split across ranks; every rank returns the full result.
 
@@ -516,7 +480,6 @@ class TrajectoryAttributor(BaseAttributor):
                 queries[mine.start : mine.stop],
                 query_hashes[mine.start : mine.stop],
                 dtype=dtype,
-                **kwargs,
             )
             cols = distributed.all_gather_tensors(scores.detach().cpu())
             return torch.cat(cols, dim=1), hashes, steps
@@ -531,7 +494,7 @@ class TrajectoryAttributor(BaseAttributor):
             )
 
         scores, hashes, steps = self.run(
-            index, layers, queries, query_hashes, dtype=dtype, row_filter=keep, **kwargs
+            index, layers, queries, query_hashes, dtype=dtype, row_filter=keep
         )
         parts = distributed.all_gather_tensors(scores.detach().cpu())
         metas = distributed.all_gather_json({"keys": keys, "hashes": hashes, "steps": steps})
