@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "DVEmbAttributor": "dattri_llm.attribution",
     "DataValueEmbeddings": "dattri_llm.attribution",
     "ExactHessian": "dattri_llm.attribution",
+    "LiveRunArguments": "dattri_llm.attribution",
     "SecondMoment": "dattri_llm.attribution",
     "GradientIndex": "dattri_llm.attribution",
     # sample identity

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dattri_llm.attribution.views.report import SampleText, write_report
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.views.report import SampleText, write_report
 
 BROWSER = next(
     (b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dattri_llm.attribution.views.report import SampleText, write_report
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.views.report import SampleText, write_report
 
 
 class _Lists(HTMLParser):

@@ -27,6 +27,7 @@ from dattri_llm import (
     DVEmbAttributor,
     GradientStorageManager,
     HookManager,
+    LiveRunArguments,
     OffloadCallback,
     OptimizerStateCallback,
 )
@@ -47,18 +48,23 @@ def items(n: int, seed: int) -> list[dict]:
     return [{"x": x[i], "y": y[i]} for i in range(n)]
 
 
-def arguments(tmp_path, optimizer: str) -> AttributionArguments:
+def arguments(tmp_path) -> AttributionArguments:
     return AttributionArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         show_progress=False,
+        per_device_train_batch_size=3,
+        seed=11,
+    )
+
+
+def live_run(optimizer: str) -> LiveRunArguments:
+    return LiveRunArguments(
         learning_rate=0.05,
         weight_decay=0.01 if optimizer == "adamw_torch" else 0.0,
         optimizer=optimizer,
         num_train_epochs=2,
-        per_device_train_batch_size=3,
         max_grad_norm=0.0,
-        seed=11,
     )
 
 
@@ -66,14 +72,14 @@ def with_ids(batch_items: list[dict]) -> tuple[dict, list[str]]:
     return default_collate(batch_items), [sample_id(it) for it in batch_items]
 
 
-def record_by_hand(tmp_path, model, train, test, args, optimizer: str):
+def record_by_hand(tmp_path, model, train, test, args, run, optimizer: str):
     """The run and the queries, recorded through the public capture API."""
     trained = copy.deepcopy(model)
     params = list(trained.parameters())
     if optimizer == "adamw_torch":
-        opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        opt = torch.optim.AdamW(params, lr=run.learning_rate, weight_decay=run.weight_decay)
     else:
-        opt = torch.optim.SGD(params, lr=args.learning_rate)
+        opt = torch.optim.SGD(params, lr=run.learning_rate)
     loader = DataLoader(
         train,
         batch_size=args.per_device_train_batch_size,
@@ -84,13 +90,13 @@ def record_by_hand(tmp_path, model, train, test, args, optimizer: str):
     store = GradientStorageManager(tmp_path / "train", fsync=False)
     rec = OptimizerStateCallback(trained, opt)
     hm = HookManager(trained, callbacks=[OffloadCallback(file_manager=store), rec])
-    total = math.ceil(len(loader) * args.num_train_epochs)
+    total = math.ceil(len(loader) * run.num_train_epochs)
     step = 0
     with hm.collect(deregister_on_exit=True):
         while step < total:
             for batch, ids in loader:
                 for group in opt.param_groups:  # the default "linear" decay to 0
-                    group["lr"] = args.learning_rate * max(0.0, 1 - step / total)
+                    group["lr"] = run.learning_rate * max(0.0, 1 - step / total)
                 hm.set_sample_ids(ids)
                 mlp_loss(trained, batch).backward()
                 opt.step()
@@ -117,14 +123,14 @@ def test_live_attribute_equals_the_run_recorded_by_hand(tmp_path, method, optimi
     model = make_mlp(seed=1)
     before = copy.deepcopy(model.state_dict())
     train, test = items(N, seed=0), items(Q, seed=1)
-    args = arguments(tmp_path, optimizer)
-    dynamics = record_by_hand(tmp_path, model, train, test, args, optimizer)
+    args, run = arguments(tmp_path), live_run(optimizer)
+    dynamics = record_by_hand(tmp_path, model, train, test, args, run, optimizer)
     ref = method(args, loss_reduction="sum").attribute_from_cache(
         tmp_path / "train", tmp_path / "query", dynamics=dynamics
     )
-    live = method(args, task=AttributionTask(mlp_loss, model), loss_reduction="sum").attribute(
-        train, test
-    )
+    live = method(
+        args, task=AttributionTask(mlp_loss, model), loss_reduction="sum", live_run=run
+    ).attribute(train, test)
     for name, value in model.state_dict().items():  # the user's model is left as it is
         assert torch.equal(value, before[name]), name
     train_ids = [sample_id(it) for it in train]

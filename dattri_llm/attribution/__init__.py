@@ -46,8 +46,9 @@ __all__ += ["TrajectoryAttributor", "AdamWInfluenceAttributor", "DVEmbAttributor
 __all__ += ["DataValueEmbeddings"]
 
 from dattri_llm.attribution.trajectory.curvature import ExactHessian  # noqa: E402
+from dattri_llm.attribution.trajectory.training import LiveRunArguments  # noqa: E402
 
-__all__ += ["ExactHessian"]
+__all__ += ["ExactHessian", "LiveRunArguments"]
 
 from dattri_llm.attribution.normalization import SecondMoment  # noqa: E402
 

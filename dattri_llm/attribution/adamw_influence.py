@@ -162,6 +162,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             scored against the adjoint after them (memory ∝ their samples × 3 P). ``0``: only
             the own step is exact. ``2`` for a run that starts from a fresh optimizer without
             warm-up (measured on GPT-2: 2 and 4 level, 16 worse; docs/benchmarks/quality.md).
+        live_run: The run the live ``attribute`` trains and records (a
+            :class:`~dattri_llm.LiveRunArguments`; default: AdamW, its default settings).
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -183,6 +185,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         normalized_grad: bool = False,
         push: str = "linear",
         exact_steps: int = 0,
+        live_run: Any = None,
     ) -> None:
         if push not in ("linear", "exact"):
             raise ValueError(
@@ -206,6 +209,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             compute_dtype=compute_dtype,
             method=method,
             normalized_grad=normalized_grad,
+            live_run=live_run,
         )
         check_curvature(curvature, _CURVATURES)
         self.dynamics = dynamics

@@ -36,17 +36,6 @@ class AttributionArguments:
             (right-pad the first axis of every tensor field to the longest in the batch with
             ``dataloader_pad_value``; ``labels`` with ``-100``, ``attention_mask`` with ``0``).
         dataloader_pad_value: Fill value of the ``"pad"`` collate.
-        learning_rate: Learning rate of the run a trajectory method's live ``attribute`` trains
-            and records (AdamW-influence, DVEmb; see
-            ``dattri_llm.attribution.trajectory.training``).
-        optimizer: Optimizer of that run: ``"auto"`` (each method's own: AdamW for
-            AdamW-influence, SGD for DVEmb), ``"adamw_torch"``, ``"adam"`` or ``"sgd"``.
-        lr_scheduler_type: Learning-rate schedule of that run: ``"linear"`` (decay to 0) or
-            ``"constant"``.
-        weight_decay: Weight decay of that run.
-        gradient_accumulation_steps: Micro-batches per optimizer step of that run.
-        num_train_epochs: Epochs of that run (fractions allowed).
-        max_grad_norm: Gradient-norm clipping of that run (0: none).
         score_block_size: At most this many train rows and this many test columns are scored
             in one call of ``score_block`` (a cap; the train rows are chosen from
             ``score_memory_gb``).
@@ -88,13 +77,6 @@ class AttributionArguments:
     dataloader_drop_last: bool = False
     dataloader_collate: str = "stack"
     dataloader_pad_value: int = 0
-    learning_rate: float = 5e-5
-    optimizer: str = "auto"
-    lr_scheduler_type: str = "linear"
-    weight_decay: float = 0.0
-    gradient_accumulation_steps: int = 1
-    num_train_epochs: float = 1.0
-    max_grad_norm: float = 0.0
     score_block_size: int = 1024
     score_memory_gb: float = 1.0
     resumable: bool = False
@@ -108,7 +90,6 @@ class AttributionArguments:
             "per_device_train_batch_size",
             "per_device_eval_batch_size",
             "score_block_size",
-            "gradient_accumulation_steps",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -125,14 +106,6 @@ class AttributionArguments:
                 f"AttributionArguments.dataloader_collate must be one of {_COLLATES}"
                 f", got {self.dataloader_collate!r}; pass a callable as "
                 "attribute(..., collate_fn=...) for anything else."
-            )
-        if not self.num_train_epochs > 0:
-            raise ValueError(
-                f"AttributionArguments.num_train_epochs must be > 0, got {self.num_train_epochs!r}."
-            )
-        if not self.max_grad_norm >= 0:
-            raise ValueError(
-                f"AttributionArguments.max_grad_norm must be >= 0, got {self.max_grad_norm!r}."
             )
         if not self.score_memory_gb > 0:
             raise ValueError(

@@ -255,6 +255,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             rates, momentum and weight decay are used instead of the arguments above.
         curvature_source: With ``curvature="mc_fisher"``: the store / source of the
             sampled-label gradients.
+        live_run: The run the live ``attribute`` trains and records (a
+            :class:`~dattri_llm.LiveRunArguments`; default: SGD, its default settings).
 
     ``learning_rate=``, ``dynamics=`` and ``curvature_source=`` may also be passed to a call
     (:meth:`attribute_from_cache`, :meth:`embed`, ...): they hold for that call alone.
@@ -279,6 +281,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         normalized_grad: bool = False,
         dynamics: Any = None,
         curvature_source: Any = None,
+        live_run: Any = None,
     ) -> None:
         if method == "auto":
             method = "forward" if normalized_grad is True else "adjoint"
@@ -289,6 +292,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             compute_dtype=compute_dtype,
             method=method,
             normalized_grad=normalized_grad,
+            live_run=live_run,
         )
         check_curvature(curvature, _CURVATURES)
         self.learning_rate = learning_rate

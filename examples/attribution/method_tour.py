@@ -47,6 +47,7 @@ from dattri_llm import (
     HookManagerConfig,
     KFACAttributor,
     LESSAttributor,
+    LiveRunArguments,
     OffloadCallback,
     OptimizerStateCallback,
     ProjectionConfig,
@@ -220,10 +221,10 @@ def tour(args: argparse.Namespace, out: str) -> dict:
     at_final = AttributionTask(loss_func=loss_fn, model=model, checkpoints=final)
     # the SGD copy's learning rate: under the summed token loss 0.01 diverges (NaN by its 6th
     # step, which the sweep refuses), 1e-3 stays finite
-    sgd = AttributionArguments(
-        output_dir=f"{out}/scores", show_progress=False, optimizer="sgd", learning_rate=1e-3,
-        per_device_train_batch_size=16, lr_scheduler_type="constant",
-    )  # fmt: skip
+    sgd_args = AttributionArguments(
+        output_dir=f"{out}/scores", show_progress=False, per_device_train_batch_size=16
+    )
+    sgd = LiveRunArguments(optimizer="sgd", learning_rate=1e-3, lr_scheduler_type="constant")
     tr, te, at_last = f"{out}/train", f"{out}/query", {"checkpoints": [last]}
     kfac, ekfac = KFACAttributor(a, task=single), EKFACAttributor(a, task=single)
     kfac_c, ekfac_c = KFACAttributor(a), EKFACAttributor(a)
@@ -264,8 +265,8 @@ def tour(args: argparse.Namespace, out: str) -> dict:
         ("AdamW-influence", "cache", lambda: AdamWInfluenceAttributor(
             a, loss_reduction="sum").attribute_from_cache(
             f"{out}/run", f"{out}/query_final", dynamics=recorder.dynamics())),
-        ("DVEmb (SGD copy)", "live", lambda: DVEmbAttributor(sgd, task=at_final).attribute(
-            train_items, query_items, masked)),
+        ("DVEmb (SGD copy)", "live", lambda: DVEmbAttributor(
+            sgd_args, task=at_final, live_run=sgd).attribute(train_items, query_items, masked)),
     ]  # fmt: skip
     print(f"\n{'method':<20}{'workflow':<9}{'top-' + str(args.top_k) + ' topic':>12}"
           f"{'time':>8}{'rho(EK-FAC)':>13}{'vs live':>10}")  # fmt: skip

@@ -46,6 +46,7 @@ from dattri_llm.attribution.trajectory.reduction import (
     recorded_reduction,
     resolve_reduction,
 )
+from dattri_llm.attribution.trajectory.training import LiveRunArguments, record_training
 from dattri_llm.attribution.trajectory.unroll import (
     LinearStep,
     StepPushes,
@@ -202,6 +203,8 @@ class TrajectoryAttributor(BaseAttributor):
         normalized_grad: TrackStar's cosine: each train sample's displacement (summed over its
             occurrences) and each query divided by its norm, so a sample's rows sum
             (``agnostic_matrix``) to the cosine. Needs ``method="forward"``.
+        live_run: The run the live :meth:`attribute` trains and records (optimizer, learning
+            rate, schedule, epochs; default :class:`LiveRunArguments`).
     """
 
     name = "trajectory"
@@ -214,8 +217,15 @@ class TrajectoryAttributor(BaseAttributor):
         compute_dtype: torch.dtype | None = None,
         method: str = "adjoint",
         normalized_grad: bool = False,
+        live_run: LiveRunArguments | None = None,
     ) -> None:
         super().__init__(args, task)
+        if live_run is not None and not isinstance(live_run, LiveRunArguments):
+            raise TypeError(
+                f"{type(self).__name__}(live_run=) must be a LiveRunArguments, got "
+                f"{type(live_run).__name__}."
+            )
+        self.live_run = live_run if live_run is not None else LiveRunArguments()
         where = f"{type(self).__name__}(normalized_grad=)"
         self.normalized_grad = check_flag(normalized_grad, where)
         if self.normalized_grad and method != "forward":
@@ -317,7 +327,7 @@ class TrajectoryAttributor(BaseAttributor):
     def _bar(self, desc: str) -> Callable[[Iterable[int]], Iterable[int]]:
         return lambda steps: self.progress(steps, desc)
 
-    #: The optimizer ``AttributionArguments(optimizer="auto")`` means for the live path.
+    #: The optimizer ``LiveRunArguments(optimizer="auto")`` means for the live path.
     default_optimizer = "adamw_torch"
     #: The queries are the run's final gradients, whatever their checkpoint label.
     filter_test_checkpoints = False
@@ -340,15 +350,14 @@ class TrajectoryAttributor(BaseAttributor):
     ) -> AttributionScore:
         """Live: train a copy of the task's model while recording, then score the queries.
 
-        The run is set by ``AttributionArguments`` (``learning_rate``, ``optimizer``,
-        ``num_train_epochs``, ...; see :mod:`dattri_llm.attribution.trajectory.training`); the
+        The run is set by ``live_run`` (``learning_rate``, ``optimizer``, ``num_train_epochs``,
+        ...; see :mod:`dattri_llm.attribution.trajectory.training`); the
         task's model is not modified, and the queries' gradients are taken at the trained weights.
         With ``trajectory=`` (a :class:`~dattri_llm.TrajectorySnapshots` directory holding
         parameters, batches and dynamics of a run already done) the run is replayed instead, and
         the queries are taken at the task's model as it is (its final weights). The recorded
         run's dynamics are used unless the call passes its own ``dynamics=``.
         """
-        from dattri_llm.attribution.trajectory.training import record_training
         from dattri_llm.gradient.streaming import GradientStreamer
         from dattri_llm.gradient.trajectory import (
             OptimizerDynamics,
@@ -367,6 +376,7 @@ class TrajectoryAttributor(BaseAttributor):
                 sides.train_set,
                 task.train_loss,
                 args,
+                self.live_run,
                 self.default_optimizer,
                 hook_config,
                 collate_fn,

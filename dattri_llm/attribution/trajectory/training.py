@@ -3,13 +3,10 @@
 ``AdamWInfluenceAttributor.attribute`` and ``DVEmbAttributor.attribute`` train a *copy* of the
 task's model on the train set (the user's model is left as it is), capturing every step's
 per-sample gradients and the optimizer's moments, then score the queries at the trained
-weights. The run is described by :class:`~dattri_llm.AttributionArguments`:
-``learning_rate``, ``weight_decay``, ``optimizer`` (``"adamw_torch"``, ``"adam"``, ``"sgd"``, or
-``"auto"`` — each method's own: AdamW for AdamW-influence, SGD for DVEmb),
-``lr_scheduler_type`` (``"constant"`` or ``"linear"`` decay to 0), ``num_train_epochs``,
-``max_grad_norm`` (0: no clipping), ``per_device_train_batch_size``,
-``gradient_accumulation_steps`` and ``seed`` (data order). Everything stays in memory: record
-large runs from your own loop (``OffloadCallback`` + ``OptimizerStateCallback``) and use
+weights. The run is described by :class:`LiveRunArguments` (the method's ``live_run=``), with
+``per_device_train_batch_size`` and ``seed`` (data order) from
+:class:`~dattri_llm.AttributionArguments`. Everything stays in memory: record large runs from
+your own loop (``OffloadCallback`` + ``OptimizerStateCallback``) and use
 ``attribute_from_cache``.
 """
 
@@ -34,10 +31,58 @@ from dattri_llm.gradient.streaming import move_to_device, sample_id
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.utils.progress import progress_bar
 
-__all__ = ["RecordedRun", "build_optimizer", "record_training"]
+__all__ = ["LiveRunArguments", "RecordedRun", "build_optimizer", "record_training"]
 
 _OPTIMIZERS = ("auto", "adamw_torch", "adamw", "adam", "sgd")
 _SCHEDULES = ("constant", "linear")
+
+
+@dataclass
+class LiveRunArguments:
+    """The training run a trajectory method's live ``attribute`` trains and records.
+
+    Attributes:
+        learning_rate: Learning rate of the run.
+        optimizer: ``"auto"`` (each method's own: AdamW for AdamW-influence, SGD for DVEmb),
+            ``"adamw_torch"``, ``"adam"`` or ``"sgd"``.
+        lr_scheduler_type: ``"linear"`` (decay to 0) or ``"constant"``.
+        weight_decay: Weight decay of the run.
+        gradient_accumulation_steps: Micro-batches per optimizer step.
+        num_train_epochs: Epochs (fractions allowed).
+        max_grad_norm: Gradient-norm clipping (0: none).
+    """
+
+    learning_rate: float = 5e-5
+    optimizer: str = "auto"
+    lr_scheduler_type: str = "linear"
+    weight_decay: float = 0.0
+    gradient_accumulation_steps: int = 1
+    num_train_epochs: float = 1.0
+    max_grad_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "LiveRunArguments"
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(
+                f"{where}.optimizer must be one of {_OPTIMIZERS} for a recorded run, got "
+                f"{self.optimizer!r}."
+            )
+        if self.lr_scheduler_type not in _SCHEDULES:
+            raise ValueError(
+                f"{where}.lr_scheduler_type must be one of {_SCHEDULES} for a recorded run, got "
+                f"{self.lr_scheduler_type!r}."
+            )
+        steps = self.gradient_accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"{where}.gradient_accumulation_steps must be a positive int, got {steps!r}."
+            )
+        if not self.num_train_epochs > 0:
+            raise ValueError(
+                f"{where}.num_train_epochs must be > 0, got {self.num_train_epochs!r}."
+            )
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"{where}.max_grad_norm must be >= 0, got {self.max_grad_norm!r}.")
 
 
 @dataclass
@@ -61,12 +106,7 @@ class RecordedRun:
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float, default: str
 ) -> torch.optim.Optimizer:
-    """A torch optimizer from an ``AttributionArguments.optimizer`` name (``"auto"``: default)."""
-    if name not in _OPTIMIZERS:
-        raise ValueError(
-            f"AttributionArguments.optimizer must be one of {_OPTIMIZERS} for a recorded run, got "
-            f"{name!r}."
-        )
+    """A torch optimizer from a ``LiveRunArguments.optimizer`` name (``"auto"``: default)."""
     name = default if name == "auto" else name
     params = [p for p in model.parameters() if p.requires_grad]
     if name in ("adamw_torch", "adamw"):
@@ -89,6 +129,7 @@ def record_training(
     train_set: Any,
     loss_func: Callable[[nn.Module, Any], torch.Tensor],
     args: Any,
+    run: LiveRunArguments,
     default_optimizer: str,
     hook_config: HookManagerConfig | None = None,
     collate_fn: Callable | None = None,
@@ -99,23 +140,19 @@ def record_training(
         model: The model to start from (not modified).
         train_set: Sequence or ``Dataset`` of samples.
         loss_func: ``(model, batch) -> loss``, the *sum* of the batch's per-sample losses.
-        args: ``AttributionArguments`` (see the module docstring).
+        args: ``AttributionArguments`` (batch size, seed, progress).
+        run: The run's optimizer, schedule and length.
         default_optimizer: The optimizer ``"auto"`` means.
         hook_config: Which layers to capture.
         collate_fn: Builds a batch from items (default ``default_collate``).
     """
-    if args.lr_scheduler_type not in _SCHEDULES:
-        raise ValueError(
-            f"AttributionArguments.lr_scheduler_type must be one of {_SCHEDULES} for a recorded "
-            f"run, got {args.lr_scheduler_type!r}."
-        )
     hook_config = hook_config or HookManagerConfig()
     trained = copy.deepcopy(model)
     trained.train()
     opt = build_optimizer(
-        args.optimizer, trained, args.learning_rate, args.weight_decay, default_optimizer
+        run.optimizer, trained, run.learning_rate, run.weight_decay, default_optimizer
     )
-    accumulation = args.gradient_accumulation_steps
+    accumulation = run.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(
         train_set,
@@ -124,9 +161,9 @@ def record_training(
         generator=generator,
         collate_fn=_WithIds(collate_fn or default_collate, hook_config),
     )
-    epochs = float(args.num_train_epochs)
+    epochs = float(run.num_train_epochs)
     total = max(1, math.ceil(len(loader) * epochs / accumulation))
-    if args.lr_scheduler_type == "linear":
+    if run.lr_scheduler_type == "linear":
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
     else:
         schedule = None
@@ -145,8 +182,8 @@ def record_training(
                 micro += 1
                 if micro % accumulation:
                     continue
-                if args.max_grad_norm and args.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(trained.parameters(), args.max_grad_norm)
+                if run.max_grad_norm and run.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(trained.parameters(), run.max_grad_norm)
                 opt.step()
                 recorder.record_post(update)
                 opt.zero_grad(set_to_none=True)
