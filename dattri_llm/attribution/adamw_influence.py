@@ -45,14 +45,13 @@ from dattri_llm.attribution.trajectory.base import (
     dense_rows,
     layer_widths,
 )
-from dattri_llm.attribution.trajectory.curvature import ExactHessian, check_curvature
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
 from dattri_llm.attribution.trajectory.unroll import AdamStep, Curvature, StepPushes
 from dattri_llm.gradient.trajectory.dynamics import OptimizerDynamics
 from dattri_llm.gradient.trajectory.snapshots import TrajectorySnapshots
 
 __all__ = ["AdamWInfluenceAttributor", "coerce_dynamics"]
 
-_CURVATURES = ("empirical_fisher", "none")
 
 _ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "maximize", "amsgrad")
 
@@ -210,10 +209,9 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
             live_run=live_run,
+            curvature=curvature,
         )
-        check_curvature(curvature, _CURVATURES)
         self.dynamics = dynamics
-        self.curvature = curvature
         self.push = push
         self.exact_steps = exact_steps
 

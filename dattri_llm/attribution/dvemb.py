@@ -61,7 +61,7 @@ from dattri_llm.attribution.trajectory.base import (
     layer_widths,
     step_index,
 )
-from dattri_llm.attribution.trajectory.curvature import ExactHessian, check_curvature
+from dattri_llm.attribution.trajectory.curvature import ExactHessian
 from dattri_llm.attribution.trajectory.unroll import (
     Curvature,
     SGDStep,
@@ -72,7 +72,6 @@ from dattri_llm.utils.files import atomic_write
 
 __all__ = ["DVEmbAttributor", "DataValueEmbeddings", "sampled_cross_entropy"]
 
-_CURVATURES = ("empirical_fisher", "mc_fisher", "none")
 _FORMAT = "dattri_llm.data_value_embeddings"
 
 
@@ -263,6 +262,7 @@ class DVEmbAttributor(TrajectoryAttributor):
     """
 
     default_optimizer = "sgd"
+    curvatures = ("empirical_fisher", "mc_fisher", "none")
 
     def __init__(
         self,
@@ -293,14 +293,13 @@ class DVEmbAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
             live_run=live_run,
+            curvature=curvature,
         )
-        check_curvature(curvature, _CURVATURES)
         self.learning_rate = learning_rate
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.weight_decay = bool(nesterov), float(weight_decay)
         self.momentum_buffer_existed = momentum_buffer_existed
         self._first_step = 0
-        self.curvature = curvature
         self.dynamics = dynamics
         self.curvature_source = curvature_source
 

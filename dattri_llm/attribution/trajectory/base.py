@@ -40,6 +40,7 @@ from dattri_llm.attribution.engine import distributed
 from dattri_llm.attribution.engine.sinks import top_k_of
 from dattri_llm.attribution.normalization import check_flag, unit_per_sample, unit_rows_dense
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.trajectory.curvature import check_curvature
 from dattri_llm.attribution.trajectory.reduction import (
     REDUCTIONS,
     checked_loads,
@@ -205,6 +206,8 @@ class TrajectoryAttributor(BaseAttributor):
             (``agnostic_matrix``) to the cosine. Needs ``method="forward"``.
         live_run: The run the live :meth:`attribute` trains and records (optimizer, learning
             rate, schedule, epochs; default :class:`LiveRunArguments`).
+        curvature: Each step's batch-loss curvature: one of :attr:`curvatures` or an
+            :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian`.
     """
 
     name = "trajectory"
@@ -218,8 +221,11 @@ class TrajectoryAttributor(BaseAttributor):
         method: str = "adjoint",
         normalized_grad: bool = False,
         live_run: LiveRunArguments | None = None,
+        curvature: Any = "empirical_fisher",
     ) -> None:
         super().__init__(args, task)
+        check_curvature(curvature, self.curvatures)
+        self.curvature = curvature
         if live_run is not None and not isinstance(live_run, LiveRunArguments):
             raise TypeError(
                 f"{type(self).__name__}(live_run=) must be a LiveRunArguments, got "
@@ -329,6 +335,8 @@ class TrajectoryAttributor(BaseAttributor):
 
     #: The optimizer ``LiveRunArguments(optimizer="auto")`` means for the live path.
     default_optimizer = "adamw_torch"
+    #: The named curvatures the method models (an ``ExactHessian`` is always accepted).
+    curvatures: tuple[str, ...] = ("empirical_fisher", "none")
     #: The queries are the run's final gradients, whatever their checkpoint label.
     filter_test_checkpoints = False
     #: The recorded optimizer dynamics a method reads (``None``: the method reads none, or
