@@ -53,7 +53,7 @@ from dattri_llm.gradient.kronecker import (
     TokenCount,
     eigendecompose,
 )
-from dattri_llm.gradient.kronecker.covariances import as_gradient, fit_progress
+from dattri_llm.gradient.kronecker.covariances import as_gradient, check_fit_options, fit_progress
 from dattri_llm.gradient.sources import (
     BlockSource,
     GradientBlock,
@@ -146,10 +146,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         )
         self.mix = check_mix(mix, f"{type(self).__name__}(mix=)")
         self._init_second_moment(second_moment)
-        if non_kronecker not in ("skip", "diagonal"):
-            raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
-        if tokens not in ("gradient", "all"):
-            raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}.")
+        check_fit_options(non_kronecker, tokens)
         self.non_kronecker = non_kronecker
         self.tokens = tokens
         self.eigen_dtype = eigen_dtype

@@ -15,18 +15,12 @@ import torch
 
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.kronecker.covariances import (
-    acc_dtype,
     as_gradient,
     check_same_layers,
     fit_progress,
     sum_counts,
 )
-from dattri_llm.gradient.kronecker.factors import (
-    KroneckerFactors,
-    check_fit_shape,
-    reference,
-    rotated,
-)
+from dattri_llm.gradient.kronecker.factors import KroneckerFactors, in_basis, rotated
 from dattri_llm.gradient.layers import get_rule
 from dattri_llm.utils.distributed import all_reduce_sum, get_world_size
 
@@ -63,11 +57,7 @@ class EigenvalueCorrection:
                     f"(layers: {gradient.layer_names})."
                 )
             lg = gradient.layers[name]
-            check_fit_shape(name, lg, eig)
-            ref = reference(lg)
-            ct = acc_dtype(ref)
-            q_g = eig.q_g.to(device=ref.device, dtype=ct)
-            q_a = eig.q_a.to(device=ref.device, dtype=ct)
+            ref, ct, q_g, q_a = in_basis(name, lg, eig)
             acc = self.sums.get(name)
             if acc is None:
                 acc = self.sums[name] = torch.zeros(

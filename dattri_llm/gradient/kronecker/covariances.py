@@ -62,6 +62,14 @@ def is_kronecker_layer(lg: LayerGradient) -> bool:
     return len({tuple(r.matrix_shape(kw)) for r, kw in rules}) == 1
 
 
+def check_fit_options(non_kronecker: object, tokens: object) -> None:
+    """Refuse a ``non_kronecker`` or ``tokens`` option that is not one of its values."""
+    if non_kronecker not in ("skip", "diagonal"):
+        raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
+    if tokens not in ("gradient", "all"):
+        raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}.")
+
+
 def fit_shapes(layer_type: str, kw: dict) -> tuple[tuple[int, ...], int, int]:
     """``(leading block axis, K, D)`` of one layer's fit: ``((), K, D)`` or ``((E,), K/E, D)``."""
     rule = get_rule(layer_type)
@@ -192,10 +200,7 @@ class KroneckerCovariances:
         tokens: TokenCount = "gradient",
         dtype: torch.dtype = torch.float64,
     ) -> None:
-        if non_kronecker not in ("skip", "diagonal"):
-            raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}")
-        if tokens not in ("gradient", "all"):
-            raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}")
+        check_fit_options(non_kronecker, tokens)
         self.non_kronecker = non_kronecker
         self.tokens = tokens
         self.dtype = dtype
@@ -341,20 +346,13 @@ class KroneckerCovariances:
         out.reduced, out.skipped = bool(meta["reduced"]), dict(meta["skipped"])
         for name, m in meta["layers"].items():
             lead, k, d = fit_shapes(m["layer_type"], m["module_kwargs"])
+            shapes = {"a_sum": (d, d), "g_sum": (k, k), "block_tokens": () if lead else None}
             out.layers[name] = LayerCovariance(
                 m["layer_type"],
                 m["module_kwargs"],
                 num_tokens=float(m["num_tokens"]),
                 num_samples=float(m["num_samples"]),
-                **read_layer(
-                    tensors,
-                    path,
-                    name,
-                    lead,
-                    a_sum=(d, d),
-                    g_sum=(k, k),
-                    block_tokens=() if lead else None,
-                ),
+                **read_layer(tensors, path, name, lead, shapes),
             )
         out.diagonal.update(get_diagonal(tensors, meta, path))
         return out
@@ -416,13 +414,9 @@ def put_layers(records: Mapping[str, Any], tensors: dict) -> dict:
 
 
 def read_layer(
-    tensors: dict,
-    path: object,
-    name: str,
-    lead: tuple[int, ...],
-    **shapes: tuple[int, ...] | None,
+    tensors: dict, path: object, name: str, lead: tuple[int, ...], shapes: dict
 ) -> dict[str, torch.Tensor | None]:
-    """``{field: tensor}`` of one layer, each checked to exist with shape ``(*lead, *shape)``.
+    """``{field: tensor}`` of one layer, each checked to exist with ``(*lead, *shapes[field])``.
 
     A field whose shape is ``None`` is not stored (it reads as ``None``); errors name the bundle.
     """

@@ -135,9 +135,7 @@ class KroneckerFactors:
         out: dict[str, Materialized] = {}
         for name, eig in self.layers.items():
             lg = gradient.layers[name]
-            check_fit_shape(name, lg, eig)
-            ref = reference(lg)
-            ct = dtype or acc_dtype(ref)
+            ref, ct, q_g, q_a = in_basis(name, lg, eig, dtype)
             ev = eig.eigenvalues().to(device=ref.device, dtype=ct)
             lam = damping * float(ev.mean()) if relative else float(damping)
             denom = ev + lam
@@ -146,8 +144,6 @@ class KroneckerFactors:
                     f"layer {name!r}: F̂ + damping is singular (damping={damping}); use a "
                     "positive damping."
                 )
-            q_g = eig.q_g.to(device=ref.device, dtype=ct)
-            q_a = eig.q_a.to(device=ref.device, dtype=ct)
             parts = [torch.matmul(q_g, rot / denom) @ q_a.mT for rot in rotated(lg, q_g, q_a, ct)]
             data = torch.cat(parts).reshape(lg.batch_size, -1).to(ref.dtype)
             out[name] = Materialized(data, lg.layer_type, lg.module_kwargs)
@@ -189,21 +185,14 @@ class KroneckerFactors:
         layers = {}
         for name, m in meta["layers"].items():
             lead, k, d = fit_shapes(m["layer_type"], m["module_kwargs"])
+            shapes = {"q_a": (d, d), "s_a": (d,), "q_g": (k, k), "s_g": (k,)}
+            shapes["corrected"] = (k, d) if kind == "ekfac" else None
+            tensors_of = read_layer(tensors, path, name, lead, shapes)
             layers[name] = LayerEigen(
                 m["layer_type"],
                 m["module_kwargs"],
                 num_samples=float(m["num_samples"]),
-                **read_layer(
-                    tensors,
-                    path,
-                    name,
-                    lead,
-                    q_a=(d, d),
-                    s_a=(d,),
-                    q_g=(k, k),
-                    s_g=(k,),
-                    corrected=(k, d) if kind == "ekfac" else None,
-                ),
+                **tensors_of,
             )
         diags = get_diagonal(tensors, meta, path)
         return cls(kind, layers, diags, dict(meta["skipped"]), meta.get("correction"))
@@ -239,7 +228,7 @@ def eigendecompose(
             raise ValueError(f"layer {name!r} has no samples or no tokens carrying gradient.")
         mats[(name, "a")] = c.a_mean().to(dtype)
         mats[(name, "g")] = (c.g_sum / c.num_samples).to(dtype)
-    eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    eig: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (Q, s)
     groups: dict[tuple[int, torch.device], list[tuple[str, str]]] = {}
     for key, m in mats.items():
         groups.setdefault((m.shape[-1], m.device), []).append(key)
@@ -251,9 +240,9 @@ def eigendecompose(
         for key in keys:
             lead = mats[key].shape[:-2]
             stop = start + math.prod(lead)
-            eig[key] = (
-                s[start:stop].reshape(*lead, n).clamp_min(0),
+            eig[key] = (  # LayerEigen's order: eigenvectors, eigenvalues
                 q[start:stop].reshape(*lead, n, n).contiguous(),
+                s[start:stop].reshape(*lead, n).clamp_min(0),
             )
             start = stop
     if get_world_size() > 1:
@@ -262,14 +251,7 @@ def eigendecompose(
                 torch.distributed.broadcast(t, src=0)
     layers = {
         name: LayerEigen(
-            c.layer_type,
-            c.module_kwargs,
-            eig[(name, "a")][1],
-            eig[(name, "a")][0],
-            eig[(name, "g")][1],
-            eig[(name, "g")][0],
-            None,
-            c.num_samples,
+            c.layer_type, c.module_kwargs, *eig[(name, "a")], *eig[(name, "g")], None, c.num_samples
         )
         for name, c in covariances.layers.items()
     }
@@ -290,14 +272,19 @@ def eigendecompose(
 
 
 # ---- a layer's gradients in the fit's eigenbasis -----------------------------------------------
-def reference(lg: LayerGradient) -> torch.Tensor:
-    """A tensor of the layer's first site: its device and dtype are the computation's."""
-    s = layer_sites(lg)[0]
-    return s.g if isinstance(s, Factorized) else s.data
+def in_basis(
+    name: str, lg: LayerGradient, eig: LayerEigen, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor]:
+    """Check ``lg`` against its layer's fit; return what rotating it into the basis needs.
 
+    Returns:
+        ``(ref, ct, Q_G, Q_A)``: a tensor of the layer's first site (its device and dtype are
+        the computation's), the compute dtype (``dtype``, default the input's raised to at least
+        float32) and the fit's eigenvectors on that device in that dtype.
 
-def check_fit_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
-    """Refuse gradients whose layer is not Kronecker-eligible or not of the fit's shape."""
+    Raises:
+        ValueError: the layer is not Kronecker-eligible or not of the fit's type and shape.
+    """
     if not is_kronecker_layer(lg):
         raise ValueError(f"layer {name!r} of type {lg.layer_type} is not Kronecker-eligible.")
     kd = tuple(get_rule(lg.layer_type).matrix_shape(lg.module_kwargs))
@@ -309,6 +296,10 @@ def check_fit_shape(name: str, lg: LayerGradient, eig: LayerEigen) -> None:
             f"{fit}; the fit belongs to another model, hook configuration or projection (fit "
             "covariances under the store's HookManagerConfig(projection=...))."
         )
+    s = layer_sites(lg)[0]
+    ref = s.g if isinstance(s, Factorized) else s.data
+    ct = dtype or acc_dtype(ref)
+    return ref, ct, eig.q_g.to(device=ref.device, dtype=ct), eig.q_a.to(device=ref.device, dtype=ct)
 
 
 def rotated(
