@@ -14,10 +14,11 @@ from torch import nn
 from dattri_llm import CaptureCallback, HookManager, HookManagerConfig
 from dattri_llm.gradient import Factorized, Gradient, ops
 from dattri_llm.gradient.callbacks import KroneckerCovarianceCallback
-from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.kronecker import (
     KroneckerCovariances,
     KroneckerFactors,
+    eigendecompose,
+    fit_eigenvalue_correction,
 )
 from dattri_llm.gradient.sources import InMemoryGradientSource
 

@@ -42,9 +42,10 @@ def _capture(model: nn.Module, batches: list[dict], callbacks: list) -> list:
 
 
 def _fit(records: list, callback_cov: object | None = None) -> tuple:
-    from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
-    from dattri_llm.gradient.ops.kronecker import (
+    from dattri_llm.gradient.kronecker import (
         KroneckerCovariances,
+        eigendecompose,
+        fit_eigenvalue_correction,
     )
 
     cov = callback_cov or KroneckerCovariances(non_kronecker="diagonal").accumulate(records)
@@ -83,7 +84,7 @@ def _free_port() -> int:
 
 def test_two_process_fit_equals_single(tmp_path):
     from dattri_llm.gradient import Gradient, ops
-    from dattri_llm.gradient.ops.kronecker import KroneckerCovariances, KroneckerFactors
+    from dattri_llm.gradient.kronecker import KroneckerCovariances, KroneckerFactors
 
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     model, batches, test = _data()

@@ -16,10 +16,14 @@ from test_moe import E, V, build, loss_fn
 from dattri_llm import HookManager, HookManagerConfig
 from dattri_llm.gradient.callbacks import CaptureCallback, KroneckerCovarianceCallback
 from dattri_llm.gradient.gradient import Factorized, Gradient
+from dattri_llm.gradient.kronecker import (
+    KroneckerCovariances,
+    KroneckerFactors,
+    eigendecompose,
+    fit_eigenvalue_correction,
+)
 from dattri_llm.gradient.layers import get_rule
 from dattri_llm.gradient.layers.moe import split_expert_factor
-from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
-from dattri_llm.gradient.ops.kronecker import KroneckerCovariances, KroneckerFactors
 
 TOL = 1e-10
 EXPERTS = HookManagerConfig(linear_io=[r".*\.experts"])
@@ -225,7 +229,7 @@ def test_attributor_store_and_callback_fits_vs_explicit(kind: str, tmp_path) -> 
 
 def test_mixed_covariances_mix_per_expert_means() -> None:
     """``mix``: every per-expert mean is ``(1 - m)`` train ``+ m`` query (an empty one is 0)."""
-    from dattri_llm.attribution.kronecker_mix import mixed_covariances
+    from dattri_llm.attribution.kronecker.mixture import mixed_covariances
 
     train_lg = _synthetic(torch.randint(0, 3, (6, 4)), seed=2)
     query_lg = _synthetic(torch.randint(1, 4, (3, 4)), seed=3)

@@ -30,8 +30,11 @@ def _data() -> list:
 
 
 def _fit(grads: list) -> tuple:
-    from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
-    from dattri_llm.gradient.ops.kronecker import KroneckerCovariances
+    from dattri_llm.gradient.kronecker import (
+        KroneckerCovariances,
+        eigendecompose,
+        fit_eigenvalue_correction,
+    )
 
     cov = KroneckerCovariances().accumulate(grads)
     kfac = eigendecompose(cov, warn_skipped=False)
@@ -62,7 +65,7 @@ def _free_port() -> int:
 def test_two_process_expert_fit_equals_single(tmp_path) -> None:
     from reference import rel_err
 
-    from dattri_llm.gradient.ops.kronecker import KroneckerCovariances, KroneckerFactors
+    from dattri_llm.gradient.kronecker import KroneckerCovariances, KroneckerFactors
 
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     grads = _data()

@@ -26,12 +26,13 @@ __all__ = [
     "TracInAttributor",
 ]
 
-from dattri_llm.attribution.kronecker import EKFACAttributor, KFACAttributor  # noqa: E402
+from dattri_llm.attribution.kronecker import (  # noqa: E402
+    EKFACAttributor,
+    KFACAttributor,
+    ProjectedFisherAttributor,
+)
 
 __all__ += ["KFACAttributor", "EKFACAttributor"]
-
-from dattri_llm.attribution.projected_fisher import ProjectedFisherAttributor  # noqa: E402
-
 __all__ += ["ProjectedFisherAttributor"]
 
 from dattri_llm.attribution.less import LESSAttributor  # noqa: E402

@@ -24,7 +24,7 @@ Two per-sample maps shared by the attributors:
   :func:`refuse_double_correction`, as twice corrected). An attributor's
   ``second_moment=`` also takes one per checkpoint (:func:`check_second_moment`); the Fisher
   family fits its preconditioner on the corrected gradients
-  (:mod:`dattri_llm.attribution.kronecker_moment`).
+  (:mod:`dattri_llm.attribution.kronecker.second_moment`).
 """
 
 from __future__ import annotations

@@ -75,8 +75,11 @@ def records_of(model, batches):
 
 
 def stages(train, query) -> dict[str, tuple[float, float]]:
-    from dattri_llm.gradient.ops.ekfac import eigendecompose, fit_eigenvalue_correction
-    from dattri_llm.gradient.ops.kronecker import KroneckerCovariances
+    from dattri_llm.gradient.kronecker import (
+        KroneckerCovariances,
+        eigendecompose,
+        fit_eigenvalue_correction,
+    )
 
     out, keep = {}, {}
 

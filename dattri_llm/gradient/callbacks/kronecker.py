@@ -9,7 +9,7 @@ from torch import nn
 
 from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Gradient, Materialized, Shared
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.kronecker import (
     KroneckerCovariances,
     LayerCovariance,
     NonKronecker,
@@ -36,7 +36,7 @@ class KroneckerCovarianceCallback(HookCallback):
     Pass ``callback.covariances`` (or a directory written by ``callback.save``) to
     ``KFACAttributor.fit(covariances=...)``/``EKFACAttributor.fit(covariances=...)``; the sums
     are all-reduced over ranks when the fit uses them. Conventions are those of
-    :mod:`dattri_llm.gradient.ops.kronecker`.
+    :mod:`dattri_llm.gradient.kronecker`.
 
     The covariances are taken from each step's record, i.e. the same factors a store receives
     (after any transform). Layers the record holds materialised (``capture_style`` other than

@@ -138,7 +138,7 @@ class LayerRule:
         """Per-block ``(sum a a^T (E, D, D), sum g g^T (E, K/E, K/E), counted tokens (E,))``.
 
         Only for rules with :meth:`kronecker_blocks` ``> 1``; ``tokens`` is ``"gradient"`` or
-        ``"all"`` as in :mod:`dattri_llm.gradient.ops.kronecker`.
+        ``"all"`` as in :mod:`dattri_llm.gradient.kronecker`.
         """
         raise NotImplementedError(f"{self.layer_type} has one Kronecker block.")
 

@@ -17,20 +17,22 @@ Implementation: every layer is read as a vector layer (``projected.vector``, mat
 ``(1, P)``), for which the Kronecker machinery is exact (``G = 1``, ``A = F``), so fitting,
 persistence, damping, distributed all-reduce and :meth:`preconditioner` are K-FAC's; so are
 ``normalized_grad`` and ``second_moment`` (TrackStar's optimizer correction, applied to each
-layer before its vector view: :mod:`dattri_llm.attribution.kronecker_moment`).
+layer before its vector view: :mod:`dattri_llm.attribution.kronecker.second_moment`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from dattri_llm.attribution.arguments import AttributionArguments
-from dattri_llm.attribution.kronecker import FisherPreconditioner, KFACAttributor
+from dattri_llm.attribution.kronecker.kfac import KFACAttributor
+from dattri_llm.attribution.kronecker.preconditioner import FisherPreconditioner
+from dattri_llm.attribution.kronecker.second_moment import ViewedBlocks
 from dattri_llm.gradient.gradient import Gradient, Materialized
 from dattri_llm.gradient.layers import get_rule
 
@@ -73,22 +75,6 @@ def vector_view(gradient: Gradient, max_dim: int = DEFAULT_MAX_DIM) -> Gradient:
     return Gradient(out)
 
 
-class _VectorSource:
-    """A gradient source whose blocks are read through ``view(gradient, checkpoint)``."""
-
-    def __init__(self, source: Any, view: Callable[[Gradient, int], Gradient]) -> None:
-        self.source, self.view = source, view
-        self.rereadable = getattr(source, "rereadable", False)
-
-    def __iter__(self) -> Iterator[Any]:
-        for block in self.source:
-            if isinstance(block, Gradient):
-                yield self.view(block, 0)
-            else:
-                c = int(getattr(block, "checkpoint", 0))
-                yield block._replace(gradient=self.view(block.gradient, c))
-
-
 @dataclass(frozen=True)
 class _ViewPreconditioner(FisherPreconditioner):
     """A :class:`FisherPreconditioner` reading each layer through :func:`vector_view`."""
@@ -129,7 +115,7 @@ class ProjectedFisherAttributor(KFACAttributor):
             scores, so ``F_l`` is the exact Fisher of the corrected gradients and the score
             ``m̃_qᵀ (F̃_l + λ I)^{-1} m̃_z``. Raw layers or a ``"mask"`` projection only
             (``"dense"`` / ``"sparse"`` / ``"logra"`` are refused: the correction must precede a
-            mixing projection). See :mod:`dattri_llm.attribution.kronecker_moment`.
+            mixing projection). See :mod:`dattri_llm.attribution.kronecker.second_moment`.
     """
 
     kind: ClassVar[str] = "kfac"
@@ -177,7 +163,7 @@ class ProjectedFisherAttributor(KFACAttributor):
         source = super()._as_source(train_source, hook_config, collate_fn)
         if source is None:
             return None
-        return _VectorSource(source, lambda g, c: self._score_view(g, c, g.layer_names))
+        return ViewedBlocks(source, lambda g, c: self._score_view(g, c, g.layer_names))
 
     def _fit_blocks(self, source: Any, stage: str) -> Any:
         return source  # corrected (second_moment) before the vector view, in _as_source

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dattri_llm.gradient.gradient import Gradient
-from dattri_llm.gradient.ops.kronecker import KroneckerFactors
+from dattri_llm.gradient.kronecker import KroneckerFactors
 
 __all__ = ["FisherPreconditioner", "DEFAULT_DAMPING", "resolve_damping"]
 

@@ -4,7 +4,7 @@
 K-FAC (``G ⊗ A``) or EK-FAC (Kronecker eigenbasis, empirical eigenvalues) approximation of the
 empirical Fisher ``F = (1/N) sum_n g_n g_n^T`` of the training gradients. The exact conventions
 (which ``A`` and ``G``, token counting, damping, non-Kronecker layers) are in
-:mod:`dattri_llm.gradient.ops.kronecker`.
+:mod:`dattri_llm.gradient.kronecker`.
 
 Workflow: :meth:`fit` makes a *damping-free* fit (covariances, eigenbases, and for EK-FAC the
 corrected eigenvalues) from the training gradients, once per model checkpoint; every later
@@ -12,6 +12,10 @@ corrected eigenvalues) from the training gradients, once per model checkpoint; e
 (usually few) test gradients (``prepare_test``) and the result is scored against the training
 gradients with the same routed inner products as TracIn, so ``attribution_granularity="token"``
 works (the score is linear in the train gradient).
+
+A fit is persisted with :meth:`KFACAttributor.save_factors` (one folder per checkpoint) and read
+back by :func:`load_factors`, which also takes fits in memory; :func:`load_covariances` reads
+covariances accumulated during capture (a callback, its sums or their directory).
 """
 
 from __future__ import annotations
@@ -25,30 +29,31 @@ import torch
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.engine.blocks import LiveSource
-from dattri_llm.attribution.kronecker_load import load_covariances, load_factors
-from dattri_llm.attribution.kronecker_mix import (
+from dattri_llm.attribution.kronecker.mixture import (
     check_mix,
     mixed_covariances,
     mixed_eigenvalues,
     queries_by_checkpoint,
 )
-from dattri_llm.attribution.kronecker_moment import SecondMomentFisher
-from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
-from dattri_llm.attribution.preconditioner import (
+from dattri_llm.attribution.kronecker.preconditioner import (
     DEFAULT_DAMPING,
     FisherPreconditioner,
     resolve_damping,
 )
+from dattri_llm.attribution.kronecker.second_moment import SecondMomentFisher
+from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
-from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection, eigendecompose
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.kronecker import (
+    EigenvalueCorrection,
     KroneckerCovariances,
     KroneckerFactors,
     NonKronecker,
     TokenCount,
+    eigendecompose,
 )
+from dattri_llm.gradient.kronecker.covariances import as_gradient, check_fit_options, fit_progress
 from dattri_llm.gradient.sources import (
     BlockSource,
     GradientBlock,
@@ -57,7 +62,7 @@ from dattri_llm.gradient.sources import (
     as_source,
 )
 
-__all__ = ["KFACAttributor", "EKFACAttributor", "FisherPreconditioner"]
+__all__ = ["KFACAttributor", "EKFACAttributor", "load_factors", "load_covariances"]
 
 
 class KFACAttributor(SecondMomentFisher, BaseAttributor):
@@ -110,10 +115,11 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             its Fisher on one): ``A``, ``G`` (and EK-FAC's eigenvalues, diagonal Fishers) are
             ``(1 − mix) ×`` the train mean ``+ mix ×`` the query mean, the query side being the
             test gradients of the call. ``0`` (default): the train gradients alone. See
-            :mod:`dattri_llm.attribution.kronecker_mix`.
+            :mod:`dattri_llm.attribution.kronecker.mixture`.
         second_moment: TrackStar's ``1/√(v + ε)`` per coordinate (a ``SecondMoment``, or one per
             checkpoint), fit and scores on corrected gradients; K-FAC on vector layers only
-            (EK-FAC: corrected eigenvalues). See :mod:`dattri_llm.attribution.kronecker_moment`.
+            (EK-FAC: corrected eigenvalues). See
+            :mod:`dattri_llm.attribution.kronecker.second_moment`.
 
     Attributes:
         factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
@@ -140,10 +146,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         )
         self.mix = check_mix(mix, f"{type(self).__name__}(mix=)")
         self._init_second_moment(second_moment)
-        if non_kronecker not in ("skip", "diagonal"):
-            raise ValueError(f"non_kronecker must be 'skip' or 'diagonal', got {non_kronecker!r}.")
-        if tokens not in ("gradient", "all"):
-            raise ValueError(f"tokens must be 'gradient' or 'all', got {tokens!r}.")
+        check_fit_options(non_kronecker, tokens)
         self.non_kronecker = non_kronecker
         self.tokens = tokens
         self.eigen_dtype = eigen_dtype
@@ -247,11 +250,11 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                 )
             covs = {}
             fit_source = self._fit_blocks(source, "covariances")
-            for block in _progress(fit_source, "K-FAC covariances", show):
+            for block in fit_progress(fit_source, "K-FAC covariances", show):
                 c = int(getattr(block, "checkpoint", 0))
                 if c not in covs:
                     covs[c] = KroneckerCovariances(self.non_kronecker, self.tokens)
-                covs[c].update(_gradient(block))
+                covs[c].update(as_gradient(block))
             if not covs:
                 raise ValueError("the train source yielded no gradients: nothing to fit.")
         queries = None
@@ -279,7 +282,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             out = {
                 c: mixed_eigenvalues(
                     f,
-                    (_gradient(b) for b in source if int(getattr(b, "checkpoint", 0)) == c),
+                    (as_gradient(b) for b in source if int(getattr(b, "checkpoint", 0)) == c),
                     (self._fit_gradient(g, c, "eigenvalues") for g in queries[c]),
                     self.mix,
                 )
@@ -548,10 +551,72 @@ class EKFACAttributor(KFACAttributor):
     Everything else (damping, layers, persistence, reuse) is as for :class:`KFACAttributor`;
     covariances from a :class:`KroneckerCovarianceCallback` save the first pass.
     ``second_moment=`` (TrackStar's ``1/√(v + ε)``) keeps the uncorrected basis and fits ``Λ``
-    on the corrected gradients (:mod:`dattri_llm.attribution.kronecker_moment`).
+    on the corrected gradients (:mod:`dattri_llm.attribution.kronecker.second_moment`).
     """
 
     kind: ClassVar[str] = "ekfac"
+
+
+# ---- saved fits ------------------------------------------------------------------------------
+_FACTORS_JSON = "kronecker_factors.json"
+_COV_JSON = "kronecker_covariances.json"
+
+
+def load_factors(obj: Any) -> dict[int, KroneckerFactors]:
+    """``{checkpoint: KroneckerFactors}`` from a fit, a dict of fits or a saved directory."""
+    if isinstance(obj, KroneckerFactors):
+        return {0: obj}
+    if isinstance(obj, Mapping):
+        out = {}
+        for c, f in obj.items():
+            if not isinstance(f, KroneckerFactors):
+                raise TypeError(
+                    f"factors[{c!r}] must be a KroneckerFactors, got {type(f).__name__}."
+                )
+            out[int(c)] = f
+        return out
+    if isinstance(obj, (str, os.PathLike)):
+        path = os.fspath(obj)
+        if os.path.exists(os.path.join(path, _FACTORS_JSON)):
+            return {0: KroneckerFactors.load(path)}
+        subs = (
+            sorted(d for d in os.listdir(path) if d.startswith("checkpoint_"))
+            if os.path.isdir(path)
+            else []
+        )
+        if not subs:
+            raise FileNotFoundError(
+                f"{path} holds no saved Kronecker factors (expected "
+                f"{_FACTORS_JSON} or checkpoint_<c>/ folders)."
+            )
+        return {int(d.split("_", 1)[1]): KroneckerFactors.load(os.path.join(path, d)) for d in subs}
+    raise TypeError(
+        f"factors must be a directory, a KroneckerFactors or a dict of them, got "
+        f"{type(obj).__name__}."
+    )
+
+
+def load_covariances(obj: Any) -> dict[int, KroneckerCovariances]:
+    """``{checkpoint: KroneckerCovariances}`` from a callback, covariances, a directory, a dict."""
+    if isinstance(obj, Mapping):
+        return {int(c): _one_cov(v) for c, v in obj.items()}
+    return {0: _one_cov(obj)}
+
+
+def _one_cov(obj: Any) -> KroneckerCovariances:
+    if isinstance(obj, KroneckerCovariances):
+        return obj
+    cov = getattr(obj, "covariances", None)  # a KroneckerCovarianceCallback
+    if isinstance(cov, KroneckerCovariances):
+        return cov
+    if isinstance(obj, (str, os.PathLike)):
+        if not os.path.exists(os.path.join(obj, _COV_JSON)):
+            raise FileNotFoundError(f"{obj} holds no saved covariances ({_COV_JSON}).")
+        return KroneckerCovariances.load(obj)
+    raise TypeError(
+        "covariances must be a KroneckerCovarianceCallback, KroneckerCovariances, "
+        f"a directory or a dict of them, got {type(obj).__name__}."
+    )
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -561,28 +626,15 @@ def _ekfac_pass(
     """One pass over the training gradients, each block feeding its checkpoint's correction."""
     corr = {c: EigenvalueCorrection(f) for c, f in fits.items()}
     passing = source if any(c.needs_pass for c in corr.values()) else ()  # vectors: exact
-    for block in _progress(passing, "EK-FAC eigenvalues", show):
+    for block in fit_progress(passing, "EK-FAC eigenvalues", show):
         c = int(getattr(block, "checkpoint", 0))
         key = c if c in corr else (next(iter(corr)) if len(corr) == 1 else None)
         if key is None:
             raise ValueError(
                 f"train block at checkpoint {c} has no K-FAC fit (fitted: {sorted(corr)})."
             )
-        corr[key].update(_gradient(block))
+        corr[key].update(as_gradient(block))
     return {c: corr[c].result() for c in sorted(corr)}
-
-
-def _gradient(block: Any) -> Gradient:
-    if isinstance(block, Gradient):
-        return block
-    return block.gradient
-
-
-def _progress(items: Iterable, desc: str, show: bool | None) -> Iterable:
-    from dattri_llm.utils.distributed import get_rank
-    from dattri_llm.utils.progress import progress
-
-    return items if get_rank() != 0 else progress(items, show, desc=desc)
 
 
 def _is_store(obj: Any) -> bool:

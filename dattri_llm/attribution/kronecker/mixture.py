@@ -19,17 +19,17 @@ TrackStar's K-FAC does).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from dattri_llm.gradient.ops.ekfac import EigenvalueCorrection
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.kronecker import (
     DiagonalFisher,
+    EigenvalueCorrection,
     KroneckerCovariances,
     KroneckerFactors,
     LayerCovariance,
-    LayerEigen,
 )
 
 __all__ = ["check_mix", "mixed_covariances", "mixed_eigenvalues", "queries_by_checkpoint"]
@@ -62,10 +62,7 @@ def mixed_covariances(
     for name, ct in train.layers.items():
         cq = query.layers.get(name)
         if cq is None or cq.num_tokens <= 0 or cq.num_samples <= 0:
-            raise ValueError(
-                f"mix: the query gradients do not reach layer {name!r} of the train fit; "
-                "capture queries and train samples with the same hook configuration."
-            )
+            raise _not_reached(name)
         if ct.num_tokens <= 0 or ct.num_samples <= 0:
             raise ValueError(f"layer {name!r} has no train samples or no tokens carrying gradient.")
         a = (1.0 - mix) * ct.a_mean() + mix * cq.a_mean()
@@ -77,15 +74,19 @@ def mixed_covariances(
     for name, dt in train.diagonal.items():
         dq = query.diagonal.get(name)
         if dq is None or dq.num_samples <= 0:
-            raise ValueError(
-                f"mix: the query gradients do not reach layer {name!r} of the train fit; "
-                "capture queries and train samples with the same hook configuration."
-            )
+            raise _not_reached(name)
         sq = (1.0 - mix) * dt.sq_sum / dt.num_samples + mix * dq.sq_sum / dq.num_samples
         out.diagonal[name] = DiagonalFisher(dt.layer_type, dict(dt.module_kwargs), sq, 1.0)
     out.skipped = dict(train.skipped)
     out.reduced = True
     return out
+
+
+def _not_reached(name: str) -> ValueError:
+    return ValueError(
+        f"mix: the query gradients do not reach layer {name!r} of the train fit; "
+        "capture queries and train samples with the same hook configuration."
+    )
 
 
 def mixed_eigenvalues(
@@ -106,12 +107,10 @@ def mixed_eigenvalues(
             corr.update(g)
         parts.append(corr.result())
     t, q = parts
-    layers = {}
-    for name, lt in t.layers.items():
-        lam = (1.0 - mix) * lt.corrected + mix * q.layers[name].corrected
-        layers[name] = LayerEigen(
-            lt.layer_type, lt.module_kwargs, lt.q_a, lt.s_a, lt.q_g, lt.s_g, lam, lt.num_samples
-        )
+    layers = {
+        name: replace(lt, corrected=(1.0 - mix) * lt.corrected + mix * q.layers[name].corrected)
+        for name, lt in t.layers.items()
+    }
     return KroneckerFactors("ekfac", layers, dict(fit.diagonal), dict(fit.skipped))
 
 

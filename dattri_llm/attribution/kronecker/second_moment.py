@@ -48,26 +48,26 @@ uncorrected train vectors (``q̃ᵀ P g̃ = (D P D q)ᵀ g``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dattri_llm.attribution.kronecker.preconditioner import FisherPreconditioner
 from dattri_llm.attribution.normalization import (
     SecondMoment,
     check_exact_coords,
     check_second_moment,
     moment_at,
 )
-from dattri_llm.attribution.preconditioner import FisherPreconditioner
 from dattri_llm.gradient.gradient import Gradient, Materialized
-from dattri_llm.gradient.layers import get_rule
-from dattri_llm.gradient.ops.kronecker import (
+from dattri_llm.gradient.kronecker import (
     KroneckerCovariances,
     KroneckerFactors,
     is_kronecker_layer,
 )
+from dattri_llm.gradient.layers import get_rule
 
-__all__ = ["SecondMomentFisher", "MomentPreconditioner", "corrected_layers"]
+__all__ = ["SecondMomentFisher", "MomentPreconditioner", "corrected_layers", "ViewedBlocks"]
 
 
 def corrected_layers(moment: SecondMoment, gradient: Gradient, names: Iterable[str]) -> Gradient:
@@ -107,20 +107,23 @@ class MomentPreconditioner(FisherPreconditioner):
     __call__ = precondition_gradient
 
 
-class _CorrectedBlocks:
-    """A gradient source's blocks, each gradient passed through ``fix(gradient, checkpoint)``."""
+class ViewedBlocks:
+    """A gradient source whose blocks are read through ``view(gradient, checkpoint)``.
 
-    def __init__(self, source: Any, fix: Any) -> None:
-        self.source, self.fix = source, fix
+    The fit's corrected gradients here; the vector view of ``ProjectedFisherAttributor``.
+    """
+
+    def __init__(self, source: Any, view: Callable[[Gradient, int], Gradient]) -> None:
+        self.source, self.view = source, view
         self.rereadable = getattr(source, "rereadable", False)
 
     def __iter__(self) -> Iterator[Any]:
         for block in self.source:
             if isinstance(block, Gradient):
-                yield self.fix(block, 0)
+                yield self.view(block, 0)
             else:
                 c = int(getattr(block, "checkpoint", 0))
-                yield block._replace(gradient=self.fix(block.gradient, c))
+                yield block._replace(gradient=self.view(block.gradient, c))
 
 
 class SecondMomentFisher:
@@ -213,7 +216,7 @@ class SecondMomentFisher:
         """``source``, each block corrected for the fit ``stage`` (see :meth:`_fit_gradient`)."""
         if self.second_moment is None or source is None:
             return source
-        return _CorrectedBlocks(source, lambda g, c: self._fit_gradient(g, c, stage))
+        return ViewedBlocks(source, lambda g, c: self._fit_gradient(g, c, stage))
 
     def _check_moment_covariances(self, covs: dict[int, KroneckerCovariances]) -> None:
         """Refuse capture-time covariances where the correction needs the gradients."""
