@@ -18,6 +18,7 @@ from dattri_llm import (
     TracInAttributor,
 )
 from dattri_llm.gradient.callbacks import KroneckerCovarianceCallback
+from dattri_llm.gradient.streaming import GradientStreamer
 
 V, T = 11, 5
 LAYERS = {"fc": "fc.bias", "head": None}
@@ -219,7 +220,7 @@ def test_relative_damping_and_heavy_damping_limit(tmp_path):
     assert rel(default.query(train, test), ref) < 1e-8
     # a number alone is absolute; None after it restores the default (not the last value)
     absolute = att.attribute(train, test, hook_config=CONFIG, damping=0.1)
-    assert (att.damping, att.relative) == (0.1, False)
+    assert (att.damping, att.relative) == (None, None)  # nothing of a call survives it
     assert rel(absolute.query(train, test), default.query(train, test)) > 1e-3
     again = att.attribute(train, test, hook_config=CONFIG)
     assert rel(again.query(train, test), ref) < 1e-8
@@ -324,3 +325,23 @@ def test_diagonal_non_kronecker_with_callback_covariances(tmp_path, kind):
     att.fit(train, covariances=diag_cb)
     got = att.attribute_sources(train, test, damping=1e-2).scores
     assert rel(got, want) < 1e-10
+
+
+def test_no_damping_survives_a_call(tmp_path):
+    """A call's damping holds for that call alone, on every entry point (attribute_sources too)."""
+    model = make_model()
+    train, test = dataset(6, 1), dataset(2, 2)
+    task = AttributionTask(loss_fn, model)
+    blocks = list(GradientStreamer(model, train, loss_fn, hook_config=CONFIG, batch_size=3))
+    queries = list(GradientStreamer(model, test, loss_fn, hook_config=CONFIG, batch_size=2))
+    att = KFACAttributor(run_args(tmp_path), task=task)
+    default = att.attribute_sources(blocks, queries).scores
+    damped = att.attribute_sources(blocks, queries, damping=1e3).scores
+    assert rel(damped, default) > 1e-3
+    again = att.attribute_sources(blocks, queries).scores  # the default again, not 1e3
+    assert rel(again, default) < 1e-12
+    # the constructor's damping is every call's default
+    fixed = KFACAttributor(run_args(tmp_path), task=task, damping=1e3)
+    assert rel(fixed.attribute_sources(blocks, queries).scores, damped) < 1e-12
+    pre = fixed.preconditioner()
+    assert (pre.damping, pre.relative) == (1e3, False)

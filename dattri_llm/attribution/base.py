@@ -56,7 +56,7 @@ from dattri_llm.gradient.optim.second_moment import check_same_correction
 from dattri_llm.gradient.sources import GradientBlock, GradientSource, as_source
 from dattri_llm.utils.distributed import get_rank, get_world_size
 
-__all__ = ["BaseAttributor", "LiveSides", "StoredSides"]
+__all__ = ["BaseAttributor", "CallPlan", "LiveSides", "StoredSides"]
 
 _MODES = ("auto", "factorized", "materialized")
 _NO_TOKEN_SPLIT = (
@@ -81,6 +81,24 @@ class StoredSides:
 
     train: Any
     test: Any
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one call asks for, once its options are checked.
+
+    Attributes:
+        where: The entry point (as errors name it).
+        granularity: ``"sample"`` or ``"token"``.
+        top_k: Keep each test sample's ``top_k`` largest and smallest scores (``None``: all).
+        fit_options: The call's options that are not the method's :attr:`call_options`,
+            passed to :meth:`BaseAttributor.fit`.
+    """
+
+    where: str
+    granularity: str
+    top_k: int | None
+    fit_options: dict[str, Any]
 
 
 class BaseAttributor:
@@ -291,9 +309,10 @@ class BaseAttributor:
         with self._plan(options, where) as rest:
             live = isinstance(sides, LiveSides)
             self.check_call(granularity, live)
+            plan = CallPlan(where, granularity, k, rest)
             if live:
-                return self.score_live(sides, granularity, k, rest)
-            return self.score(sides.train, sides.test, granularity, k, rest, where)
+                return self.score_live(sides, plan)
+            return self.score(sides.train, sides.test, plan)
 
     # ---- entry points ----------------------------------------------------------------------
     def attribute(
@@ -416,17 +435,14 @@ class BaseAttributor:
         return DiskGradientSource(where, layers=layers, device=self.device, checkpoints=checkpoints)
 
     # ---- the drivers -----------------------------------------------------------------------
-    def score_live(
-        self, sides: LiveSides, granularity: str, k: int | None, fit_options: dict[str, Any]
-    ) -> AttributionScore:
+    def score_live(self, sides: LiveSides, plan: CallPlan) -> AttributionScore:
         """Score a live call: per checkpoint, the test set's gradients, then the train set's.
 
         Args:
             sides: The datasets, hook config and collate of the call.
-            granularity: ``"sample"`` or ``"token"``.
-            k: ``top_k`` (``None``: every score).
-            fit_options: The call's options for :meth:`fit`.
+            plan: The call's granularity, ``top_k`` and options for :meth:`fit`.
         """
+        granularity, k = plan.granularity, plan.top_k
         from dattri_llm.gradient.streaming import GradientStreamer
 
         args, task = self.args, self.task
@@ -475,7 +491,7 @@ class BaseAttributor:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             live = LiveSource(train_source, int(args.live_cache_gb * 2**30))
-            self.fit_call(live, None, sides, fit_options)
+            self.fit_call(live, None, sides, plan.fit_options)
             counts = None
             if k is not None:
                 from dattri_llm.gradient.streaming import sample_id
@@ -535,15 +551,7 @@ class BaseAttributor:
         """
         self.fit(train, **fit_options)
 
-    def score(
-        self,
-        train_source: Any,
-        test_source: Any,
-        granularity: str,
-        k: int | None,
-        fit_options: dict[str, Any],
-        where: str = "attribute_sources",
-    ) -> AttributionScore:
+    def score(self, train_source: Any, test_source: Any, plan: CallPlan) -> AttributionScore:
         """Score two gradient sources: the engine behind the stored entry points.
 
         Train blocks are joined into chunks sized from ``args.score_memory_gb`` (see
@@ -564,11 +572,9 @@ class BaseAttributor:
         Args:
             train_source: The train gradients (any source :func:`as_source` reads).
             test_source: The test gradients.
-            granularity: ``"sample"`` or ``"token"``.
-            k: ``top_k`` (``None``: every score).
-            fit_options: The call's options for :meth:`fit`.
-            where: The entry point, as errors name it.
+            plan: The call's granularity, ``top_k`` and options for :meth:`fit`.
         """
+        granularity, k = plan.granularity, plan.top_k
         train_source, test_source = as_source(train_source, "train"), as_source(test_source, "test")
         names = (source_name(train_source, "train"), source_name(test_source, "test"))
         if all(hasattr(s, "capture_facts") for s in (train_source, test_source)):
@@ -577,7 +583,7 @@ class BaseAttributor:
         units = units_of(train_source)
         split = distributed.active(self.args)
         if split:
-            distributed.join(self.args, f"{type(self).__name__}.{where}")
+            distributed.join(self.args, f"{type(self).__name__}.{plan.where}")
             if granularity == "token":
                 raise ValueError(_NO_TOKEN_SPLIT)
             if units is None:
@@ -591,7 +597,7 @@ class BaseAttributor:
             units, _ = distributed.split_units(full, get_rank(), get_world_size())
             distributed.check_shares(full, units, self.collective_fit)
         test_blocks = list(test_source)  # read once: a fit on train and queries reads it too
-        self.fit_call(units if split else train_source, test_blocks, None, fit_options)
+        self.fit_call(units if split else train_source, test_blocks, None, plan.fit_options)
         by_ckpt: dict[int, list[GradientBlock]] = {}
         for block in test_blocks:
             by_ckpt.setdefault(self.pairing_key(block), []).append(block)

@@ -36,13 +36,11 @@ from dattri_llm.attribution.kronecker.mixture import (
     queries_by_checkpoint,
 )
 from dattri_llm.attribution.kronecker.preconditioner import (
-    DEFAULT_DAMPING,
     FisherPreconditioner,
     resolve_damping,
 )
 from dattri_llm.attribution.kronecker.second_moment import SecondMomentFisher
 from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
-from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
 from dattri_llm.gradient.hooks import HookManagerConfig
 from dattri_llm.gradient.kronecker import (
@@ -120,6 +118,11 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             checkpoint), fit and scores on corrected gradients; K-FAC on vector layers only
             (EK-FAC: corrected eigenvalues). See
             :mod:`dattri_llm.attribution.kronecker.second_moment`.
+        damping: ``λ``: absolute, or with ``relative=True`` a factor of each layer's mean
+            eigenvalue. ``None``: the default, ``0.1 ×`` each layer's mean eigenvalue. A call
+            may pass its own (``attribute*(..., damping=...)``: one fit serves every damping).
+        relative: Scale ``damping`` by each layer's mean eigenvalue (``None``: only for the
+            default). A call may pass its own.
 
     Attributes:
         factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
@@ -139,8 +142,11 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         normalized_grad: bool = False,
         mix: float = 0.0,
         second_moment: Any = None,
+        damping: float | None = None,
+        relative: bool | None = None,
     ) -> None:
         super().__init__(args, task, mode=mode)
+        resolve_damping(damping, relative)  # refuse a bad pair now, not at the first call
         self.normalized_grad = check_flag(
             normalized_grad, f"{type(self).__name__}(normalized_grad=)"
         )
@@ -151,8 +157,8 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         self.tokens = tokens
         self.eigen_dtype = eigen_dtype
         self.factors: dict[int, KroneckerFactors] = {}
-        self.damping = DEFAULT_DAMPING
-        self.relative = True
+        self.damping = damping
+        self.relative = relative
         self._fit_key: Any = None
         self._live_key: Any = None
 
@@ -405,7 +411,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         """
         fit = self._fit_for(checkpoint)
         gradient = self._score_view(gradient, checkpoint, fit.layer_names)
-        out = fit.precondition(gradient, self.damping, self.relative)
+        out = fit.precondition(gradient, *resolve_damping(self.damping, self.relative))
         if not self.normalized_grad:
             return out
         return unit_rows(out, dense_row_dot(gradient.select_layers(fit.layer_names), out))
@@ -419,7 +425,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         out = self._score_view(gradient.select_layers(fit.layer_names), checkpoint, fit.layer_names)
         if not self.normalized_grad:
             return out
-        pre = fit.precondition(out, self.damping, self.relative)
+        pre = fit.precondition(out, *resolve_damping(self.damping, self.relative))
         return unit_rows(out, dense_row_dot(out, pre))
 
     def preconditioner(
@@ -431,113 +437,46 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         the fitted layers ranks as ``attribute_from_cache(..., top_k=k)`` with this damping.
 
         Args:
-            damping: ``λ``, as in :meth:`attribute` (``None``: the default, ``0.1 ×`` each
-                layer's mean eigenvalue, never the last call's).
-            relative: Scale ``damping`` by each layer's mean eigenvalue.
+            damping: ``λ``, as the constructor's (``None``: the constructor's, by default
+                ``0.1 ×`` each layer's mean eigenvalue; never a call's).
+            relative: Scale ``damping`` by each layer's mean eigenvalue (``None``: the
+                constructor's).
             checkpoint: The fit's checkpoint label (a single fit serves every label).
         """
-        damping, relative = resolve_damping(damping, relative)
+        damping, relative = resolve_damping(
+            self.damping if damping is None else damping,
+            self.relative if relative is None else relative,
+        )
         fit = FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
         return self._moment_preconditioner(fit, checkpoint)
 
-    # ---- entry points ----------------------------------------------------------------------
-    def _set_damping(self, damping: float | None, relative: bool | None, reset: bool) -> None:
-        """Resolve ``(damping, relative)``; a number without ``relative`` is absolute.
+    # ---- the call's plan --------------------------------------------------------------------
+    call_options = ("damping", "relative")
 
-        With ``reset``, ``None`` means the default, not the last value used.
-        """
-        if damping is not None or relative is not None or reset:
-            self.damping, self.relative = resolve_damping(damping, relative)
+    def check_option(self, name: str, value: Any, where: str) -> Any:
+        """``damping`` (a number >= 0) or ``relative`` (a flag) of one call."""
+        if name == "relative":
+            return check_flag(value, where)
+        resolve_damping(value, None)  # the number's own check
+        return value
 
-    def attribute(
-        self,
-        train_set: Any,
-        test_set: Any,
-        hook_config: HookManagerConfig | None = None,
-        attribution_granularity: str = "sample",
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        damping: float | None = None,
-        relative: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute live (see :meth:`BaseAttributor.attribute`); fits on first use.
-
-        Args:
-            train_set: Train samples.
-            test_set: Test samples.
-            hook_config: Which layers to capture.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            collate_fn: Overrides ``args.dataloader_collate``.
-            damping: ``λ``: absolute, or with ``relative=True`` a factor of each layer's mean
-                eigenvalue. ``None``: the default, ``0.1 ×`` each layer's mean eigenvalue.
-            relative: Scale ``damping`` by each layer's mean eigenvalue (``None``: only for
-                the default).
-            **kwargs: Passed to :meth:`fit` (``covariances``, ``factors``, ``save_dir``,
-                ``refit``).
-        """
-        self._set_damping(damping, relative, reset=True)
-        self._live_key = (
-            "live",
-            id(train_set),
-            len(train_set) if hasattr(train_set, "__len__") else None,
-            id(hook_config),
-        )
-        return super().attribute(
-            train_set, test_set, hook_config, attribution_granularity, collate_fn, **kwargs
-        )
-
-    def attribute_from_cache(
-        self,
-        train_dir: Any,
-        test_dir: Any,
-        attribution_granularity: str = "sample",
-        layers: Any = None,
-        damping: float | None = None,
-        relative: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute from two gradient stores (see :meth:`BaseAttributor.attribute_from_cache`).
-
-        Args:
-            train_dir: Train gradient store (also the fit's data unless ``factors`` are given).
-            test_dir: Test gradient store.
-            attribution_granularity: ``"sample"`` or ``"token"``.
-            layers: Score (and fit) only these layers.
-            damping: ``λ``, as in :meth:`attribute` (``None``: ``0.1 ×`` each layer's mean
-                eigenvalue).
-            relative: Scale ``damping`` by each layer's mean eigenvalue.
-            **kwargs: ``checkpoints`` (read only these checkpoint labels, see
-                :meth:`BaseAttributor.attribute_from_cache`); the rest is passed to :meth:`fit`.
-        """
-        self._set_damping(damping, relative, reset=True)
-        return super().attribute_from_cache(
-            train_dir, test_dir, attribution_granularity, layers, **kwargs
-        )
-
-    def attribute_sources(
-        self,
-        train_source: Any,
-        test_source: Any,
-        attribution_granularity: str = "sample",
-        damping: float | None = None,
-        relative: bool | None = None,
-        **kwargs: Any,
-    ) -> AttributionScore:
-        """Attribute from two gradient sources.
-
-        ``damping=None`` keeps the last damping used (at first the default, ``0.1 ×`` each
-        layer's mean eigenvalue).
-        """
-        self._set_damping(damping, relative, reset=False)
-        if self.mix > 0 and kwargs.get("factors") is None:
-            test_source = list(as_source(test_source, "test"))  # read by the fit and the scores
-            kwargs["query_source"] = test_source
-        return super().attribute_sources(
-            train_source, test_source, attribution_granularity, **kwargs
-        )
+    def check_call(self, granularity: str, live: bool) -> None:
+        """Refuse token granularity with a correction, and a damping pair that means nothing."""
+        self._check_moment_granularity(granularity)
+        resolve_damping(self.damping, self.relative)
 
     def fit_call(self, train: Any, test: Any, sides: Any, fit_options: dict[str, Any]) -> None:
-        """Fit for one call; a ``mix > 0`` fit reads the call's test blocks too."""
+        """Fit for one call; a ``mix > 0`` fit reads the call's test blocks too.
+
+        A live call's fit is reused only for the same dataset and hook config.
+        """
+        if sides is not None:
+            self._live_key = (
+                "live",
+                id(sides.train_set),
+                len(sides.train_set) if hasattr(sides.train_set, "__len__") else None,
+                id(sides.hook_config),
+            )
         if self.mix > 0 and fit_options.get("factors") is None and test is not None:
             fit_options = {**fit_options, "query_source": test}
         self.fit(train, **fit_options)

@@ -116,6 +116,8 @@ class ProjectedFisherAttributor(KFACAttributor):
             ``m̃_qᵀ (F̃_l + λ I)^{-1} m̃_z``. Raw layers or a ``"mask"`` projection only
             (``"dense"`` / ``"sparse"`` / ``"logra"`` are refused: the correction must precede a
             mixing projection). See :mod:`dattri_llm.attribution.kronecker.second_moment`.
+        damping: ``λ`` (see above; a call may pass its own).
+        relative: Scale ``damping`` by ``tr(F_l) / P`` (a call may pass its own).
     """
 
     kind: ClassVar[str] = "kfac"
@@ -129,6 +131,8 @@ class ProjectedFisherAttributor(KFACAttributor):
         mode: str = "auto",
         normalized_grad: bool = False,
         second_moment: Any = None,
+        damping: float | None = None,
+        relative: bool | None = None,
     ) -> None:
         super().__init__(
             args,
@@ -137,6 +141,8 @@ class ProjectedFisherAttributor(KFACAttributor):
             mode=mode,
             normalized_grad=normalized_grad,
             second_moment=second_moment,
+            damping=damping,
+            relative=relative,
         )
         if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
             raise ValueError(f"max_dim must be a positive int, got {max_dim!r}.")

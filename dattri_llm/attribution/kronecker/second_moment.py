@@ -147,34 +147,6 @@ class SecondMomentFisher:
                 "are materialized (no token axis): use attribution_granularity='sample'."
             )
 
-    def attribute(
-        self,
-        train_set: Any,
-        test_set: Any,
-        hook_config: Any = None,
-        attribution_granularity: str = "sample",
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        """Refuse token granularity with a correction, then attribute (the base class's)."""
-        self._check_moment_granularity(attribution_granularity)
-        return super().attribute(  # type: ignore[misc]
-            train_set, test_set, hook_config, attribution_granularity, *args, **kwargs
-        )
-
-    def attribute_sources(
-        self,
-        train_source: Any,
-        test_source: Any,
-        attribution_granularity: str = "sample",
-        **kw: Any,
-    ) -> Any:
-        """Refuse token granularity with a correction, then attribute (the base class's)."""
-        self._check_moment_granularity(attribution_granularity)
-        return super().attribute_sources(  # type: ignore[misc]
-            train_source, test_source, attribution_granularity, **kw
-        )
-
     def _moment(self, checkpoint: int) -> SecondMoment | None:
         return moment_at(self.second_moment, checkpoint)
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from dattri_llm.attribution.base import BaseAttributor, LiveSides
+from dattri_llm.attribution.base import BaseAttributor, CallPlan, LiveSides
 from dattri_llm.attribution.engine import distributed
 from dattri_llm.attribution.engine.sinks import top_k_of
 from dattri_llm.attribution.normalization import check_flag, unit_per_sample, unit_rows_dense
@@ -353,9 +354,7 @@ class TrajectoryAttributor(BaseAttributor):
             )
 
     # ---- the drivers -------------------------------------------------------------------------
-    def score_live(
-        self, sides: LiveSides, granularity: str, k: int | None, fit_options: dict[str, Any]
-    ) -> AttributionScore:
+    def score_live(self, sides: LiveSides, plan: CallPlan) -> AttributionScore:
         """Live: train a copy of the task's model while recording, then score the queries.
 
         The run is set by ``live_run`` (``learning_rate``, ``optimizer``, ``num_train_epochs``,
@@ -375,7 +374,7 @@ class TrajectoryAttributor(BaseAttributor):
 
         args, task = self.args, self.task
         hook_config, collate_fn = sides.hook_config, sides.collate_fn
-        fit_options = dict(fit_options)
+        fit_options = dict(plan.fit_options)
         trajectory = fit_options.pop("trajectory", None)
         dynamics = None
         if trajectory is None:
@@ -410,17 +409,9 @@ class TrajectoryAttributor(BaseAttributor):
         if dynamics is not None and "dynamics" not in self.call_state.get("options", ()):
             recorded = {"dynamics": dynamics}  # the run just recorded, unless the call chose
         with self._overriding(recorded), self.declared_reduction("attribute", live=True):
-            return self.score(train, test, granularity, k, fit_options, "attribute")
+            return self.score(train, test, replace(plan, fit_options=fit_options))
 
-    def score(
-        self,
-        train_source: Any,
-        test_source: Any,
-        granularity: str,
-        k: int | None,
-        fit_options: dict[str, Any],
-        where: str = "attribute_sources",
-    ) -> AttributionScore:
+    def score(self, train_source: Any, test_source: Any, plan: CallPlan) -> AttributionScore:
         """Unroll a train source (store, replay, records) for the queries of a test source.
 
         ``top_k=k`` reduces the result to each query's ``k`` proponents and opponents (the
@@ -431,17 +422,15 @@ class TrajectoryAttributor(BaseAttributor):
         Args:
             train_source: The run's per-step per-sample gradients.
             test_source: The queries' gradients at the end of the run.
-            granularity: ``"sample"``.
-            k: ``top_k`` (``None``: every score).
-            fit_options: Must be empty: a trajectory method's options are its
-                :attr:`call_options`.
-            where: The entry point, as errors name it.
+            plan: The call's ``top_k``; its ``fit_options`` must be empty (a trajectory
+                method's options are its :attr:`call_options`).
         """
-        if fit_options:
+        if plan.fit_options:
             raise TypeError(
-                f"{type(self).__name__}.{where} got unexpected options {sorted(fit_options)}; "
-                f"its per-call options are {list(self.call_options)}."
+                f"{type(self).__name__}.{plan.where} got unexpected options "
+                f"{sorted(plan.fit_options)}; its per-call options are {list(self.call_options)}."
             )
+        k = plan.top_k
         index = step_index(train_source, device=self.device)
         index.check_contiguous(type(self).__name__)
         first = index.load(index.steps[0])
