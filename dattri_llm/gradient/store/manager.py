@@ -54,7 +54,7 @@ from dattri_llm.gradient.store.writer import PartitionWriter
 from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
 from dattri_llm.utils.hashing import hash_sample
 
-__all__ = ["GradientStorageManager", "RecordInfo", "SampleLocation"]
+__all__ = ["GradientStorageManager", "RecordInfo"]
 
 
 class RecordInfo(NamedTuple):
