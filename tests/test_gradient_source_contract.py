@@ -3,7 +3,8 @@
 A user-written source yielding the specification's 3-tuples (or 4-tuples with a checkpoint)
 scores exactly like the library's own ``InMemoryGradientSource`` over the same gradients, for
 the shared score loop (TracIn), a fitted method (K-FAC) and a trajectory method (DVEmb); the
-library's ``GradientBlock`` is a superset whose first three fields are the specification's.
+library's ``GradientBlock`` unpacks as the specification's triple and carries its checkpoint
+and metadata as attributes.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ def test_library_blocks_are_a_superset_of_the_specification_triple(tmp_path):
     _, _, _, tr, _ = blocks(tmp_path)
     b = tr[0]
     assert isinstance(b, GradientBlock) and isinstance(b, tuple)
-    step, gradient, hashes, checkpoint, metadata = b  # the five fields unpack
-    assert b[:3] == (step, gradient, hashes)  # the first three are the specification's
-    assert GradientBlock._fields == ("step", "gradient", "hashes", "checkpoint", "metadata")
+    step, gradient, hashes = b  # exactly the specification's triple
+    assert len(b) == 3 and b[:3] == (step, gradient, hashes)
+    assert (b.step, b.gradient, b.hashes) == (step, gradient, hashes)
+    assert isinstance(b.checkpoint, int) and b.metadata is not None  # carried as attributes
     filled = as_block((step, gradient, hashes))
     assert filled.checkpoint == 0 and dict(filled.metadata) == {}
 
@@ -116,3 +118,16 @@ def test_malformed_blocks_are_refused_with_their_position(tmp_path):
         att.attribute_sources([(0, tr[0].gradient, "abc")], te)
     with pytest.raises(TypeError, match="must be an iterable"):
         att.attribute_sources(3, te)
+
+
+def test_in_memory_blocks_unpack_as_the_specification_triple(tmp_path):
+    _, _, _, tr, _ = blocks(tmp_path)
+    source = InMemoryGradientSource([(b.step, b.gradient, b.hashes, 2, {"lr": 0.1}) for b in tr])
+    seen = []
+    for step, gradient, hashes in source:  # the specification's loop
+        seen.append((step, gradient.batch_size, list(hashes)))
+    assert seen == [(b.step, b.gradient.batch_size, list(b.hashes)) for b in tr]
+    first = next(iter(source))
+    assert first.checkpoint == 2 and dict(first.metadata) == {"lr": 0.1}
+    moved = first._replace(checkpoint=5)
+    assert moved.checkpoint == 5 and moved.metadata == first.metadata and moved[:3] == first[:3]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -488,3 +491,24 @@ def test_shared_separate_equals_the_untied_model() -> None:
     tied1, tied2 = ref_flat(model, x1), ref_flat(model, x2)
     assert rel_err(ops.cross_dot(s1, s2), tied1 @ tied2.T) < 1e-10
     assert rel_err(tied1 @ tied2.T, r1 @ r2.T) > 1e-3
+
+
+def test_plain_capture_loads_no_moe_or_optimizer_correction_module(tmp_path):
+    """Capturing a plain model enters neither ``layers/moe.py`` nor ``optim/second_moment.py``."""
+    code = f"""
+import sys
+import torch
+from torch import nn
+from dattri_llm import GradientStorageManager, HookManager, OffloadCallback
+
+model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+fm = GradientStorageManager({str(tmp_path / "store")!r})
+cb = OffloadCallback(offload_interval=1, file_manager=fm, recording_type="per_sample")
+with HookManager(model, callbacks=[cb]).collect():
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+assert len(GradientStorageManager({str(tmp_path / "store")!r})) == 1
+loaded = [m for m in ("dattri_llm.gradient.layers.moe", "dattri_llm.gradient.optim.second_moment")
+          if m in sys.modules]
+assert not loaded, loaded
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

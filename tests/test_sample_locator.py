@@ -15,8 +15,8 @@ import torch
 
 from dattri_llm import GradientStorageManager
 from dattri_llm.gradient import Gradient, GradientRecord, Materialized
+from dattri_llm.gradient.store.binary_index import HEADER, RECORDS_FILE, SAMPLES_FILE, WIDTH
 from dattri_llm.gradient.store.format import StoreFormatError, write_meta
-from dattri_llm.gradient.store.sample_index import HEADER, RECORDS_FILE, SAMPLES_FILE, WIDTH
 from dattri_llm.gradient.store.writer import PartitionWriter
 
 
@@ -75,8 +75,8 @@ def test_lookup_equals_the_map_of_every_id_and_builds_no_dict(tmp_path):
     two_ranks(tmp_path / "s")
     store = GradientStorageManager(tmp_path / "s")
     store.locations(digest(7))
-    assert not store._by_hash_built  # the per-id dict was not made
-    assert store._locator().nbytes == 20 * 2 * 3 * 4  # digest rows only (records at step 1 not)
+    # digest rows only (the records at step 1 not)
+    assert store.sample_locator().nbytes == 20 * 2 * 3 * 4
     check(store)
     assert len(store.locations(digest(7))) == 6 and TWIN[0] in store and TWIN[1] in store
     rec = store.locations(TWIN[1])[0]
@@ -115,7 +115,7 @@ def test_version_1_store(tmp_path):
     (root / "meta.json").write_text(json.dumps(meta | {"version": 1}))
     store = GradientStorageManager(root)
     check(store)
-    assert store._locator().nbytes == 0  # all through the fallback map of the JSONL index
+    assert store.sample_locator().nbytes == 0  # all through the fallback map of the JSONL index
 
 
 def test_a_damaged_samples_bin_is_named_on_lookup(tmp_path):

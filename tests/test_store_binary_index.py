@@ -16,9 +16,7 @@ import torch
 
 from dattri_llm import GradientStorageManager
 from dattri_llm.gradient import Gradient, GradientRecord, Materialized
-from dattri_llm.gradient.store.format import StoreFormatError
-from dattri_llm.gradient.store.index import parse_index
-from dattri_llm.gradient.store.sample_index import (
+from dattri_llm.gradient.store.binary_index import (
     FIELDS,
     HEADER,
     RECORDS_FILE,
@@ -27,6 +25,8 @@ from dattri_llm.gradient.store.sample_index import (
     BinaryIndex,
     line_spans,
 )
+from dattri_llm.gradient.store.format import StoreFormatError
+from dattri_llm.gradient.store.index import parse_index
 
 
 def digest(i: int) -> str:
@@ -58,7 +58,7 @@ def journal(path: Path) -> list[dict]:
 
 
 def view(store: GradientStorageManager) -> list[dict]:
-    return [dict(e) | {"hashes": list(e["hashes"])} for _, e in store._ordered()]
+    return [dict(e) | {"hashes": list(e["hashes"])} for _, e in store.index_entries()]
 
 
 def test_rows_and_ids_equal_the_journal(tmp_path):
@@ -80,7 +80,7 @@ def test_rows_and_ids_equal_the_journal(tmp_path):
         store = GradientStorageManager(tmp_path)
     assert view(store) == want  # the lazy entries read as the journal's
     assert store.num_samples == 12 and store.available_checkpoints() == [0, 1]
-    fresh = GradientStorageManager(tmp_path)._ordered()  # entries whose lines are not parsed
+    fresh = GradientStorageManager(tmp_path).index_entries()  # entries whose lines are not parsed
     for (_, e), w in zip(fresh, want):
         assert e["schema"] == w["schema"] and e.get("metadata") == w.get("metadata")
         assert e.get("extra") is None and "extra" not in w

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dattri_llm.gradient.store import GradientStorageManager, StoreFormatError
-from dattri_llm.gradient.store.format import write_meta
-from dattri_llm.gradient.store.writer import PartitionWriter, file_crc32
+from dattri_llm.gradient.store.format import file_crc32, write_meta
+from dattri_llm.gradient.store.writer import PartitionWriter
 from tests.test_store import assert_same_gradient, toy_record
 
 

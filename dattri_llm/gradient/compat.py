@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dattri_llm.gradient.gradient import Gradient, Shared
-from dattri_llm.gradient.optim.second_moment import check_same_correction
 
 __all__ = [
     "LayerFacts",
@@ -199,6 +198,9 @@ def check_compatible(train: CaptureFacts, test: CaptureFacts, ignore: Collection
     """
     diffs = compare_facts(train, test, ignore)
     if not diffs:
+        # imported here: capturing and storing never needs the optimizer correction's module
+        from dattri_llm.gradient.optim.second_moment import check_same_correction
+
         check_same_correction(
             train.metadata,
             test.metadata,

@@ -7,7 +7,8 @@
   of its sites'.
 * :class:`Gradient` — one captured step: ``{layer name: one of the above}``.
 * :class:`GradientRecord` — ``(step, hashes, gradient)``, what callbacks and stores receive.
-* :class:`GradientBlock` — ``(step, gradient, hashes, checkpoint)``, what gradient sources yield.
+* :class:`GradientBlock` — ``(step, gradient, hashes)`` carrying ``checkpoint`` and ``metadata``,
+  what gradient sources yield.
 
 The per-layer classes live in :mod:`dattri_llm.gradient.layer_gradient` and are re-exported here.
 """
@@ -18,7 +19,7 @@ import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -239,8 +240,13 @@ class GradientRecord:
 NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
 
-class GradientBlock(NamedTuple):
+class GradientBlock(tuple):
     """One block of per-sample gradients, as a :class:`~dattri_llm.GradientSource` yields it.
+
+    It *is* the specification's triple: ``for step, gradient, hashes in source`` unpacks it,
+    ``block[:3]`` and ``len(block) == 3`` hold. The model state and the capture facts ride along
+    as attributes (``block.checkpoint``, ``block.metadata``), so the library's richer blocks
+    never break a loop written against the specification.
 
     Attributes:
         step: Step index of the block (record step on disk, checkpoint index when live).
@@ -251,8 +257,74 @@ class GradientBlock(NamedTuple):
             and optimizer step of a preconditioned capture, see :class:`GradientRecord`).
     """
 
-    step: int
-    gradient: Gradient
-    hashes: list[str]
-    checkpoint: int = 0
-    metadata: Mapping[str, Any] = NO_METADATA
+    checkpoint: int
+    metadata: Mapping[str, Any]
+
+    def __new__(
+        cls,
+        step: int,
+        gradient: Gradient,
+        hashes: list[str],
+        checkpoint: int = 0,
+        metadata: Mapping[str, Any] = NO_METADATA,
+    ) -> GradientBlock:
+        """A block of ``(step, gradient, hashes)`` carrying ``checkpoint`` and ``metadata``."""
+        self = super().__new__(cls, (step, gradient, hashes))
+        # a tuple subclass cannot hold __slots__: the two extras live in the instance dict,
+        # written past the read-only ``__setattr__`` below
+        object.__setattr__(self, "checkpoint", checkpoint)
+        object.__setattr__(self, "metadata", metadata)
+        return self
+
+    @property
+    def step(self) -> int:
+        """Step index of the block."""
+        return self[0]
+
+    @property
+    def gradient(self) -> Gradient:
+        """Per-sample gradients of the block's samples."""
+        return self[1]
+
+    @property
+    def hashes(self) -> list[str]:
+        """One sample identity per row of :attr:`gradient`."""
+        return self[2]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"GradientBlock is immutable; use _replace({name}=...)")
+
+    def _replace(self, **changes: Any) -> GradientBlock:
+        """A copy with some of ``step``, ``gradient``, ``hashes``, ``checkpoint``, ``metadata``."""
+        fields = dict(zip(("step", "gradient", "hashes"), self))
+        fields.update(checkpoint=self.checkpoint, metadata=self.metadata)
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise ValueError(f"GradientBlock has no fields {sorted(unknown)}")
+        fields.update(changes)
+        return GradientBlock(**fields)
+
+    def __getnewargs__(self) -> tuple:
+        return (*self, self.checkpoint, self.metadata)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GradientBlock):
+            return (
+                tuple.__eq__(self, other)
+                and self.checkpoint == other.checkpoint
+                and self.metadata == other.metadata
+            )
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), self.checkpoint))
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientBlock(step={self[0]!r}, gradient={self[1]!r}, hashes={self[2]!r}, "
+            f"checkpoint={self.checkpoint!r}, metadata={self.metadata!r})"
+        )

@@ -6,11 +6,17 @@ Attributors never care where blocks come from.
 
 A block is a ``(step, gradient, hashes)`` tuple (the specification's contract) or a richer
 ``(step, gradient, hashes, checkpoint, metadata)`` one; the library's own sources yield
-:class:`GradientBlock`, a named tuple of those five fields whose first three are the
-specification's. :func:`as_source` is the one place a source that did not come from the
-library is read through: every item becomes a :class:`GradientBlock`, the missing fields
-taking their defaults (``checkpoint=0``, ``metadata={}``), and anything else is refused with
-the item's position and type.
+:class:`GradientBlock`, which unpacks as the specification's triple and carries ``checkpoint``
+and ``metadata`` as attributes. :func:`as_source` is the one place a source that did not come
+from the library is read through: every item becomes a :class:`GradientBlock`, the missing
+fields taking their defaults (``checkpoint=0``, ``metadata={}``), and anything else is refused
+with the item's position and type.
+
+A source over a gradient store also says so: its ``store_reading()`` returns a
+:class:`StoreReading` (which store, which of its records, read how), and :func:`store_reading`
+asks any source for it (``None``: not a store). The score engine plans from that (rows known
+before any tensor is read, ranks, resuming, the vector fast path) through the store's public
+:class:`RecordStore` methods only.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -26,7 +32,7 @@ from dattri_llm.gradient.gradient import NO_METADATA, Gradient, GradientBlock, G
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.compat import CaptureFacts
-    from dattri_llm.gradient.store import GradientStorageManager
+    from dattri_llm.gradient.store import GradientStorageManager, RecordInfo
 
 __all__ = [
     "GradientBlock",
@@ -34,8 +40,11 @@ __all__ = [
     "InMemoryGradientSource",
     "DiskGradientSource",
     "BlockSource",
+    "RecordStore",
+    "StoreReading",
     "as_block",
     "as_source",
+    "store_reading",
 ]
 
 
@@ -56,6 +65,74 @@ class GradientSource(Protocol):
     def __iter__(self) -> Iterator[GradientBlock]:
         """Yield blocks in a stable order."""
         ...
+
+
+class RecordStore(Protocol):
+    """What a reader of a gradient store uses of it (``GradientStorageManager`` implements it).
+
+    Records are addressed by their position in *store order* (by rank, then step, then write
+    order); everything but :meth:`load_record` is read from the index, without a tensor.
+    """
+
+    #: The store directory.
+    save_dir: Path
+
+    def records(self) -> list[RecordInfo]:
+        """Every record's location and identity (rank, seq, step, checkpoint, hashes, path)."""
+        ...
+
+    def record_sizes(self) -> list[int]:
+        """The shard bytes of every record."""
+        ...
+
+    def load_record(
+        self,
+        index: int,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> GradientRecord:
+        """Record ``index`` with its tensors."""
+        ...
+
+    def capture_facts(self, layers: Sequence[str] | None = None) -> CaptureFacts:
+        """What the store's gradients were captured as."""
+        ...
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The stored layers, in capture order."""
+        ...
+
+
+class StoreReading(NamedTuple):
+    """How a source reads a store: which store, which of its records, where and how.
+
+    The source yields one block per record of the store, in store order, except the records
+    whose checkpoint label ``checkpoints`` leaves out.
+
+    Attributes:
+        store: The store.
+        layers: Only these layers (``None``: all).
+        device: Where tensors are loaded; dtype: cast floating tensors (``None``: as stored).
+        checkpoints: Only records with these checkpoint labels (``None``: all).
+    """
+
+    store: RecordStore
+    layers: list[str] | None
+    device: str | torch.device
+    dtype: torch.dtype | None
+    checkpoints: set[int] | None
+
+    def wants(self, checkpoint: int) -> bool:
+        """Whether the source yields the records of ``checkpoint``."""
+        return self.checkpoints is None or checkpoint in self.checkpoints
+
+
+def store_reading(source: object) -> StoreReading | None:
+    """``source.store_reading()`` for a source over a store, ``None`` for any other source."""
+    method = getattr(source, "store_reading", None)
+    return method() if callable(method) else None
 
 
 def as_block(item: object, where: str = "a gradient source") -> GradientBlock:
@@ -112,12 +189,27 @@ def as_block(item: object, where: str = "a gradient source") -> GradientBlock:
     )
 
 
+def _forwarded(name: str, doc: str) -> property:
+    """A :class:`BlockSource` attribute that is the wrapped source's (absent when it lacks it)."""
+
+    def get(self: BlockSource) -> Any:
+        return getattr(self.source, name)  # an AttributeError keeps ``hasattr`` honest
+
+    return property(get, doc=doc)
+
+
 class BlockSource:
     """A user source read through :func:`as_block` (what :func:`as_source` returns).
 
-    Everything else (``capture_facts``, ``num_samples``, ``layer_names``, ...) is the wrapped
-    source's; ``load_step`` (random access by step) is read through :func:`as_block` too.
+    The optional capabilities the library asks a source for are the wrapped source's, when it
+    has them: ``capture_facts``, ``num_samples``, ``layer_names``, ``steps`` and ``load_step``
+    (random access by step, its blocks read through :func:`as_block` too).
     """
+
+    capture_facts = _forwarded("capture_facts", "The wrapped source's ``capture_facts``.")
+    num_samples = _forwarded("num_samples", "The wrapped source's ``num_samples``.")
+    layer_names = _forwarded("layer_names", "The wrapped source's ``layer_names``.")
+    steps = _forwarded("steps", "The wrapped source's ``steps``.")
 
     yields_blocks = True
 
@@ -130,16 +222,13 @@ class BlockSource:
         for i, item in enumerate(self.source):
             yield as_block(item, f"item {i} of the {self.side} source")
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("source", "side"):  # dunders: not delegated
-            raise AttributeError(name)
-        value = getattr(self.source, name)
-        if name == "load_step":
-            return lambda step: [
-                as_block(b, f"a block of step {step} of the {self.side} source")
-                for b in value(step)
-            ]
-        return value
+    @property
+    def load_step(self) -> Any:
+        """The wrapped source's ``load_step(step)``, its blocks read through :func:`as_block`."""
+        load = self.source.load_step  # absent: an AttributeError, as ``hasattr`` expects
+        return lambda step: [
+            as_block(b, f"a block of step {step} of the {self.side} source") for b in load(step)
+        ]
 
 
 def as_source(source: Any, side: str = "train") -> Any:
@@ -255,6 +344,10 @@ class DiskGradientSource:
         if self.checkpoints is None:
             return len(self.store)
         return sum(r.checkpoint in self.checkpoints for r in self.store.records())
+
+    def store_reading(self) -> StoreReading:
+        """The store this source reads, and how (see :class:`StoreReading`)."""
+        return StoreReading(self.store, self.layers, self.device, self.dtype, self.checkpoints)
 
     def capture_facts(self) -> CaptureFacts:
         """What the store's gradients (of the selected layers) were captured as.

@@ -196,10 +196,9 @@ def _split_rows(source: RecordSource, rank: int, world: int) -> RecordSource:
 def check_shares(full: RecordSource, mine: RecordSource, collective_fit: bool) -> None:
     """Every rank sees the same store and can read its share (errors raised on every rank)."""
     problems: list[str] = []
-    ordered = full.store._ordered()
+    records = full.store.records()
     for u in mine.units:
-        part, e = ordered[u.index]
-        path = part.directory / e["shard"]
+        path = records[u.index].path
         if not os.access(path, os.R_OK):
             problems.append(f"cannot read its train shard {path}")
             break

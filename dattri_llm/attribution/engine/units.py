@@ -7,7 +7,10 @@ checkpoint already covers (resuming), and to split the records across ranks
 (:mod:`dattri_llm.attribution.engine.distributed`).
 
 :class:`RecordSource` is a :class:`~dattri_llm.gradient.sources.GradientSource` over a chosen
-list of a store's records (and optionally chosen rows of each), in that order.
+list of a store's records (and optionally chosen rows of each), in that order. A source is a
+store's when it answers ``store_reading()`` (:func:`~dattri_llm.gradient.sources.store_reading`);
+the store is read only through its public :class:`~dattri_llm.gradient.sources.RecordStore`
+methods.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from dattri_llm.gradient.gradient import GradientBlock
+from dattri_llm.gradient.sources import RecordStore, store_reading
 
 __all__ = ["Unit", "RecordSource", "units_of", "row_counts", "unit_digest"]
 
@@ -52,14 +56,14 @@ class RecordSource:
     """A re-readable source over chosen records of a store (see the module docstring).
 
     Attributes:
-        store: The ``GradientStorageManager``.
+        store: The store (a ``GradientStorageManager``).
         units: The records (and rows) to yield, in order.
         layers: Read only these layers (``None``: all); device / dtype: where and how.
         all_checkpoints: Every checkpoint label of the full train side (a rank's share may
             miss some).
     """
 
-    store: Any
+    store: RecordStore
     units: list[Unit]
     layers: list[str] | None = None
     device: Any = "cpu"
@@ -109,26 +113,20 @@ class RecordSource:
 
 
 def units_of(source: Any) -> RecordSource | None:
-    """A :class:`RecordSource` over a ``DiskGradientSource`` (or itself); else ``None``."""
-    from dattri_llm.gradient.sources import DiskGradientSource
-
+    """A :class:`RecordSource` over a source that reads a store (or itself); else ``None``."""
     if isinstance(source, RecordSource):
         return source
-    if not isinstance(source, DiskGradientSource):
+    reading = store_reading(source)
+    if reading is None:
         return None
-    store = source.store
-    wanted = source.checkpoints
-    units = []
-    ordered = store._ordered()  # (partition, index entry) in store order
-    for i, rec in enumerate(store.records()):
-        if wanted is not None and rec.checkpoint not in wanted:
-            continue
-        entry = ordered[i][1]
-        units.append(
-            Unit(i, list(rec.hashes), rec.step, rec.checkpoint, None, int(entry.get("bytes", 0)))
-        )
+    store = reading.store
+    units = [
+        Unit(i, list(rec.hashes), rec.step, rec.checkpoint, None, size)
+        for i, (rec, size) in enumerate(zip(store.records(), store.record_sizes()))
+        if reading.wants(rec.checkpoint)
+    ]
     ckpts = sorted({u.checkpoint for u in units})
-    return RecordSource(store, units, source.layers, source.device, source.dtype, ckpts)
+    return RecordSource(store, units, reading.layers, reading.device, reading.dtype, ckpts)
 
 
 def row_counts(units: Sequence[Unit]) -> dict[str, int]:
@@ -146,13 +144,13 @@ def unit_digest(source: RecordSource) -> str:
     import json
     import os
 
-    ordered = source.store._ordered()
+    records, sizes = source.store.records(), source.store.record_sizes()
     h = hashlib.sha256()
     h.update(os.path.realpath(source.store.save_dir).encode())
     h.update(json.dumps(source.layers).encode())
     for u in source.units:
-        part, e = ordered[u.index]
-        key = [part.rank, e["seq"], e["step"], e["checkpoint"], e["n"], e["bytes"], u.rows]
+        rec = records[u.index]
+        key = [rec.rank, rec.seq, rec.step, rec.checkpoint, len(rec.hashes), sizes[u.index], u.rows]
         h.update(json.dumps(key).encode())
         h.update("\0".join(u.hashes).encode())
     return h.hexdigest()

@@ -30,6 +30,7 @@ from dattri_llm.gradient.store.vector_reader import (
     VectorBlockReader,
     VectorLayer,
     read_ahead,
+    record_widths,
     store_vector_layers,
 )
 
@@ -66,12 +67,7 @@ def vector_units(units: RecordSource | None) -> list[VectorLayer] | None:
 
 def block_rows(layers: list[VectorLayer], units: RecordSource, args: Any, num_cols: int) -> int:
     """Rows per block: ``_BLOCK_BYTES`` of vectors, within ``args.score_memory_gb``."""
-    width = 0
-    store = units.store
-    part, entry = store._ordered()[units.units[0].index]
-    with store._open(part, entry, check_crc=False) as f:
-        for layer in layers:
-            width += int(f.get_slice(f"{layer.position}.data").get_shape()[1])
+    width = sum(record_widths(units.store, units.units[0].index, layers).values())
     per_row = max(1, width) * 8 * 3 + 2 * num_cols * 8  # buffer, cast, normalized; score row
     budget = int(args.score_memory_gb * 2**30) // per_row
     return int(max(1, min(budget, _BLOCK_BYTES // (max(1, width) * 8))))

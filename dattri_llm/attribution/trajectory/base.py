@@ -130,22 +130,23 @@ def step_index(
     device: str | torch.device = "cpu",
 ) -> StepIndex:
     """Random access by step to a store, a store directory, a replay source or any source."""
-    from dattri_llm.gradient.sources import DiskGradientSource
+    from dattri_llm.gradient.sources import DiskGradientSource, store_reading
     from dattri_llm.gradient.store import GradientStorageManager
 
     if isinstance(source, (str, os.PathLike, GradientStorageManager)):
         source = DiskGradientSource(source, layers=layers, device=device)
-    if isinstance(source, DiskGradientSource):
-        store = source.store
+    reading = store_reading(source)
+    if reading is not None:
+        store = reading.store
         by_step: dict[int, list[int]] = {}
         for i, rec in enumerate(store.records()):
-            if source.checkpoints is None or rec.checkpoint in source.checkpoints:
+            if reading.wants(rec.checkpoint):
                 by_step.setdefault(rec.step, []).append(i)
 
         def load_disk(step: int) -> list[GradientBlock]:
             out = []
             for i in by_step[step]:
-                r = store.load_record(i, layers=source.layers, device=source.device)
+                r = store.load_record(i, layers=reading.layers, device=reading.device)
                 out.append(GradientBlock(r.step, r.gradient, r.hashes, r.checkpoint, r.metadata))
             return out
 

@@ -17,6 +17,7 @@ from dattri_llm.gradient.store.compact import (
     check_keep_token_factors,
     check_storage_dtype,
     compact_gradient,
+    storage_settings,
 )
 
 if TYPE_CHECKING:
@@ -181,9 +182,10 @@ class OffloadCallback(HookCallback):
         self.file_manager.refresh()
         self._stored_last = self.file_manager.last_steps()
         self._offsets = {}
-        if isinstance(getattr(self.file_manager, "storage_settings", None), dict):
-            self.file_manager.storage_settings["storage"] = self._settings()
-            self._record_coverage()
+        self.file_manager.configure(
+            storage=storage_settings(self.keep_token_factors, self.storage_dtype)
+        )
+        self._record_coverage()
 
     def _record_coverage(self) -> None:
         """The share of trainable parameters captured, in ``meta.json`` (``inspect`` shows it).
@@ -193,19 +195,8 @@ class OffloadCallback(HookCallback):
         outside their modules.
         """
         coverage = getattr(self.manager, "coverage", None)
-        settings = getattr(self.file_manager, "storage_settings", None)
-        if callable(coverage) and isinstance(settings, dict):
-            settings["coverage"] = coverage().to_dict()
-
-    def _settings(self) -> dict:
-        keep = self.keep_token_factors
-        return {
-            "compact": keep is not True,
-            "keep_token_factors": keep if isinstance(keep, bool) else sorted(keep),
-            "storage_dtype": None
-            if self.storage_dtype is None
-            else str(self.storage_dtype).removeprefix("torch."),
-        }
+        if callable(coverage):
+            self.file_manager.configure(coverage=coverage().to_dict())
 
     def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict]:
         """The gradient as stored (compact, cast) and its shard-header ``storage`` entry."""

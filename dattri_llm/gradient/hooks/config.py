@@ -14,7 +14,7 @@ from torch import nn
 
 from dattri_llm.gradient.hooks.coverage import uncaptured_warning
 from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
-from dattri_llm.gradient.layers.moe import flat_token_layer_types
+from dattri_llm.gradient.layers.hf_classes import flat_token_layer_types
 
 __all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "as_config", "resolve_layers"]
 

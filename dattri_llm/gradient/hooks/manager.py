@@ -54,7 +54,6 @@ from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KE
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
 from dattri_llm.gradient.hooks.inputs import batch_shape, model_inputs, sample_ids
 from dattri_llm.gradient.hooks.sharing import group_shared, layer_parameters, plan_sharing
-from dattri_llm.gradient.layers.embedding import EmbeddingRule
 
 __all__ = ["HookManager"]
 
@@ -166,9 +165,12 @@ class HookManager:
                 self.config.projection, self.layers, self._shared_groups
             )
         #: The preconditioned-capture map (``None`` for raw capture).
-        from dattri_llm.gradient.optim.second_moment import capture_map
+        self.preconditioner = None
+        if optimizer is not None or not isinstance(precondition, bool):
+            # without an optimizer a bool asks for no map: the maps' module stays unloaded
+            from dattri_llm.gradient.optim.second_moment import capture_map
 
-        self.preconditioner = capture_map(optimizer, precondition, precondition_scale)
+            self.preconditioner = capture_map(optimizer, precondition, precondition_scale)
         if self.preconditioner is not None:
             self.preconditioner.bind(self)
         try:
@@ -313,7 +315,7 @@ class HookManager:
     def _layer_hook(self, spec: LayerSpec) -> Any:
         rule = spec.rule
         kw = spec.module_kwargs
-        broadcast_ok = isinstance(rule, EmbeddingRule)
+        broadcast_ok = rule.broadcasts_batch
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             if not self._active or not torch.is_grad_enabled():

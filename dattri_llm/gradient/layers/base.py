@@ -50,6 +50,10 @@ class LayerRule:
     projection_styles: ClassVar[tuple[str, ...]] = ("logra", "dense", "mask", "sparse")
     #: Fill value for padding the token axis of ``a`` (zero contributions).
     a_pad_value: ClassVar[float] = 0.0
+    #: Whether an un-batched call (input and output of batch 1 in a batch of ``B``, e.g. GPT-2's
+    #: position ids) may be expanded to ``B`` rows at capture, so each sample gets its own output
+    #: gradient instead of the batch sum.
+    broadcasts_batch: ClassVar[bool] = False
 
     # ---- capture -------------------------------------------------------------------------
     def module_kwargs(self, module: nn.Module) -> dict:

@@ -26,6 +26,7 @@ class EmbeddingRule(LayerRule):
 
     layer_type = "nn.Embedding"
     module_types = (nn.Embedding,)
+    broadcasts_batch = True  # position ids are often one row shared by the batch
     projection_styles = ("logra", "dense", "mask", "sparse")
     a_pad_value = 0
 

@@ -20,6 +20,11 @@ rounded to a half dtype (round-off). A ``bias`` tensor on the module is read as 
 **Scaled embeddings** (Gemma's, BART's, ...): ``nn.Embedding`` subclasses returning
 ``embedding(ids) * embed_scale``; ``nn.Embedding``'s rule scales the output gradient back.
 
+**Mixture-of-experts** (transformers 5.x): fused expert modules (:data:`KNOWN_EXPERTS`, found by
+their layout: :func:`looks_like_experts`), routers (:data:`KNOWN_ROUTERS`) and the linears a
+known sparse block feeds flat tokens (:func:`flat_token_layer_types`). Their rules live in
+``moe.py``, imported only when a model has such a layer.
+
 The explicit route (``HookManagerConfig(layer_types=..., module_kwargs=...)``) wins over this
 registry; :func:`register_hf_norm` adds a class of one of the known forms.
 """
@@ -38,7 +43,18 @@ __all__ = [
     "hf_norm_form",
     "register_hf_norm",
     "embedding_output_scale",
+    "MOE_EXPERTS",
+    "MOE_TOKEN_LINEAR",
+    "KNOWN_EXPERTS",
+    "KNOWN_ROUTERS",
+    "looks_like_experts",
+    "flat_token_layer_types",
 ]
+
+#: Layer types of the mixture-of-experts rules (``moe.py``): a fused expert module, and a linear
+#: map of the flattened tokens (a router, a shared expert's linears).
+MOE_EXPERTS = "moe.experts"
+MOE_TOKEN_LINEAR = "moe.token_linear"
 
 
 @dataclass(frozen=True)
@@ -181,3 +197,43 @@ def embedding_output_scale(module: nn.Module) -> float | None:
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return float(scale)
     return None
+
+
+# ---- mixture of experts ------------------------------------------------------------------------
+#: Fused-expert classes whose layout and eager maths the rule knows (transformers 5.x).
+KNOWN_EXPERTS = frozenset(
+    {"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts", "GptOssExperts"}
+)
+#: Router classes: a linear map of the flattened tokens (softmax / top-k applied after it).
+KNOWN_ROUTERS = frozenset(
+    {
+        "MixtralTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "Qwen3MoeTopKRouter",
+        "OlmoeTopKRouter",
+        "GptOssTopKRouter",
+    }
+)
+#: Sparse blocks that call these children's ``nn.Linear`` layers on the flattened tokens.
+_FLAT_CHILDREN = {"Qwen2MoeSparseMoeBlock": ("shared_expert", "shared_expert_gate")}
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds fused expert weights (3-D ``gate_up_proj`` / ``down_proj``)."""
+    p = getattr(module, "down_proj", None)
+    return isinstance(p, torch.Tensor) and p.dim() == 3
+
+
+def flat_token_layer_types(modules: dict[str, nn.Module]) -> dict[str, str]:
+    """``{module name: "moe.token_linear"}`` for linears that a known block feeds flat tokens."""
+    out: dict[str, str] = {}
+    for name, module in modules.items():
+        children = _FLAT_CHILDREN.get(type(module).__name__)
+        if children is None or not type(module).__module__.startswith("transformers"):
+            continue
+        for child in children:
+            prefix = f"{name}.{child}" if name else child
+            for sub, m in modules.items():
+                if (sub == prefix or sub.startswith(prefix + ".")) and isinstance(m, nn.Linear):
+                    out[sub] = MOE_TOKEN_LINEAR
+    return out

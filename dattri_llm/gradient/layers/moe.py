@@ -45,58 +45,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dattri_llm.gradient.layers.base import LayerRule, chunk_rows
+from dattri_llm.gradient.layers.hf_classes import KNOWN_EXPERTS, MOE_EXPERTS, MOE_TOKEN_LINEAR
 from dattri_llm.gradient.layers.linear import LinearRule
 
 __all__ = [
     "MoEExpertsRule",
     "TokenLinearRule",
     "KNOWN_EXPERTS",
-    "KNOWN_ROUTERS",
-    "looks_like_experts",
-    "flat_token_layer_types",
     "split_expert_factor",
     "expert_covariances",
 ]
 
-#: Fused-expert classes whose layout and eager maths the rule knows (transformers 5.x).
-KNOWN_EXPERTS = frozenset(
-    {"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts", "GptOssExperts"}
-)
-#: Router classes: a linear map of the flattened tokens (softmax / top-k applied after it).
-KNOWN_ROUTERS = frozenset(
-    {
-        "MixtralTopKRouter",
-        "Qwen2MoeTopKRouter",
-        "Qwen3MoeTopKRouter",
-        "OlmoeTopKRouter",
-        "GptOssTopKRouter",
-    }
-)
-#: Sparse blocks that call these children's ``nn.Linear`` layers on the flattened tokens.
-_FLAT_CHILDREN = {"Qwen2MoeSparseMoeBlock": ("shared_expert", "shared_expert_gate")}
 #: Largest expert count whose index every float dtype (bfloat16 included) holds exactly.
 MAX_EXPERTS = 256
-
-
-def looks_like_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds fused expert weights (3-D ``gate_up_proj`` / ``down_proj``)."""
-    p = getattr(module, "down_proj", None)
-    return isinstance(p, torch.Tensor) and p.dim() == 3
-
-
-def flat_token_layer_types(modules: dict[str, nn.Module]) -> dict[str, str]:
-    """``{module name: "moe.token_linear"}`` for linears that a known block feeds flat tokens."""
-    out: dict[str, str] = {}
-    for name, module in modules.items():
-        children = _FLAT_CHILDREN.get(type(module).__name__)
-        if children is None or not type(module).__module__.startswith("transformers"):
-            continue
-        for child in children:
-            prefix = f"{name}.{child}" if name else child
-            for sub, m in modules.items():
-                if (sub == prefix or sub.startswith(prefix + ".")) and isinstance(m, nn.Linear):
-                    out[sub] = TokenLinearRule.layer_type
-    return out
 
 
 def _rows_to_samples(
@@ -137,7 +98,7 @@ class TokenLinearRule(LinearRule):
     (routers) hold ``weight`` ``(K, D)`` and optionally ``bias`` ``(K,)``.
     """
 
-    layer_type = "moe.token_linear"
+    layer_type = MOE_TOKEN_LINEAR
     module_types = ()  # routers are matched by class name; shared-expert linears by their block
 
     def module_kwargs(self, module: nn.Module) -> dict:
@@ -258,7 +219,7 @@ class MoEExpertsRule(LayerRule):
     ``bias`` (a per-expert bias ``<param>_bias``), ``family`` (the module's class).
     """
 
-    layer_type = "moe.experts"
+    layer_type = MOE_EXPERTS
     module_types = ()  # matched by class name: transformers is never imported here
     kronecker = True  # block-diagonal over experts: kronecker_blocks / kronecker_sums
     projection_styles = ("logra", "dense", "mask", "sparse")

@@ -24,6 +24,7 @@ layer's type and hyper-parameters), never the matrices: the same seed regenerate
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,6 @@ from torch import nn
 
 from dattri_llm.gradient.layers.base import LayerRule, OuterProductRule
 from dattri_llm.gradient.layers.embedding import EmbeddingRule
-from dattri_llm.gradient.layers.moe import MoEExpertsRule, split_expert_factor
 from dattri_llm.gradient.layers.norm import _ElementwiseAffineRule
 
 __all__ = [
@@ -134,9 +134,15 @@ class ProjectedSparseRule(ProjectedVectorRule):
 # ---- logra: which factor is the row / column side of each layer family ------------------------
 def logra_supported(rule: LayerRule) -> bool:
     """Whether the ``"logra"`` factor projection is implemented for the rule's layers."""
-    return "logra" in rule.projection_styles and isinstance(
-        rule, (OuterProductRule, EmbeddingRule, MoEExpertsRule)
+    return "logra" in rule.projection_styles and (
+        isinstance(rule, (OuterProductRule, EmbeddingRule)) or _is_experts(rule)
     )
+
+
+def _is_experts(rule: LayerRule) -> bool:
+    """Whether ``rule`` is the fused-expert rule (no rule is one while ``moe.py`` is unloaded)."""
+    moe = sys.modules.get("dattri_llm.gradient.layers.moe")
+    return moe is not None and isinstance(rule, moe.MoEExpertsRule)
 
 
 def logra_projects_input_in_forward(rule: LayerRule) -> bool:
@@ -176,7 +182,7 @@ def logra_project_factors(
     if isinstance(rule, OuterProductRule):
         a_p = a if a_projected else logra_project_input(rule, a, col)
         return a_p, g @ row.to(dtype=g.dtype)
-    if isinstance(rule, MoEExpertsRule):
+    if _is_experts(rule):
         # M = [M_0; ...; M_{E-1}] stacked (E*K, D): R^T M C = sum_e R_e^T M_e C, R_e the rows of
         # R for expert e, so each slot's g meets its own expert's block of R
         return _logra_experts(a, g, row.to(dtype=g.dtype), col.to(dtype=g.dtype))
@@ -187,6 +193,8 @@ def _logra_experts(
     a: torch.Tensor, g: torch.Tensor, row: torch.Tensor, col: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(feat C, g R_{e})`` of a fused-expert layer's slots (``moe.experts`` factors)."""
+    from dattri_llm.gradient.layers.moe import split_expert_factor  # an expert layer: loaded
+
     k = g.shape[-1]
     feat, ids = split_expert_factor(a, {"num_experts": row.shape[0] // k})
     g_p = g.new_zeros(*g.shape[:2], row.shape[1])

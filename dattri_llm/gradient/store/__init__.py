@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 from dattri_llm.gradient.store.format import FORMAT_NAME, FORMAT_VERSION, StoreFormatError
-from dattri_llm.gradient.store.manager import GradientStorageManager, RecordInfo, SampleLocation
+from dattri_llm.gradient.store.lookup import SampleLocation
+from dattri_llm.gradient.store.manager import GradientStorageManager, RecordInfo
 from dattri_llm.gradient.store.repair import RepairReport
 
 __all__ = [

@@ -16,6 +16,7 @@ sites (one ``(B, P)`` tensor), written as a plain materialized layer when it is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ __all__ = [
     "KEEP_OPTION",
     "check_storage_dtype",
     "check_keep_token_factors",
+    "storage_settings",
     "layer_form_bytes",
     "compact_gradient",
     "cast_gradient",
@@ -72,6 +74,20 @@ def check_keep_token_factors(value: bool | Sequence[str]) -> bool | frozenset[st
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"keep_token_factors: layer names must be strings, got {sorted(names)!r}.")
     return names
+
+
+def storage_settings(keep: bool | frozenset[str], dtype: torch.dtype | None) -> dict[str, Any]:
+    """The storage choices as a partition's ``meta.json`` records them (``"storage"``).
+
+    Args:
+        keep: ``keep_token_factors`` as :func:`check_keep_token_factors` returns it.
+        dtype: ``storage_dtype`` as :func:`check_storage_dtype` returns it.
+    """
+    return {
+        "compact": keep is not True,
+        "keep_token_factors": keep if isinstance(keep, bool) else sorted(keep),
+        "storage_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+    }
 
 
 def _stored_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:

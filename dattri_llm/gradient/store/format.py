@@ -4,15 +4,18 @@ One record is one safetensors file (a *shard*). Its tensors are named by layer p
 ``"{i}.a"`` / ``"{i}.g"`` (factorised), ``"{i}.data"`` (materialised), ``"{i}.{j}.a"`` ... (site
 ``j`` of a shared layer). Its ``__metadata__`` holds one JSON string under
 :data:`SHARD_METADATA_KEY` with the layer schema (names, kinds, layer types, ``module_kwargs``)
-and the record's step, checkpoint and hashes, so every shard describes itself. The full
-specification is ``docs/STORE_FORMAT.md``.
+and the record's step, checkpoint and hashes, so every shard describes itself; the index
+records each shard's size and :func:`file_crc32`. The full specification is
+``docs/STORE_FORMAT.md``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,12 +49,13 @@ __all__ = [
     "schema_fingerprint",
     "encode_json",
     "decode_json",
+    "file_crc32",
 ]
 
 #: The format name written into ``meta.json``; readers refuse anything else.
 FORMAT_NAME = "dattri_llm.gradient_store"
 #: The format version this code writes and the newest it reads (1: the JSONL index only; 2: with
-#: the binary record and sample index, ``sample_index.py``).
+#: the binary record and sample index, ``binary_index.py``).
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
 INDEX_FILE = "index.jsonl"
@@ -377,3 +381,13 @@ def decode_gradient(
         else:
             out[spec["name"]] = _leaf(spec, str(i), tensors)
     return Gradient(out)
+
+
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a whole file (memory-mapped, no copy)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return zlib.crc32(mm)

@@ -23,6 +23,7 @@ __all__ = [
     "parse_index",
     "parse_lines",
     "decode_line",
+    "check_entry",
     "check_sequence",
     "shard_name",
     "entry_for",
@@ -88,7 +89,13 @@ def decode_line(line: bytes, path: Path, lineno: int) -> Any:
         raise StoreFormatError(f"{path}:{lineno}: index line is not valid JSON ({e}).") from None
 
 
-def _check_entry(entry: Any, path: Path, lineno: int) -> IndexEntry:
+def check_entry(entry: Any, path: Path, lineno: int) -> IndexEntry:
+    """One decoded index line checked as an entry (fields, types, sizes, its shard name).
+
+    Raises:
+        StoreFormatError: naming ``path:lineno`` and what is wrong.
+    """
+
     def bad(what: str) -> StoreFormatError:
         return StoreFormatError(f"{path}:{lineno}: {what}; the index is corrupted.")
 
@@ -200,7 +207,7 @@ def parse_index(
     for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
         if not line.strip():
             raise StoreFormatError(f"{path}:{lineno}: empty index line; the index is corrupted.")
-        entries.append((check or _check_entry)(decode_line(line, path, lineno), path, lineno))
+        entries.append((check or check_entry)(decode_line(line, path, lineno), path, lineno))
     return entries, end, end < len(data)
 
 

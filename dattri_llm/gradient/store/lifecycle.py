@@ -19,10 +19,10 @@ import os
 import shutil
 from pathlib import Path
 
+from dattri_llm.gradient.store.binary_index import RECORDS_FILE, SAMPLES_FILE
 from dattri_llm.gradient.store.format import INDEX_FILE, SHARD_DIR, write_meta
 from dattri_llm.gradient.store.index import parse_index
 from dattri_llm.gradient.store.partition import Partition, discover_partitions, shard_files
-from dattri_llm.gradient.store.sample_index import RECORDS_FILE, SAMPLES_FILE
 from dattri_llm.gradient.store.writer import live_writer, lock_partition
 
 __all__ = ["MODES", "prepare_store", "foreign_partitions", "check_empty", "clear_partition"]

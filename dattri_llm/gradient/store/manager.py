@@ -19,6 +19,11 @@ import torch
 
 from dattri_llm.gradient.compat import CaptureFacts
 from dattri_llm.gradient.gradient import Gradient, GradientBlock, GradientRecord
+from dattri_llm.gradient.store.binary_index import (
+    entry_column,
+    read_partition,
+    uses_binary_index,
+)
 from dattri_llm.gradient.store.format import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -29,7 +34,7 @@ from dattri_llm.gradient.store.format import (
 )
 from dattri_llm.gradient.store.index import IndexEntry, check_sequence, parse_index
 from dattri_llm.gradient.store.lifecycle import MODES, prepare_store
-from dattri_llm.gradient.store.lookup import SampleLocation, SampleLookup
+from dattri_llm.gradient.store.lookup import SampleLocation, SampleLocator
 from dattri_llm.gradient.store.partition import Partition as _Partition
 from dattri_llm.gradient.store.partition import (
     check_duplicate_records,
@@ -37,8 +42,6 @@ from dattri_llm.gradient.store.partition import (
     discover_partitions,
 )
 from dattri_llm.gradient.store.repair import RepairReport, repair_partition
-from dattri_llm.gradient.store.sample_entries import entry_column, read_partition
-from dattri_llm.gradient.store.sample_index import uses_binary_index
 from dattri_llm.gradient.store.shard import (
     check_header_matches,
     merge_schema_facts,
@@ -49,8 +52,9 @@ from dattri_llm.gradient.store.shard import (
 from dattri_llm.gradient.store.verified import VerifiedShards, identity
 from dattri_llm.gradient.store.writer import PartitionWriter
 from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
+from dattri_llm.utils.hashing import hash_sample
 
-__all__ = ["GradientStorageManager", "RecordInfo", "SampleLocation"]
+__all__ = ["GradientStorageManager", "RecordInfo"]
 
 
 class RecordInfo(NamedTuple):
@@ -95,7 +99,7 @@ def _shared_keys(sources: list[tuple[_Partition, Sequence[IndexEntry]]]) -> bool
     return False
 
 
-class GradientStorageManager(SampleLookup):
+class GradientStorageManager:
     """Read and write a gradient store in ``save_dir``.
 
     Writing: pass it to ``OffloadCallback(file_manager=...)`` or call :meth:`write`; the
@@ -167,14 +171,35 @@ class GradientStorageManager(SampleLookup):
         self._flat: list[tuple[_Partition, IndexEntry]] | None = None
         self._order: list[int] | None = None
         self._ordered_list: list[tuple[_Partition, IndexEntry]] = []
-        self._by_hash_built = False
-        self._by_hash: dict[str, list[tuple[int, int]]] = {}
+        self._locator: SampleLocator | None = None  # of the current store order
         self._headers: dict[tuple[int, str], dict] = {}
-        self._verified = VerifiedShards()  # process-wide, by file identity
-        #: Storage settings a writer puts into a new partition's ``meta.json`` (``OffloadCallback``
-        #: sets ``{"storage": {...}}``); informational, the shard headers are authoritative.
-        self.storage_settings: dict[str, Any] = {}
+        #: Which shards this process has CRC-checked (process-wide, by file identity).
+        self.shard_checks = VerifiedShards()
+        # what a writer puts into a new partition's ``meta.json`` (see ``configure``)
+        self._partition_meta: dict[str, Any] = {}
         self.refresh()
+
+    def configure(
+        self,
+        *,
+        storage: Mapping[str, Any] | None = None,
+        coverage: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Say how this manager's records are stored and what the capture covered.
+
+        Both are written into the ``meta.json`` of the partition the next writer opens
+        (``OffloadCallback`` calls this at registration and before each write); they are
+        informational (``dattri-llm inspect`` shows them): the shard headers stay authoritative.
+
+        Args:
+            storage: The storage choices (``compact``, ``keep_token_factors``,
+                ``storage_dtype``; see :func:`~dattri_llm.gradient.store.compact.storage_settings`).
+            coverage: The share of trainable parameters captured (``Coverage.to_dict()``).
+        """
+        if storage is not None:
+            self._partition_meta["storage"] = dict(storage)
+        if coverage is not None:
+            self._partition_meta["coverage"] = dict(coverage)
 
     # ---- discovery ------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -230,7 +255,12 @@ class GradientStorageManager(SampleLookup):
                 self._flat.append((self._writer_part, entry))
             self._order = None
 
-    def _ordered(self) -> list[tuple[_Partition, IndexEntry]]:
+    def index_entries(self) -> list[tuple[_Partition, IndexEntry]]:
+        """Every record's ``(partition, index entry)``, in store order.
+
+        For the store's own readers (``vector_reader``, ``lookup``); the list is shared (do not
+        modify it) and its entries are lazy (fields are read on use).
+        """
         with self._lock:
             if self._order is None:
                 entries = self._entries
@@ -240,22 +270,21 @@ class GradientStorageManager(SampleLookup):
                 flat = np.asarray([p.directory != self.save_dir for p in parts], dtype=bool)
                 keys = (self._column("seq"), self._column("step"), flat, rank)
                 self._order = np.lexsort(keys).tolist() if entries else []
-                self._by_hash_built = False
+                self._locator = None
                 self._ordered_list = [entries[i] for i in self._order]
             return self._ordered_list  # shared: callers read it (O(1) per call, not O(records))
 
-    def _hash_map(self) -> dict[str, list[tuple[int, int]]]:
-        """``{sample hash: [(record, row), ...]}`` in store order (built on first use)."""
-        ordered = self._ordered()
+    def sample_locator(self) -> SampleLocator:
+        """The sample locator of the current store order (built on first use).
+
+        The first lookup builds it (a sorted numpy array over the partitions' ``samples.bin``,
+        20 bytes per sample row); each lookup is then a binary search.
+        """
+        ordered = self.index_entries()
         with self._lock:
-            if not self._by_hash_built:
-                by_hash: dict[str, list[tuple[int, int]]] = {}
-                for pos, (_, entry) in enumerate(ordered):
-                    for row, h in enumerate(entry["hashes"]):
-                        by_hash.setdefault(h, []).append((pos, row))
-                self._by_hash = by_hash
-                self._by_hash_built = True
-            return self._by_hash
+            if self._locator is None or self._locator.order is not self._order:
+                self._locator = SampleLocator(self._sources, self._extra, self._order, ordered)
+            return self._locator
 
     # ---- writing --------------------------------------------------------------------------------
     def _ensure_writer(self) -> PartitionWriter:
@@ -265,7 +294,7 @@ class GradientStorageManager(SampleLookup):
         directory = self.save_dir / f"rank_{rank}" if is_distributed() else self.save_dir
         mode = self.mode if not self._opened else "append"
         prepare_store(self.save_dir, directory, mode, rank, world, is_distributed())
-        meta = {"rank": rank, "world_size": world, **self.storage_settings}
+        meta = {"rank": rank, "world_size": world, **self._partition_meta}
         with self._lock:
             self._writer = PartitionWriter(
                 directory,
@@ -388,7 +417,7 @@ class GradientStorageManager(SampleLookup):
                 list(e["hashes"]),
                 p.directory / e["shard"],
             )
-            for p, e in self._ordered()
+            for p, e in self.index_entries()
         ]
 
     def available_steps(self) -> list[int]:
@@ -418,7 +447,11 @@ class GradientStorageManager(SampleLookup):
 
     def sample_hashes(self) -> list[str]:
         """Distinct sample identities in order of first occurrence (store order)."""
-        return list(self._hash_map())
+        return list(dict.fromkeys(h for _, e in self.index_entries() for h in e["hashes"]))
+
+    def record_sizes(self) -> list[int]:
+        """The shard bytes of every record, in store order."""
+        return [int(e["bytes"]) for _, e in self.index_entries()]
 
     def _header(self, part: _Partition, entry: IndexEntry) -> dict:
         key = (part.rank, entry["schema"])
@@ -430,10 +463,14 @@ class GradientStorageManager(SampleLookup):
             self._headers[key] = header
         return self._headers[key]
 
+    def shard_header(self, index: int) -> dict:
+        """The checked dattri header of record ``index``'s shard (read once per layer schema)."""
+        return self._header(*self.index_entries()[index])
+
     @property
     def schema(self) -> list[dict]:
         """The layer schema of the first record (names, kinds, layer types, module_kwargs)."""
-        ordered = self._ordered()
+        ordered = self.index_entries()
         if not ordered:
             raise ValueError(f"the store {self.save_dir} holds no records yet.")
         return self._header(*ordered[0])["layers"]
@@ -476,7 +513,7 @@ class GradientStorageManager(SampleLookup):
             IncompatibleGradientsError: records of the store were captured incompatibly (e.g.
                 a different model or projection appended to it), naming two of their shards.
         """
-        ordered = self._ordered()
+        ordered = self.index_entries()
         if not ordered:
             raise ValueError(f"the store {self.save_dir} holds no records yet.")
         schemas = {}  # one shard per distinct layer schema
@@ -492,7 +529,100 @@ class GradientStorageManager(SampleLookup):
         return CaptureFacts(layer_facts, dtype, _metadata(e), f"store {self.save_dir}")
 
     # ---- lookup ---------------------------------------------------------------------------------
+    def _key(
+        self, key: str | Mapping[str, Any] | torch.Tensor, hash_keys: Sequence[str] | None = None
+    ) -> str:
+        return key if isinstance(key, str) else hash_sample(key, keys=hash_keys)
+
+    def locations(self, sample_hash: str) -> list[SampleLocation]:
+        """Every (record, step, row) at which a sample occurs, in store order.
+
+        See :meth:`sample_locator` for what the first lookup builds.
+        """
+        return self.sample_locator().locations(sample_hash)
+
+    def lookup(
+        self, inputs: Mapping[str, Any] | torch.Tensor | str, hash_keys: Sequence[str] | None = None
+    ) -> list[SampleLocation]:
+        """Locations of one sample given by its fields (hashed with ``hash_sample``) or hash.
+
+        Args:
+            inputs: One sample (a dict of tensors without batch axis) or its hash.
+            hash_keys: Fields to hash, as in capture (default: ``input_ids`` when present).
+        """
+        return self.locations(self._key(inputs, hash_keys))
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        return bool(self.sample_locator().find(key))
+
+    def load_sample_steps(
+        self,
+        sample: str | Mapping[str, Any] | torch.Tensor,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        hash_keys: Sequence[str] | None = None,
+    ) -> list[GradientBlock]:
+        """Every occurrence of one sample as one-row blocks, in store order.
+
+        Raises:
+            KeyError: the sample is not in the store.
+        """
+        h = self._key(sample, hash_keys)
+        locs = self.locations(h)
+        if not locs:
+            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
+        layers = self.check_layers(layers)
+        ordered = self.index_entries()
+        out = []
+        for loc in locs:
+            part, e = ordered[loc.record]
+            grad = self._load(part, e, layers, device, dtype, slice(loc.row, loc.row + 1))
+            out.append(GradientBlock(e["step"], grad, [h], e["checkpoint"]))
+        return out
+
+    def load_sample(
+        self,
+        sample: str | Mapping[str, Any] | torch.Tensor,
+        step: int | None = None,
+        layers: Sequence[str] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        hash_keys: Sequence[str] | None = None,
+    ) -> Gradient:
+        """One sample's gradient (one row): its first occurrence, or the one at ``step``.
+
+        Raises:
+            KeyError: the sample is not in the store, or not at ``step``.
+        """
+        h = self._key(sample, hash_keys)
+        locs = self.locations(h)
+        if step is not None:
+            at = [loc for loc in locs if loc.step == step]
+            if not at:
+                raise KeyError(
+                    f"sample {h[:16]}... is not stored at step {step}; it is at steps "
+                    f"{sorted({loc.step for loc in locs})}."
+                )
+            locs = at
+        if not locs:
+            raise KeyError(f"sample {h[:16]}... is not in the store {self.save_dir}.")
+        part, e = self.index_entries()[locs[0].record]
+        row = locs[0].row
+        return self._load(part, e, self.check_layers(layers), device, dtype, slice(row, row + 1))
+
     # ---- reading --------------------------------------------------------------------------------
+    def open_record(self, index: int, check_crc: bool = False) -> Any:
+        """Record ``index``'s shard opened with ``safe_open`` (a context manager).
+
+        Args:
+            index: The record's position in store order.
+            check_crc: Check the shard's CRC-32 (once per file and process, see ``verify``).
+        """
+        return self._open(*self.index_entries()[index], check_crc=check_crc)
+
     def _open(
         self,
         part: _Partition,
@@ -502,9 +632,10 @@ class GradientStorageManager(SampleLookup):
     ) -> Any:
         path = part.directory / entry["shard"]
         ident = identity(path, entry["crc32"]) if check_crc else None
-        handle = open_shard(path, entry, check_crc and not self._verified.seen(path, ident), device)
+        fresh = check_crc and not self.shard_checks.seen(path, ident)
+        handle = open_shard(path, entry, fresh, device)
         if check_crc:
-            self._verified.add(path, ident)
+            self.shard_checks.add(path, ident)
         return handle
 
     def check_layers(self, layers: Sequence[str] | None) -> list[str] | None:
@@ -544,7 +675,7 @@ class GradientStorageManager(SampleLookup):
         dtype: torch.dtype | None = None,
     ) -> GradientRecord:
         """Load record ``index`` (store order) as a :class:`GradientRecord`."""
-        ordered = self._ordered()
+        ordered = self.index_entries()
         if not -len(ordered) <= index < len(ordered):
             raise IndexError(f"record {index} out of range; the store has {len(ordered)}.")
         part, e = ordered[index]
@@ -568,7 +699,7 @@ class GradientStorageManager(SampleLookup):
         """
         layers = self.check_layers(layers)
         wanted = self.check_checkpoints(checkpoints)
-        for part, e in self._ordered():
+        for part, e in self.index_entries():
             if wanted is not None and e["checkpoint"] not in wanted:
                 continue
             grad = self._load(part, e, layers, device, dtype)
@@ -583,8 +714,8 @@ class GradientStorageManager(SampleLookup):
         Raises:
             StoreFormatError: naming the first bad file.
         """
-        ordered = self._ordered()
-        self._verified.clear()
+        ordered = self.index_entries()
+        self.shard_checks.clear()
         for part, e in ordered:
             path = part.directory / e["shard"]
             with self._open(part, e, check_crc=True) as f:

@@ -20,23 +20,24 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from dattri_llm.gradient.store.binary_index import (
+    RECORDS_FILE,
+    uses_binary_index,
+    write_binary_index,
+)
 from dattri_llm.gradient.store.format import (
     INDEX_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
     StoreFormatError,
     decode_schema,
+    file_crc32,
     read_meta,
     tensor_keys,
 )
 from dattri_llm.gradient.store.index import IndexEntry, entry_for, parse_lines, shard_name
 from dattri_llm.gradient.store.partition import Partition, shard_files
-from dattri_llm.gradient.store.sample_index import (
-    RECORDS_FILE,
-    uses_binary_index,
-    write_binary_index,
-)
-from dattri_llm.gradient.store.writer import file_crc32, live_writer, lock_partition
+from dattri_llm.gradient.store.writer import live_writer, lock_partition
 
 __all__ = ["RepairReport", "repair_partition"]
 

@@ -28,13 +28,14 @@ from dattri_llm.gradient.store.format import (
     decode_gradient,
     decode_json,
     decode_schema,
+    file_crc32,
     schema_fingerprint,
     tensor_keys,
 )
 from dattri_llm.gradient.store.index import IndexEntry
-from dattri_llm.gradient.store.writer import file_crc32
 
 __all__ = [
+    "capture_dtype",
     "open_shard",
     "check_header_matches",
     "read_gradient",
@@ -149,7 +150,7 @@ def schema_facts(schema: list[dict], layers: Sequence[str] | None) -> CaptureFac
     return CaptureFacts(out)
 
 
-def _capture_dtype(header: dict, path: Path) -> torch.dtype | None:
+def capture_dtype(header: dict, path: Path) -> torch.dtype | None:
     """The dtype a record was captured in when it was stored in another one (else ``None``)."""
     storage = header.get("storage") or {}
     name = storage.get("capture_dtype")
@@ -192,7 +193,7 @@ def read_gradient(
     except (SafetensorError, KeyError) as e:
         raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
     if dtype is None:  # a record stored narrower than captured reads back in the capture dtype
-        dtype = _capture_dtype(header, path)
+        dtype = capture_dtype(header, path)
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     try:

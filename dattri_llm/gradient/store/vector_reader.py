@@ -38,7 +38,7 @@ from dattri_llm.gradient.store.format import (
     decode_json,
     decode_schema,
 )
-from dattri_llm.gradient.store.shard import _capture_dtype, check_header_matches
+from dattri_llm.gradient.store.shard import capture_dtype, check_header_matches
 from dattri_llm.gradient.store.verified import identity
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "VectorBlockReader",
     "vector_layers",
     "store_vector_layers",
+    "record_widths",
     "read_ahead",
 ]
 
@@ -98,7 +99,7 @@ def store_vector_layers(
         The layers when they are plain materialized tensors of the same type and
         hyper-parameters in every schema, else ``None`` (the general reader's case).
     """
-    ordered = store._ordered()
+    ordered = store.index_entries()
     seen: set[tuple[int, str]] = set()
     first: list[VectorLayer] | None = None
     for pos in records:
@@ -107,7 +108,7 @@ def store_vector_layers(
         if key in seen:
             continue
         seen.add(key)
-        found = vector_layers(store._header(part, entry)["layers"], layers)
+        found = vector_layers(store.shard_header(pos)["layers"], layers)
         if found is None:
             return None
         if first is None:
@@ -117,6 +118,18 @@ def store_vector_layers(
         ]:
             return None
     return first
+
+
+def record_widths(store: Any, record: int, layers: Sequence[VectorLayer]) -> dict[str, int]:
+    """``{layer name: numbers per sample}`` of the selected layers, read from one record's shard.
+
+    Args:
+        store: The ``GradientStorageManager``.
+        record: The record's position in store order.
+        layers: The layers (as :func:`store_vector_layers` returns them).
+    """
+    with store.open_record(record) as f:
+        return {v.name: int(f.get_slice(f"{v.position}.data").get_shape()[1]) for v in layers}
 
 
 @dataclass
@@ -244,7 +257,7 @@ class VectorBlockReader:
             st = os.fstat(f.fileno())
             size = st.st_size
             ident = identity(path, entry["crc32"], st) if store.verify else None
-            check_crc = bool(store.verify) and not store._verified.seen(path, ident)
+            check_crc = bool(store.verify) and not store.shard_checks.seen(path, ident)
             if size != entry["bytes"]:
                 raise StoreFormatError(
                     f"shard {path} is truncated or corrupted: {size} bytes, the index recorded "
@@ -264,8 +277,8 @@ class VectorBlockReader:
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise StoreFormatError(f"shard {path} is corrupted: {e}") from None
             header = self._header(metadata.get(SHARD_METADATA_KEY), entry, path)
-            capture_dtype = _capture_dtype(header, path)
-            if row0 and capture_dtype != capture:
+            captured = capture_dtype(header, path)
+            if row0 and captured != capture:
                 raise _Mixed(stored, -1)
             wanted = {}
             for layer in self.layers:
@@ -338,10 +351,10 @@ class VectorBlockReader:
                 raise StoreFormatError(
                     f"shard {path} is corrupted: its CRC-32 does not match the index."
                 )
-            store._verified.add(path, ident)
+            store.shard_checks.add(path, ident)
         self.bytes_read += size
         assert stored is not None
-        return stored, header, capture_dtype
+        return stored, header, captured
 
     # ---- blocks ---------------------------------------------------------------------------------
     def blocks(self, records: Sequence[int]) -> Iterator[VectorBlock]:
@@ -349,7 +362,7 @@ class VectorBlockReader:
 
         A block holds consecutive records of one checkpoint label and one stored dtype.
         """
-        ordered = self.store._ordered()
+        ordered = self.store.index_entries()
         pending: list[int] = []
         state: dict[str, Any] = {"stored": None, "capture": None, "ckpt": None, "rows": 0}
         block = VectorBlock({}, [])

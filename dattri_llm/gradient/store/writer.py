@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import mmap
 import os
 import threading
 import warnings
@@ -32,29 +31,30 @@ import torch
 from safetensors.torch import save_file
 
 from dattri_llm.gradient.gradient import GradientRecord
-from dattri_llm.gradient.store.format import (
-    INDEX_FILE,
-    SHARD_DIR,
-    SHARD_METADATA_KEY,
-    encode_record,
-    read_meta,
-    write_meta,
-)
-from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
-from dattri_llm.gradient.store.partition import Partition, check_unindexed
-from dattri_llm.gradient.store.sample_index import (
+from dattri_llm.gradient.store.binary_index import (
     BinaryAppender,
     BinaryIndex,
     line_spans,
     uses_binary_index,
 )
+from dattri_llm.gradient.store.format import (
+    INDEX_FILE,
+    SHARD_DIR,
+    SHARD_METADATA_KEY,
+    encode_record,
+    file_crc32,
+    read_meta,
+    write_meta,
+)
+from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
+from dattri_llm.gradient.store.partition import Partition, check_unindexed
 
 try:  # advisory lock against two writers on one partition (POSIX only)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["PartitionWriter", "file_crc32", "live_writer", "lock_partition"]
+__all__ = ["PartitionWriter", "live_writer", "lock_partition"]
 
 LOCK_FILE = ".writer.lock"
 #: The open writers of this process, by partition directory.
@@ -95,16 +95,6 @@ def lock_partition(directory: Path) -> object | None:
             "to finish, or use a different save_dir)."
         ) from None
     return f
-
-
-def file_crc32(path: Path) -> int:
-    """CRC-32 of a whole file (memory-mapped, no copy)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return zlib.crc32(mm)
 
 
 def _size(path: Path) -> int | None:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dattri_llm.gradient.store.format import StoreFormatError
+from dattri_llm.gradient.store.format import StoreFormatError, file_crc32
 from dattri_llm.gradient.store.index import IndexAppender, parse_index
-from dattri_llm.gradient.store.writer import file_crc32, write_shard
+from dattri_llm.gradient.store.writer import write_shard
 from dattri_llm.utils.files import atomic_write
 
 __all__ = ["TrajectorySnapshots", "TRAJECTORY_FORMAT", "TRAJECTORY_VERSION"]
