@@ -181,3 +181,43 @@ def test_attribution_imports_without_the_report_or_heavy_peers() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def _private_names_by_package() -> dict[str, set[str]]:
+    """``{package directory: private names it defines}`` (defs, classes, assignments)."""
+    out: dict[str, set[str]] = {}
+    for path in _modules().values():
+        names = out.setdefault(str(path.parent), set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {
+        k: {n for n in v if n.startswith("_") and not n.startswith("__")} for k, v in out.items()
+    }
+
+
+def test_no_package_reaches_another_packages_private_names() -> None:
+    """``obj._name`` outside ``self`` / ``cls`` names something of the module's own package.
+
+    (Private names of torch or transformers are theirs to judge; ``_replace`` is the named
+    tuple's public method.)
+    """
+    defined = _private_names_by_package()
+    ours = set().union(*defined.values()) - {"_replace"}
+    wrong = []
+    for module, path in _modules().items():
+        own = defined[str(path.parent)]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in own:
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "super":
+                continue
+            wrong.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, f"private names reached across packages: {wrong}"

@@ -1,11 +1,11 @@
-"""Atomic small-file writes (metadata, checkpoints, reports)."""
+"""Durable small-file writes (metadata, checkpoints, reports): atomic replace, directory fsync."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_dir"]
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, fsync: bool = False) -> None:
@@ -23,3 +23,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, fsync: bool = False
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Fsync a directory (its entries: a rename is durable after this)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)

@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from dattri_llm.gradient.store.writer import fsync_dir
-from dattri_llm.utils.files import atomic_write
+from dattri_llm.utils.files import atomic_write, fsync_dir
 
 __all__ = ["ScoreCheckpoint", "tensor_digest", "settings_of", "checkpoint_for"]
 

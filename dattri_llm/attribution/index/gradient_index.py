@@ -79,11 +79,12 @@ Preconditioner = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 
 
 def _open_store(store: Any) -> Any:
-    from dattri_llm.gradient.sources import DiskGradientSource
+    from dattri_llm.gradient.sources import DiskGradientSource, store_reading
     from dattri_llm.gradient.store import GradientStorageManager
 
-    if isinstance(store, DiskGradientSource):
-        return store.store
+    reading = store_reading(store)
+    if reading is not None:
+        return reading.store
     if isinstance(store, GradientStorageManager):
         return store
     return DiskGradientSource(store).store  # its checks: exists, is a store, holds records
@@ -477,16 +478,17 @@ class GradientIndex:
         return apply
 
     def _test_source(self, test: Any) -> tuple[Any, str]:
-        from dattri_llm.gradient.sources import DiskGradientSource
+        from dattri_llm.gradient.sources import DiskGradientSource, store_reading
         from dattri_llm.gradient.store import GradientStorageManager
 
         if isinstance(test, (str, os.PathLike, GradientStorageManager)):
             test = DiskGradientSource(test, layers=self.layers)
-        if isinstance(test, DiskGradientSource):
-            if test.layers is None or list(test.layers) != self.layers:
-                test = DiskGradientSource(test.store, layers=self.layers, dtype=test.dtype)
-            return test, f"test store {test.store.save_dir}"
-        return test, "test source"
+        reading = store_reading(test)
+        if reading is None:
+            return test, "test source"
+        if reading.layers is None or list(reading.layers) != self.layers:
+            test = DiskGradientSource(reading.store, layers=self.layers, dtype=reading.dtype)
+        return test, f"test store {reading.store.save_dir}"
 
     def _check_test(self, source: Any) -> None:
         from dattri_llm.gradient.compat import check_compatible, facts_of

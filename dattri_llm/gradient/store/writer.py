@@ -48,6 +48,7 @@ from dattri_llm.gradient.store.format import (
 )
 from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
 from dattri_llm.gradient.store.partition import Partition, check_unindexed
+from dattri_llm.utils.files import fsync_dir
 
 try:  # advisory lock against two writers on one partition (POSIX only)
     import fcntl
@@ -130,20 +131,6 @@ def write_shard(
     if fsync:
         fsync_dir(directory)
     return name, crc, size
-
-
-def fsync_dir(path: Path) -> None:
-    """Fsync a directory (its entries: a rename is durable after this)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def open_binary(
