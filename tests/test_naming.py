@@ -82,8 +82,8 @@ def test_normalized_grad_per_call_on_every_entry_point(tmp_path):
 
     assert torch.allclose(matrix(att.attribute_from_cache(tr, te, normalized_grad=True)), cos)
     assert torch.allclose(matrix(att.attribute_from_cache(tr, te)), dot)
-    got = matrix(att.attribute_from_cache(tr, te, "sample", None, None, True))
-    assert torch.allclose(got, cos)  # positional, as the signature lists it
+    with pytest.raises(ValueError, match="top_k must be a positive int"):
+        att.attribute_from_cache(tr, te, "sample", None, None, True)  # method options: keywords
 
     g = torch.Generator().manual_seed(3)
     blocks = [
@@ -109,7 +109,10 @@ def test_normalized_grad_must_be_a_bool(tmp_path):
     att = TracInAttributor(args(tmp_path), task=AttributionTask(loss_fn, model))
     with pytest.raises(TypeError, match=r"attribute\(normalized_grad=\) must be True"):
         att.attribute(train, test, normalized_grad="cos")
-    assert att._call_normalized is None  # nothing left behind by the failed call
+    assert att.normalized_grad is False  # nothing left behind by the failed call
+    dot = att.attribute(train, test).query(train, test)
+    plain = TracInAttributor(args(tmp_path), task=AttributionTask(loss_fn, model))
+    assert torch.allclose(dot, plain.attribute(train, test).query(train, test))
 
 
 @pytest.mark.parametrize("alias", ["cos", "cosine"])
