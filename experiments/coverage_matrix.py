@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dattri_llm import REGISTER_ALL, HookManager, HookManagerConfig
-from tests.hf_families import FAMILIES, MOE_FAMILIES, build
+from tests.helpers.hf_families import FAMILIES, MOE_FAMILIES, build
 
 HF = "tests/test_hf_families.py::"
 LORA = "tests/test_lora.py::"
