@@ -263,7 +263,7 @@ def test_trajectory_methods_never_assume_the_reduction_silently(tmp_path, recwar
 def _recorded_runs(tmp_path, reduction: str, recorded: str | None):
     """A DVEmb (SGD) and an AdamW run whose loop reduced the loss with ``reduction``, captured
     with ``OffloadCallback(loss_reduction=recorded)``; ``{name: (cls, call, reference)}``
-    with the scores written out by hand (``tests/trajectory_reference.py``)."""
+    with the scores written out by hand (``tests/helpers/trajectory.py``)."""
     from dattri_llm import AdamWInfluenceAttributor, DVEmbAttributor
     from tests.helpers import adamw_run, dvemb_run
     from tests.helpers.trajectory import adam_step_matrices, query_grads, unroll_explicit

@@ -147,7 +147,7 @@ def test_llama_rmsnorm_recipe_matches_torch_func() -> None:
 
 
 def test_known_hf_norm_classes_are_captured_by_register_all() -> None:
-    """LlamaRMSNorm is recognised by name (unknown classes: tests/test_hf_families.py)."""
+    """LlamaRMSNorm is recognised by name (unknown classes: layers/test_hf_classes.py)."""
     model = tiny_llama()
     hm = HookManager(model)
     assert hm.layers[hm.layer_names.index("model.norm")].rule.layer_type == "nn.RMSNorm"

@@ -140,7 +140,7 @@ def test_projected_store_to_tracin_equals_live_and_explicit(tmp_path, style: str
         else:
             assert lg.layer_type == f"projected.{cfg.style}"
             # compact storage keeps a logra layer in its smaller exact form
-            # (tests/test_store_compact.py); the vector styles are always dense
+            # (tests/gradient/store/test_compact.py); the vector styles are always dense
             kinds = (Factorized, Materialized) if cfg.style == "logra" else Materialized
             assert isinstance(lg, kinds)
 

@@ -3,7 +3,7 @@
 Each expert is preconditioned with its own ``(G_e ⊗ A_e + λ I)^{-1}`` (K-FAC) or its own
 eigenbasis with corrected eigenvalues (EK-FAC), both built here from explicit loops over the
 routed slots and explicit ``torch.kron`` matrices; per-sample gradients come from one backward
-pass per sample. Models as in ``tests/test_moe.py`` (float64, eager experts).
+pass per sample. Models as in ``tests/gradient/layers/test_moe.py`` (float64, eager experts).
 """
 
 from __future__ import annotations

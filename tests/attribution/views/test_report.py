@@ -3,7 +3,7 @@
 The page is parsed with the standard library's ``html.parser``; each query section's rows
 (rank, score, full id from the ``title``) must equal the top-k written out here from the score
 matrix: rows of one training sample summed over the steps it was seen at, sorted by hand.
-``tests/test_report_browser.py`` checks the rendering (and needs Chromium); this checks the
+``test_report_browser.py`` checks the rendering (and needs Chromium); this checks the
 content everywhere.
 """
 

@@ -1,7 +1,7 @@
 """DataSelectionCallback: dropping samples from param.grad equals never having them in the batch.
 
 References are independent: a fresh model's backward over the kept rows only, and explicit
-alignment scores from torch.func per-sample gradients (tests/reference.py).
+alignment scores from torch.func per-sample gradients (tests/helpers/reference.py).
 """
 
 from __future__ import annotations

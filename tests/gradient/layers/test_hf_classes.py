@@ -5,7 +5,7 @@ of every captured parameter is compared with one ``backward()`` per sample in fl
 known norm classes (``LlamaRMSNorm``, Gemma's ``(1 + weight)`` norm, OLMo-2's, ...) and Gemma's
 scaled embedding are recognised by class name (``gradient/layers/hf_classes.py``). MoE models
 run in float32 here (transformers' grouped expert kernels refuse float64); their fused experts
-and routers are captured by ``gradient/layers/moe.py`` (float64 checks: ``tests/test_moe.py``).
+and routers are captured by ``gradient/layers/moe.py`` (float64 checks: ``test_moe.py``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_dense_family_captures_every_parameter_exactly(family: str) -> None:
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_family_captures_every_parameter_exactly(family: str) -> None:
-    """float32 (transformers' grouped expert kernels refuse float64; tests/test_moe.py checks
+    """float32 (transformers' grouped expert kernels refuse float64; test_moe.py checks
     the experts in float64 with the eager kernels): experts, routers, shared experts and the
     RMS norms all captured under ``REGISTER_ALL`` alone, with no warning."""
     model = build(family, torch.float32)

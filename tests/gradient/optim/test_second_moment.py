@@ -1,7 +1,7 @@
 """TrackStar's correction at capture (``precondition="second_moment"``) vs formulas written out.
 
 Reference: per-sample gradients by ``torch.func`` (``vmap(grad)``), laid out in the matrix form
-by hand (``tests/trajectory_reference.py``), times ``1/√(v + ε)`` with ``v`` read from
+by hand (``tests/helpers/trajectory.py``), times ``1/√(v + ε)`` with ``v`` read from
 ``opt.state[p]["exp_avg_sq"]`` directly and ``ε = 1e-8``; the mask's coordinates and the dense
 projection matrix from the projection's seeded generators. Model: Embedding + LayerNorm +
 Linear + an LM head tied to the embedding, float64, AdamW warm-started by real steps.
