@@ -1,7 +1,7 @@
 """The model matrix: what ``HookManagerConfig(linear_io=REGISTER_ALL)`` captures, per family.
 
 For each Hugging Face family (and LoRA / QLoRA variants) the script builds the tiny model the
-tests use (``tests/hf_families.py``), runs one captured step (a parameter found used outside
+tests use (``tests/helpers/hf_families.py``), runs one captured step (a parameter found used outside
 its module at the step counts as left out), and prints ``HookManager.coverage()``; for the base
 families it also builds transformers' *default* config (the released size: Llama-2-7B,
 Mixtral-8x7B, ...) on the ``meta`` device (no memory) and prints the coverage there, where a
@@ -11,7 +11,7 @@ that proves the captured gradients exact.
     OMP_NUM_THREADS=1 python -m experiments.coverage_matrix [--json]
 
 Fused MoE experts and routers are captured by ``gradient/layers/moe.py`` (exact in float64 with
-the eager expert kernels: ``tests/test_moe.py``).
+the eager expert kernels: ``tests/gradient/layers/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import torch
 from torch import nn
 
 from dattri_llm import REGISTER_ALL, HookManager, HookManagerConfig
-from tests.hf_families import FAMILIES, MOE_FAMILIES, build
+from tests.helpers.hf_families import FAMILIES, MOE_FAMILIES, build
 
-HF = "tests/test_hf_families.py::"
-LORA = "tests/test_lora.py::"
+HF = "tests/gradient/layers/test_hf_classes.py::"
+LORA = "tests/gradient/layers/test_lora.py::"
 TESTS = {
-    "gpt2": "tests/test_models.py::test_gpt2_default_capture_matches_torch_func",
+    "gpt2": "tests/gradient/test_models.py::test_gpt2_default_capture_matches_torch_func",
     **{f: f"{HF}test_dense_family_captures_every_parameter_exactly[{f}]" for f in FAMILIES},
     **{
         f: f"{HF}test_moe_family_captures_every_parameter_exactly[{f}] (float32); "
-        "tests/test_moe.py (float64)"
+        "tests/gradient/layers/test_moe.py (float64)"
         for f in MOE_FAMILIES
     },
     "gpt2+lora": f"{LORA}test_gpt2_lora_on_fused_c_attn_is_exact",

@@ -15,6 +15,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def f64():
+    """Float64 as the default dtype for one test (the exact comparisons), restored after it."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: D103
     if torch.cuda.is_available():
         return

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 ROOT = Path(__file__).resolve().parents[1]
-# examples that need an environment of their own run there (tests/test_olmo_envs.py)
+# examples that need an environment of their own run there (experiments/tests/test_olmo_envs.py)
 OWN_ENV = {"olmo_trainer.py"}
 EXAMPLES = sorted(
     p

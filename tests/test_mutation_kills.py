@@ -24,7 +24,7 @@ from dattri_llm import (
     TracInAttributor,
 )
 from dattri_llm.gradient import Factorized, layer_inner
-from tests.reference import flat, per_sample_grads
+from tests.helpers.reference import flat, per_sample_grads
 
 V = 7
 SCALE = 1e-3  # every per-sample gradient norm below 1 (a clamp at 1 would change the cosine)

@@ -18,7 +18,7 @@ from dattri_llm import (
     TracInAttributor,
     hash_sample,
 )
-from tests.reference import flat, per_sample_grads, rel_err
+from tests.helpers.reference import flat, per_sample_grads, rel_err
 
 
 class XNet(nn.Module):

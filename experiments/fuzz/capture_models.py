@@ -17,7 +17,8 @@ it under every capture style and compares the per-parameter per-sample gradients
 inner products (every routing mode) with one backward pass per sample of the same model (compared
 in float64).
 
-Used by ``tests/test_capture_fuzz.py`` (a fixed seed set) and ``capture_fuzz.py`` (many seeds).
+Used by ``experiments/tests/fuzz/test_capture_fuzz.py`` (a fixed seed set) and ``capture_fuzz.py``
+(many seeds).
 """
 
 from __future__ import annotations
@@ -597,7 +598,7 @@ def check_case(
     the library, or an exception; a case with a ``refusal`` fails unless every style raises an
     error containing it.
     """
-    from tests.reference import per_sample_loop_grads
+    from tests.helpers.reference import per_sample_loop_grads
 
     tol = tol if tol is not None else (1e-9 if case.dtype == torch.float64 else 2e-3)
     out = Outcome(case.seed, case.dtype, case.features)
@@ -639,7 +640,7 @@ def _check_style(case, style, batches, refs, flat, names, tol, out) -> None:
     from dattri_llm import CaptureCallback, HookManager, HookManagerConfig
     from dattri_llm.gradient import ops
     from dattri_llm.gradient.hooks import coverage, manager
-    from tests.reference import captured_by_parameter
+    from tests.helpers.reference import captured_by_parameter
 
     manager._WARNED.clear()
     coverage._WARNED_UNCAPTURED.clear()

@@ -23,10 +23,10 @@ if [ ${#MODULES[@]} -eq 0 ]; then
   )
 fi
 TESTS=(
-  tests/test_layers.py
-  tests/test_routing.py
-  tests/test_attribution_tracin.py
-  tests/test_capture_exactness.py
+  tests/gradient/layers/test_rules.py
+  tests/gradient/ops/test_routing.py
+  tests/attribution/test_tracin.py
+  tests/gradient/test_capture_exactness.py
   tests/test_mutation_kills.py
 )
 work=$(mktemp -d "${TMPDIR:-/tmp}/dattri_llm_mutmut.XXXXXX")

@@ -1,0 +1,267 @@
+"""GradientIndex (issue 25 item 5): exact search equals TracIn's top-k and a brute-force top-k,
+approximate kinds reach a recall, stale / factorized stores are refused, partitions merge
+exactly, the CLI round-trips, and nothing on disk is pickled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dattri_llm import AttributionArguments, GradientStorageManager, TracInAttributor
+from dattri_llm.attribution.index import (
+    GradientIndex,
+    IndexFormatError,
+    NotVectorError,
+    StaleIndexError,
+)
+from dattri_llm.cli import main
+from dattri_llm.gradient import Factorized, Gradient, GradientRecord
+from dattri_llm.gradient.compat import IncompatibleGradientsError
+from dattri_llm.gradient.store.format import write_meta
+from dattri_llm.gradient.store.writer import PartitionWriter
+from tests.helpers.index import DIMS, clustered, gen, record, train_vectors, write
+
+faiss = pytest.importorskip("faiss")
+
+
+def args(tmp_path: Path) -> AttributionArguments:
+    return AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
+
+
+def same_top(a, b, k: int, atol: float = 1e-5) -> None:
+    ta, tb = a.top_k(k), b.top_k(k)
+    assert ta.test_hashes == tb.test_hashes
+    assert ta.proponent_hashes == tb.proponent_hashes
+    assert ta.opponent_hashes == tb.opponent_hashes
+    torch.testing.assert_close(
+        ta.proponent_scores.double(), tb.proponent_scores.double(), rtol=1e-5, atol=atol
+    )
+    torch.testing.assert_close(
+        ta.opponent_scores.double(), tb.opponent_scores.double(), rtol=1e-5, atol=atol
+    )
+
+
+@pytest.fixture
+def stores(tmp_path):
+    train, test = train_vectors(60), train_vectors(5, seed=1)
+    write(tmp_path / "train", train)
+    write(tmp_path / "test", test, prefix="q")
+    return tmp_path, train, test
+
+
+# ---- exact search ------------------------------------------------------------------------------
+@pytest.mark.parametrize("metric", ["dot", "cosine"])
+def test_flat_search_equals_brute_force_and_tracin(stores, metric):
+    root, train, test = stores
+    k = 5
+    index = GradientIndex.build(root / "train", root / "idx", metric=metric)
+    assert index.kind == "flat" and index.dim == 32 and len(index) == 60
+    scores = GradientIndex.open(root / "idx").search(root / "test", k=k)
+    assert scores.top_k_kept == k and scores.num_train == 60
+    # brute force over the concatenated vectors, written out
+    a, b = train, test
+    if metric == "cosine":
+        a, b = a / a.norm(dim=1, keepdim=True), b / b.norm(dim=1, keepdim=True)
+    full = b @ a.T  # (M, N)
+    top_v, top_i = full.topk(k, dim=1)
+    bot_v, bot_i = full.topk(k, dim=1, largest=False)
+    got = scores.top_k(k)
+    assert got.test_hashes == [f"q{j}" for j in range(5)]
+    assert got.proponent_hashes == [[f"t{i}" for i in row] for row in top_i.tolist()]
+    assert got.opponent_hashes == [[f"t{i}" for i in row] for row in bot_i.tolist()]
+    torch.testing.assert_close(got.proponent_scores.double(), top_v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.opponent_scores.double(), bot_v, rtol=1e-5, atol=1e-5)
+    # and TracIn's streamed top-k (Grad-Dot / Grad-Cos)
+    att = TracInAttributor(args(root), normalized_grad=metric == "cosine")
+    same_top(scores, att.attribute_from_cache(root / "train", root / "test", top_k=k), k)
+    # query() of kept entries
+    h = got.proponent_hashes[0][0]
+    assert scores.query([h], ["q0"]).item() == pytest.approx(got.proponent_scores[0, 0].item())
+    assert scores.top_k(2).proponent_hashes == [r[:2] for r in got.proponent_hashes]
+
+
+@pytest.mark.parametrize("metric", ["dot", "cosine"])
+def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, metric):
+    vecs = train_vectors(24)
+    with GradientStorageManager(tmp_path / "train") as store:
+        store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)], checkpoint=0))
+        store.write(record(1, vecs[8:16], [f"t{i}" for i in range(4, 12)], checkpoint=1))
+        store.write(record(2, vecs[16:24], [f"t{i}" for i in range(12, 20)], checkpoint=1))
+    write(tmp_path / "test", train_vectors(3, seed=5), prefix="q")
+    weights = [0.5, 2.0]
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, checkpoint_weights=weights)
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=4)
+    att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine")
+    att.checkpoint_weights = weights
+    want = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=4)
+    same_top(got, want, 4)
+    assert got.num_train == 20
+    steps = dict(zip(got.train_hashes, got.train_steps))
+    assert all(steps.get(f"t{i}", -1) == -1 for i in range(4, 8))  # several steps: -1
+
+
+def test_multi_partition_merge_is_exact(tmp_path):
+    root = tmp_path / "train"
+    root.mkdir()
+    write_meta(root, {"layout": "ranks"})
+    vecs = train_vectors(40)
+    for r in (0, 1):
+        w = PartitionWriter(root / f"rank_{r}", {"rank": r, "world_size": 2}, lambda e: None)
+        for s in range(2):
+            lo = r * 20 + s * 10
+            w.write(record(s, vecs[lo : lo + 10], [f"t{i}" for i in range(lo, lo + 10)]))
+        w.close()
+    write(tmp_path / "test", train_vectors(4, seed=9), prefix="q")
+    index = GradientIndex.build(root, tmp_path / "idx")
+    assert [p["partition"] for p in index.meta["parts"]] == ["rank_0", "rank_1"]
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=6)
+    want = TracInAttributor(args(tmp_path)).attribute_from_cache(root, tmp_path / "test", top_k=6)
+    same_top(got, want, 6)
+    # the winners come from both partitions
+    winners = {h for row in got.top_k(6).proponent_hashes for h in row}
+    assert any(int(h[1:]) < 20 for h in winners) and any(int(h[1:]) >= 20 for h in winners)
+
+
+def test_a_real_masked_capture_matches_tracin(tmp_path):
+    from torch import nn
+
+    from dattri_llm import HookManager, HookManagerConfig, OffloadCallback
+    from dattri_llm.gradient.ops import ProjectionConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(13, 6), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    config = HookManagerConfig(projection=ProjectionConfig("mask", proj_dim=10, seed=2))
+    for name, n, seed in (("train", 24, 1), ("test", 4, 2)):
+        x = torch.randint(0, 13, (n, 5), generator=gen(seed))
+        fm = GradientStorageManager(tmp_path / name)
+        hm = HookManager(model, config, callbacks=[OffloadCallback(file_manager=fm)])
+        with hm.collect(deregister_on_exit=True):
+            (model(x) ** 2).sum().backward()
+    for metric in ("dot", "cosine"):
+        index = GradientIndex.build(tmp_path / "train", tmp_path / metric, metric)
+        got = index.search(tmp_path / "test", k=3)
+        att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine")
+        same_top(got, att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=3), 3)
+
+
+# ---- approximate kinds -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind,params,search",
+    [
+        ("ivf", {"nlist": 16}, {"nprobe": 8}),
+        ("ivf", {"nlist": 16, "pq_m": 8, "rerank": 8}, {"nprobe": 8}),
+        ("hnsw", {"M": 16, "efConstruction": 64}, {"ef_search": 128}),
+    ],
+)
+def test_approximate_kinds_reach_recall(tmp_path, kind, params, search):
+    train = clustered(2000, 20, 32, seed=0)
+    queries = clustered(20, 20, 32, seed=1)
+    write(tmp_path / "train", train, batch=100)
+    write(tmp_path / "test", queries, prefix="q")
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", "cosine", kind, **params)
+    index = GradientIndex.open(tmp_path / "idx")
+    assert index.kind == kind
+    got = index.search(tmp_path / "test", k=10, **search).top_k(10)
+    a = train / train.norm(dim=1, keepdim=True)
+    b = queries / queries.norm(dim=1, keepdim=True)
+    exact = (b @ a.T).topk(10, dim=1).indices.tolist()
+    hits = [len({f"t{i}" for i in e} & set(g)) for e, g in zip(exact, got.proponent_hashes)]
+    assert sum(hits) / (10 * len(exact)) >= 0.9
+
+
+def test_auto_is_flat_for_a_small_store_and_parameters_are_checked(stores):
+    root, _, _ = stores
+    assert GradientIndex.build(root / "train", root / "a").kind == "flat"
+    with pytest.raises(ValueError, match=r"kind='hnsw' takes M, efConstruction, efSearch"):
+        GradientIndex.build(root / "train", root / "b", kind="hnsw", nlist=3)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        GradientIndex.build(root / "train", root / "b", metric="l2")
+    with pytest.raises(ValueError, match="pq_m=5 must divide the vector dimension 32"):
+        GradientIndex.build(root / "train", root / "b", kind="ivf", nlist=1, pq_m=5)
+    with pytest.raises(ValueError, match="already holds an index"):
+        GradientIndex.build(root / "train", root / "a")
+    GradientIndex.build(root / "train", root / "a", kind="hnsw", overwrite=True)
+    assert GradientIndex.open(root / "a").kind == "hnsw"
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+def test_a_changed_store_is_refused(stores):
+    root, _, _ = stores
+    GradientIndex.build(root / "train", root / "idx")
+    with GradientStorageManager(root / "train", mode="append") as store:
+        store.write(record(99, train_vectors(2, seed=7), ["new0", "new1"]))
+    with pytest.raises(StaleIndexError, match=r"index\.jsonl changed.*rebuild"):
+        GradientIndex.open(root / "idx")
+
+
+def test_a_factorized_store_is_refused(tmp_path):
+    fac = Factorized(
+        torch.randn(4, 3, 5), torch.randn(4, 3, 2), "nn.Linear",
+        {"in_features": 5, "out_features": 2, "bias": False, "_k": 2, "_d": 5},
+    )  # fmt: skip
+    with GradientStorageManager(tmp_path / "train") as store:
+        store.write(GradientRecord(0, [f"t{i}" for i in range(4)], Gradient({"lin": fac})))
+    with pytest.raises(NotVectorError, match=r"'lin' \(nn\.Linear\).*factorized.*capture_style"):
+        GradientIndex.build(tmp_path / "train", tmp_path / "idx")
+
+
+def test_an_incompatible_test_capture_is_refused(stores, tmp_path):
+    root, _, _ = stores
+    write(tmp_path / "other", train_vectors(3, seed=2), prefix="q", seed=4)  # another seed
+    index = GradientIndex.build(root / "train", root / "idx")
+    with pytest.raises(IncompatibleGradientsError, match="seed: 3 vs 4"):
+        index.search(tmp_path / "other", k=3)
+
+
+def test_not_an_index_is_refused(tmp_path):
+    (tmp_path / "x").mkdir()
+    with pytest.raises(IndexFormatError, match="has no index.json"):
+        GradientIndex.open(tmp_path / "x")
+
+
+def test_preconditioner_is_folded_into_the_queries(stores):
+    root, train, test = stores
+    p = torch.diag(torch.linspace(0.5, 2.0, 32, dtype=torch.float64))
+    index = GradientIndex.build(root / "train", root / "idx")
+    got = index.search(root / "test", k=3, preconditioner=p).top_k(3)
+    want = (test @ p @ train.T).topk(3, dim=1)
+    assert got.proponent_hashes == [[f"t{i}" for i in r] for r in want.indices.tolist()]
+    with pytest.raises(ValueError, match=r"preconditioner must be a \(32, 32\) matrix"):
+        index.search(root / "test", k=3, preconditioner=torch.eye(3))
+
+
+# ---- files and CLI -----------------------------------------------------------------------------
+def test_cli_round_trip_and_no_pickle_on_disk(stores, capsys):
+    root, _, _ = stores
+    code = main(
+        ["index", "build", str(root / "train"), "-o", str(root / "idx"), "--metric", "cosine"]
+    )
+    assert code == 0, capsys.readouterr().err
+    code = main(
+        ["index", "search", str(root / "idx"), "--test", str(root / "test"), "--k", "4",
+         "--out", str(root / "scores")]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    from dattri_llm import AttributionScore
+
+    got = AttributionScore.load(root / "scores")
+    att = TracInAttributor(args(root), normalized_grad=True)
+    same_top(got, att.attribute_from_cache(root / "train", root / "test", top_k=4), 4)
+    meta = json.loads((root / "idx" / "index.json").read_text())
+    assert meta["format"] == "dattri_llm.gradient_index" and meta["version"] == 2
+    assert meta["metric"] == "cosine" and meta["layers"] == list(DIMS) and meta["dims"] == [12, 20]
+    for f in (root / "idx").iterdir():
+        data = f.read_bytes()
+        assert not data.startswith(b"\x80"), f"{f} looks like a pickle"
+        if f.suffix == ".json":
+            json.loads(data)
+        else:
+            assert f.suffix == ".faiss"
+            faiss.read_index(str(f))
+    assert main(["index", "search", str(root / "nope"), "--test", str(root / "test"),
+                 "--out", str(root / "s2")]) != 0  # fmt: skip

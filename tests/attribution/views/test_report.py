@@ -1,0 +1,107 @@
+"""The HTML report's proponent / opponent lists, read back without a browser (issue 26, 14).
+
+The page is parsed with the standard library's ``html.parser``; each query section's rows
+(rank, score, full id from the ``title``) must equal the top-k written out here from the score
+matrix: rows of one training sample summed over the steps it was seen at, sorted by hand.
+``test_report_browser.py`` checks the rendering (and needs Chromium); this checks the
+content everywhere.
+"""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.views.report import SampleText, write_report
+
+
+class _Lists(HTMLParser):
+    """``{query index: {"proponents": [(rank, score text, id)], "opponents": [...]}}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries: dict[int, dict[str, list[tuple[int, str, str]]]] = {}
+        self._query: int | None = None
+        self._kind: str | None = None
+        self._row: list[str] | None = None
+        self._cell: str | None = None
+        self._id: str | None = None
+        self._in_h3 = False
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if tag == "section" and a.get("class") == "query":
+            self._query = int(a["id"].removeprefix("q"))
+            self.queries[self._query] = {"proponents": [], "opponents": []}
+        elif tag == "h3" and self._query is not None:
+            self._in_h3 = True
+        elif tag == "tr" and self._kind is not None:
+            self._row, self._id = [], None
+        elif tag == "td" and self._row is not None:
+            cls = a.get("class") or ""
+            self._cell = cls.split()[0] if cls else "text"
+            if cls == "id":
+                self._id = a.get("title")
+            self._row.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "h3":
+            self._in_h3 = False
+        elif tag == "td":
+            self._cell = None
+        elif tag == "tr" and self._row is not None and self._row:
+            rank, num = int(self._row[0]), self._row[1].strip()
+            self.queries[self._query][self._kind].append((rank, num, self._id))
+            self._row = None
+        elif tag == "section":
+            self._query, self._kind = None, None
+
+    def handle_data(self, data: str) -> None:
+        if self._in_h3 and data.strip() in ("Proponents", "Opponents"):
+            self._kind = data.strip().lower()
+        elif self._row is not None and self._cell in ("rank", "num"):
+            self._row[-1] += data
+
+
+def _brute_force_top(
+    scores: torch.Tensor, train: list[str], q: int, k: int
+) -> tuple[list[str], list[str]]:
+    totals: dict[str, float] = {}
+    for i, h in enumerate(train):
+        totals[h] = totals.get(h, 0.0) + float(scores[i, q])
+    order = sorted(totals, key=lambda h: totals[h])
+    return order[::-1][:k], order[:k]
+
+
+@pytest.mark.parametrize("k", [1, 4, 20])
+def test_report_lists_are_each_querys_top_k(tmp_path: Path, k: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    n_unique, n_test = 9, 5
+    train_unique = [f"train-{i:02d}-" + "ab" * 20 for i in range(n_unique)]
+    # samples 0-3 seen at both steps: their scores are summed
+    train = train_unique + train_unique[:4]
+    steps = [0] * n_unique + [1] * 4
+    scores = torch.randn(len(train), n_test, generator=g, dtype=torch.float64)
+    test = [f"query-{j}-" + "cd" * 20 for j in range(n_test)]
+    score = AttributionScore(scores, train, steps, test)
+    texts = {h: SampleText(f"text of {h[:8]}") for h in train_unique}
+    page = tmp_path / "report.html"
+    write_report(page, score, texts, {h: SampleText(h[:7]) for h in test}, k=k)
+    parser = _Lists()
+    parser.feed(page.read_text(encoding="utf-8"))
+    assert sorted(parser.queries) == list(range(n_test))
+    kk = min(k, n_unique)
+    for q in range(n_test):
+        want_pro, want_opp = _brute_force_top(scores, train, q, kk)
+        for kind, want in (("proponents", want_pro), ("opponents", want_opp)):
+            rows = parser.queries[q][kind]
+            assert [r[0] for r in rows] == list(range(1, kk + 1)), (q, kind)
+            assert [r[2] for r in rows] == want, (q, kind)
+            totals = [
+                float(scores[[i for i, t in enumerate(train) if t == h], q].sum()) for h in want
+            ]
+            assert [r[1] for r in rows] == [f"{v:+.3e}" for v in totals], (q, kind)

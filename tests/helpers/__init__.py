@@ -1,0 +1,1 @@
+"""Helpers shared by the test files: reference implementations, small models, recorded runs."""
