@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,9 @@ def test_no_import_circles() -> None:
         ("dattri_llm.utils", "dattri_llm.gradient"),
         ("dattri_llm.utils", "dattri_llm.attribution"),
         ("dattri_llm.gradient", "dattri_llm.attribution"),
+        ("dattri_llm.utils", "dattri_llm.cli"),
+        ("dattri_llm.gradient", "dattri_llm.cli"),
+        ("dattri_llm.attribution", "dattri_llm.cli"),
     ],
 )
 def test_imports_flow_one_way(lower: str, upper: str) -> None:
@@ -221,3 +225,18 @@ def test_no_package_reaches_another_packages_private_names() -> None:
                 continue
             wrong.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert not wrong, f"private names reached across packages: {wrong}"
+
+
+def test_architecture_map_names_only_paths_that_exist() -> None:
+    """Every file or folder ``docs/ARCHITECTURE.md`` names in backticks exists."""
+    root = PACKAGE.parent
+    text = (root / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([\w./]+(?:\.py|/))`", text))
+    assert len(named) > 40  # the map names its modules; a broken pattern would find none
+    files = {f.name for f in PACKAGE.rglob("*.py")}
+
+    def exists(p: str) -> bool:  # a bare file name is a module of the room the row describes
+        return any((base / p).exists() for base in (root, PACKAGE)) or ("/" not in p and p in files)
+
+    missing = sorted(p for p in named if not exists(p))
+    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"

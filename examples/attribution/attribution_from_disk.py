@@ -149,7 +149,7 @@ def run(out: str) -> None:
     err = float((live_matrix - matrix).abs().max() / matrix.abs().max())
     print(f"max relative difference: {err:.2e}")
     # float32: inner products over the 131k-entry tied embedding / lm_head gradient round at
-    # ~1e-4 relative (in float64 both flows agree to ~1e-15, see tests/test_attribution_tracin.py)
+    # ~1e-4 relative (in float64 both flows agree to ~1e-15, see tests/attribution/test_tracin.py)
     assert err < 1e-3, err
 
     path = score.save()  # safetensors + JSON in args.output_dir

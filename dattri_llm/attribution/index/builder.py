@@ -22,7 +22,7 @@ sample vectors are buffered up to ``block_rows`` rows, then handed to FAISS:
   exactly.
 
 The result is the index an in-memory build of the same vectors gives (same training sample,
-same vectors in the same order): ``tests/test_index_build_stream.py`` checks identical top-k.
+same vectors in the same order): ``tests/attribution/index/test_builder.py`` checks identical top-k.
 """
 
 from __future__ import annotations
