@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -107,13 +108,16 @@ class AttributionArguments:
                 f", got {self.dataloader_collate!r}; pass a callable as "
                 "attribute(..., collate_fn=...) for anything else."
             )
-        if not self.score_memory_gb > 0:
+        # budgets are turned into byte counts: a finite number of GiB (inf has no byte count)
+        if not (self.score_memory_gb > 0 and math.isfinite(self.score_memory_gb)):
             raise ValueError(
-                f"AttributionArguments.score_memory_gb must be > 0, got {self.score_memory_gb!r}."
+                "AttributionArguments.score_memory_gb must be a finite number of GiB > 0, got "
+                f"{self.score_memory_gb!r}."
             )
-        if not self.live_cache_gb >= 0:
+        if not (self.live_cache_gb >= 0 and math.isfinite(self.live_cache_gb)):
             raise ValueError(
-                f"AttributionArguments.live_cache_gb must be >= 0, got {self.live_cache_gb!r}."
+                "AttributionArguments.live_cache_gb must be a finite number of GiB >= 0 (0: no "
+                f"cache), got {self.live_cache_gb!r}."
             )
         check_show(self.show_progress, "AttributionArguments.show_progress")
         for name in (

@@ -37,10 +37,11 @@ from dattri_llm.attribution.engine.distributed import row_keys
 from dattri_llm.attribution.engine.prepared import PreparedTest, densify_test
 from dattri_llm.attribution.engine.resume import ScoreCheckpoint, checkpoint_for
 from dattri_llm.attribution.engine.scoring import ScoreLoop, final_result, progress_bar
-from dattri_llm.attribution.engine.sinks import FullSink, TopKSink, check_top_k
+from dattri_llm.attribution.engine.sinks import FullSink, TopKSink
 from dattri_llm.attribution.engine.units import row_counts, units_of
 from dattri_llm.attribution.engine.vector_scan import run_vector_scan, vector_units
 from dattri_llm.attribution.normalization import refuse_double_correction
+from dattri_llm.attribution.ranking import check_top_k, clamp_top_k
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
@@ -419,7 +420,9 @@ class BaseAttributor:
             test_source: The test gradients.
             attribution_granularity: ``"sample"`` or ``"token"``.
             top_k: Keep only each test sample's ``top_k`` largest and smallest scores (see
-                :meth:`score`).
+                :meth:`score`). A positive int; beyond the number of train samples it is
+                clamped to that number (every sample, ranked). A ``NaN`` score ranks after
+                every other score (:mod:`dattri_llm.attribution.ranking`).
             **options: As for :meth:`attribute`.
         """
         sides = StoredSides(train_source, test_source)
@@ -610,6 +613,10 @@ class BaseAttributor:
         }
         del by_ckpt, test_blocks
         counts = row_counts(units.units) if units is not None else None
+        if k is not None and counts is not None:
+            # before the sink allocates its (M, k) lists: beyond the train samples means every
+            # one (the samples of every rank, so that the ranks' lists merge)
+            k = clamp_top_k(k, len(row_counts(full.units)) if split else len(counts))
         sink = self._sink(k, granularity, counts, len(columns))
         acc = Accumulator(granularity, names[0], sink)
         loop = ScoreLoop(self, tests, len(columns), acc)

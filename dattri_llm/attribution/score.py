@@ -66,6 +66,22 @@ def _as_hash(x: Any) -> str:
     )
 
 
+def _warn_nan(train: Sequence[str], test: Sequence[str], cols: torch.Tensor) -> None:
+    """Warn when a full matrix (``cols``: ``(M, N)``) holds NaN scores, naming the first."""
+    nan = cols.isnan()
+    if not bool(nan.any()):
+        return
+    j, i = (int(x) for x in nan.nonzero()[0])
+    warnings.warn(
+        f"{int(nan.sum())} score(s) are NaN (e.g. train sample {train[i]!r}, test sample "
+        f"{test[j]!r}): they rank after every other score. A NaN comes from non-finite "
+        "gradients (a diverged step, or a store written with non-finite values); recapture "
+        "them, with storage_dtype='bfloat16' or 'float32' if a float16 store overflowed.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class AttributionScore:
     """The result of an attribution run.
 
@@ -284,11 +300,23 @@ class AttributionScore:
         """Top proponents and opponents of every test sample.
 
         The ``k`` train samples with the most positive (proponents) and the most negative
-        (opponents) scores, over :meth:`agnostic_matrix` (``duplicates`` as there).
+        (opponents) scores, over :meth:`agnostic_matrix` (``duplicates`` as there). A ``k``
+        beyond the number of train samples is clamped to it (every sample, ranked). A ``NaN``
+        score ranks after every other score on both lists (it is no influence, large or
+        small: :mod:`dattri_llm.attribution.ranking`), with a warning naming it; so a list
+        holds a ``NaN`` only where a test sample has fewer than ``k`` other scores.
+
+        Raises:
+            ValueError: ``k`` is not a positive int, or exceeds the ``top_k`` these scores
+                were computed with (while that was fewer than the train samples).
         """
+        from dattri_llm.attribution.ranking import check_top_k, clamp_top_k, rank
+
+        k = check_top_k(k, "k")
+        if k is None:
+            raise ValueError("k must be a positive int, got None.")
         ids, matrix = self.agnostic_matrix(duplicates)
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}.")
+        k = clamp_top_k(k, self.num_train if self.num_train is not None else len(ids))
         cols = matrix.T  # (M, N)
         if self.top_k_kept is not None:  # NaN: not kept (never ranked)
             if k > self.top_k_kept:
@@ -297,14 +325,10 @@ class AttributionScore:
                     f"(attribute(..., top_k={self.top_k_kept})); top_k({k}) needs a run with "
                     f"top_k >= {k}."
                 )
-            k = min(k, self.num_train if self.num_train is not None else len(ids))
-            missing = cols.isnan()
-            p_val, p_idx = cols.masked_fill(missing, float("-inf")).topk(k, dim=1)
-            o_val, o_idx = cols.masked_fill(missing, float("inf")).topk(k, dim=1, largest=False)
         else:
-            k = min(k, len(ids))
-            p_val, p_idx = cols.topk(k, dim=1, largest=True)
-            o_val, o_idx = cols.topk(k, dim=1, largest=False)
+            _warn_nan(ids, self.test_hashes, cols)
+        p_val, p_idx = rank(cols, k, largest=True)
+        o_val, o_idx = rank(cols, k, largest=False)
         return TopK(
             list(self.test_hashes),
             [[ids[i] for i in r] for r in p_idx.tolist()],

@@ -24,18 +24,10 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution.ranking import check_top_k, clamp_top_k, rank
 from dattri_llm.attribution.score import AttributionScore
 
 __all__ = ["FullSink", "TopKSink", "check_top_k", "merge_top_k", "top_k_of"]
-
-
-def check_top_k(top_k: Any) -> int | None:
-    """Validate a ``top_k=`` argument (``None``: the full matrix)."""
-    if top_k is None:
-        return None
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int (or None for every score), got {top_k!r}.")
-    return int(top_k)
 
 
 def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -45,10 +37,14 @@ def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 def _keep_extremes(
     vals: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], k: int, largest: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the ``k`` largest (or smallest) of the columns of ``vals`` joined, and their ids."""
+    """Per row, the ``k`` largest (or smallest) of the columns of ``vals`` joined, and their ids.
+
+    Ranked by :func:`~dattri_llm.attribution.ranking.rank`: a NaN score comes after the empty
+    slots (``∓inf``, id ``-1``), so it is never kept.
+    """
     dtype = _common_dtype(vals)
     joined = torch.cat([v.to(dtype) for v in vals], dim=1)
-    v, pos = joined.topk(min(k, joined.shape[1]), dim=1, largest=largest)
+    v, pos = rank(joined, k, largest)
     return v, torch.cat(list(ids), dim=1).gather(1, pos)
 
 
@@ -158,8 +154,12 @@ class FullSink:
 class TopKSink:
     """Per query, the ``k`` largest and ``k`` smallest agnostic scores, streamed.
 
+    A NaN score ranks after every other one (:mod:`dattri_llm.attribution.ranking`), so it is
+    never kept; the first one met is warned about.
+
     Args:
-        k: How many proponents and opponents to keep per query.
+        k: How many proponents and opponents to keep per query (``(M, k)`` tensors are
+            allocated: the callers clamp ``k`` to the number of train samples first).
         num_cols: ``M``, the queries.
         counts: ``{train hash: rows}`` — how many score rows each sample will get (its steps
             and checkpoints, and duplicated items); a sample's score enters the top-k once its
@@ -196,6 +196,7 @@ class TopKSink:
         # hash -> [partial (M,), rows left, step, ckpt, (step, ckpt) seen]
         self.pending: dict[str, list[Any]] = {}
         self._dup_warned = False
+        self._nan_warned = False
         self._single = all(n == 1 for n in counts.values())
 
     # ---- streaming ----
@@ -294,6 +295,8 @@ class TopKSink:
         if self.top_vals is None:
             self.top_vals = torch.full((m, self.k), float("-inf"), dtype=rows.dtype)
             self.bot_vals = torch.full((m, self.k), float("inf"), dtype=rows.dtype)
+        if not self._nan_warned:
+            self._warn_nan(rows, ids)
         cols = rows.T  # (M, f)
         all_ids = ids.unsqueeze(0).expand(m, -1)
         self.top_vals, self.top_ids = _keep_extremes(
@@ -304,6 +307,24 @@ class TopKSink:
         )
         if len(self.ids) > 8 * (2 * self.k * m + 256):
             self._compact()
+
+    def _warn_nan(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Warn once that NaN scores were met (never kept: see ``attribution.ranking``)."""
+        nan = rows.isnan()
+        if not bool(nan.any()):
+            return
+        self._nan_warned = True
+        r, c = (int(x) for x in nan.nonzero()[0])
+        warnings.warn(
+            f"top_k: train sample {self.ids[int(ids[r])]!r} has a NaN score for query column "
+            f"{c} ({int(nan.any(dim=1).sum())} sample(s) with NaN scores in this block): NaN "
+            "scores rank after every other score and are not kept. A NaN comes from non-finite "
+            "gradients (a diverged step, or a store written with non-finite values); "
+            "recapture them, with storage_dtype='bfloat16' or 'float32' if a float16 store "
+            "overflowed.",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def _compact(self) -> None:
         """Forget the samples no query keeps (their ids are renumbered)."""
@@ -446,6 +467,7 @@ def top_k_of(score: AttributionScore, k: int, duplicates: str = "warn") -> Attri
     for h, s, c in zip(score.train_hashes, score.train_steps, score.train_checkpoints):
         old = where.get(h)
         where[h] = (s, c) if old is None else (s if old[0] == s else -1, c if old[1] == c else -1)
+    k = clamp_top_k(k, len(ids))
     sink = TopKSink(k, score.num_test, dict.fromkeys(ids, 1), "sum")
     sink.add(matrix, ids, [where[h][0] for h in ids], [where[h][1] for h in ids])
     return sink.result(list(score.test_hashes), score.output_dir)

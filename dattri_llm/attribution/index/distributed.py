@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dattri_llm.attribution.ranking import rank
 from dattri_llm.utils.distributed import barrier, get_rank, get_world_size, is_distributed
 
 __all__ = ["active", "mine", "rows_to_read", "gather_entries", "merge_ranks", "barrier"]
@@ -67,5 +68,5 @@ def merge_ranks(vals: torch.Tensor, ids: torch.Tensor, k: int, largest: bool) ->
 
     v = torch.cat(all_gather_tensors(vals.to(torch.float32)), 1)
     i = torch.cat(all_gather_tensors(ids.to(torch.long)), 1)
-    top, pos = v.topk(min(k, v.shape[1]), dim=1, largest=largest)
+    top, pos = rank(v, k, largest)
     return top, i.gather(1, pos)

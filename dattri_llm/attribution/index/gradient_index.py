@@ -63,12 +63,14 @@ from dattri_llm.attribution.index.format import (
 from dattri_llm.attribution.index.part_search import open_rerank_file, search_part
 from dattri_llm.attribution.index.vectors import (
     BLOCK_ROWS,
+    check_finite_vectors,
     check_vector_schema,
     plan_parts,
     query_vectors,
     train_parts,
     unit_rows,
 )
+from dattri_llm.attribution.ranking import check_top_k, clamp_top_k, rank
 from dattri_llm.attribution.score import AttributionScore
 from dattri_llm.gradient.gradient import Gradient, Materialized
 from dattri_llm.utils.progress import progress_bar
@@ -195,7 +197,8 @@ class GradientIndex:
                 index *is* the vectors: ``n * D * 4`` bytes), plus for ``ivf`` the training
                 sample (``train_size * D * 4`` bytes), plus one block (about
                 ``block_rows * D * 12`` bytes) and the samples' ids; see
-                :mod:`dattri_llm.attribution.index.builder`. Any value gives the same index.
+                :mod:`dattri_llm.attribution.index.builder`. Any value gives the same index;
+                one beyond the store's rows is clamped to them.
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
                 ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
@@ -232,6 +235,8 @@ class GradientIndex:
         rows = unit_rows(store, wanted)
         plan = plan_parts(rows)
         n_total = sum(plan[2].values())
+        # buffers of block_rows rows are allocated: more than the store's rows is all of them
+        block_rows = min(block_rows, max(1, sum(len(r.hashes) for _, _, r in rows)))
         first = store.load_record(rows[0][0] if rows else 0, layers=layers).gradient
         dims = [int(first.layers[n].materialize().data[0].numel()) for n in layers]
         dim = sum(dims)
@@ -405,7 +410,9 @@ class GradientIndex:
             test: The queries: a test gradient store (directory, ``GradientStorageManager``,
                 ``DiskGradientSource``) or any gradient source of the indexed layers, with one
                 checkpoint label.
-            k: Proponents and opponents per query.
+            k: Proponents and opponents per query; beyond the indexed samples it is clamped
+                to their number. The index holds only finite vectors (a non-finite train
+                vector is refused at build, a non-finite query here, naming the sample).
             nprobe: ``ivf``: lists visited per query (default: the build's).
             ef_search: ``hnsw``: the search's candidate list (default: the build's).
             rerank: ``ivf`` with PQ: re-rank ``rerank * k`` candidates exactly.
@@ -427,11 +434,10 @@ class GradientIndex:
             sample, ``NaN`` where a score was not kept; ``top_k(k' <= k)`` and ``query`` of
             kept entries work as after ``attribute_from_cache(..., top_k=k)``.
         """
-        from dattri_llm.attribution.engine.sinks import check_top_k
-
-        k = check_top_k(k)
+        k = check_top_k(k, "k")
         if k is None:
             raise ValueError("k must be a positive int.")
+        k = clamp_top_k(k, self.num_samples)  # beyond the indexed samples: every one
         source, where = self._test_source(test)
         if check_compatible:
             self._check_test(source)
@@ -443,6 +449,7 @@ class GradientIndex:
             )
         queries = _precondition(queries, self._layerwise(preconditioner), self.dim)
         q = np.ascontiguousarray(queries.to(torch.float32).numpy())
+        check_finite_vectors(q, hashes, "query")
         overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
         top, bottom = self._merged(q, k, overrides)
         return self._result(top, bottom, hashes, k, output_dir)
@@ -529,7 +536,7 @@ class GradientIndex:
             empty = torch.zeros(len(q), 0, dtype=torch.float32)
             vals = torch.cat([empty, *found[largest][0]], 1)
             ids = torch.cat([empty.long(), *found[largest][1]], 1)
-            v, pos = vals.topk(min(k, vals.shape[1]), dim=1, largest=largest)
+            v, pos = rank(vals, k, largest)
             out.append(dd.merge_ranks(v, ids.gather(1, pos), k, largest))
         return out[0], out[1]
 

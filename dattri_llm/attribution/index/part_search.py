@@ -36,6 +36,7 @@ import torch
 
 from dattri_llm.attribution.index import kinds
 from dattri_llm.attribution.index.format import IndexFormatError
+from dattri_llm.attribution.ranking import rank
 
 __all__ = ["open_rerank_file", "search_part", "exact_rerank", "uses_rerank_file"]
 
@@ -103,7 +104,7 @@ def exact_rerank(
             own = x[pos[lo : lo + per]]  # (c, R, D)
             vals[lo : lo + per] = torch.bmm(own, qt[lo : lo + per].unsqueeze(2)).squeeze(2)
     vals = vals.masked_fill(~valid, float("-inf"))
-    top, j = vals.topk(min(k, vals.shape[1]), dim=1)
+    top, j = rank(vals, k)
     ids = cand.gather(1, j)
     return top, torch.where(torch.isfinite(top), ids, torch.full_like(ids, -1))
 
@@ -132,7 +133,7 @@ def search_part(
     """
     if kind == "flat":
         full = torch.from_numpy(q) @ flat_vectors(index).T
-        return [(True, *full.topk(k, dim=1)), (False, *full.topk(k, 1, False))]
+        return [(True, *rank(full, k, True)), (False, *rank(full, k, False))]
     kinds.set_search_params(index, kind, params)
     runs: list[Run] = []
     for largest, sign in ((True, 1.0), (False, -1.0)):

@@ -28,6 +28,7 @@ from dattri_llm.gradient.store.vector_reader import VectorBlockReader, store_vec
 
 __all__ = [
     "NotVectorError",
+    "check_finite_vectors",
     "check_vector_schema",
     "block_vectors",
     "unit_rows",
@@ -91,6 +92,35 @@ def block_vectors(gradient: Gradient, layers: Sequence[str], where: str) -> torc
     return torch.cat(parts, dim=1)
 
 
+def check_finite_vectors(vectors: np.ndarray, hashes: Sequence[str], side: str) -> None:
+    """Refuse a non-finite vector: FAISS has no order for a NaN inner product.
+
+    The rule of every other ranking path (a NaN score after every other one, see
+    :mod:`dattri_llm.attribution.ranking`) cannot be kept inside an approximate index, so an
+    index holds and answers only finite vectors (in float32, the index's dtype).
+
+    Args:
+        vectors: ``(n, D)`` float32.
+        hashes: The ``n`` samples' hashes.
+        side: ``"train"`` or ``"query"``, as the message names it.
+
+    Raises:
+        ValueError: naming the first such sample and how many there are.
+    """
+    bad = ~np.isfinite(vectors).all(axis=1)
+    if not bad.any():
+        return
+    first = int(np.flatnonzero(bad)[0])
+    raise ValueError(
+        f"the {side} vector of sample {hashes[first]!r} is not finite in float32 "
+        f"({int(bad.sum())} of {len(hashes)} in this block): an index cannot rank it. Its "
+        "gradient holds inf / NaN, or its (summed, preconditioned) vector overflows float32; "
+        "recapture that gradient (with storage_dtype='bfloat16' or 'float32' if a float16 "
+        "store overflowed), or score without the index (attribute_from_cache(..., top_k=k)), "
+        "which ranks NaN scores after every other."
+    )
+
+
 def _prepare(rows: torch.Tensor, metric: str) -> torch.Tensor:
     """The rows in float64, divided by their norms for ``"cosine"``."""
     rows = rows.to(torch.float64)
@@ -144,8 +174,14 @@ class PartVectors:
         self.blocks: list[np.ndarray] = []
 
     def add(self, vectors: torch.Tensor, hashes: list[str], steps: list[int], ckpts: list[int]):
-        """Append finished samples (``(b, D)`` float64 vectors)."""
-        self.blocks.append(vectors.to(torch.float32).numpy())
+        """Append finished samples (``(b, D)`` float64 vectors).
+
+        Raises:
+            ValueError: a vector is not finite in float32 (:func:`check_finite_vectors`).
+        """
+        block = vectors.to(torch.float32).numpy()
+        check_finite_vectors(block, hashes, "train")
+        self.blocks.append(block)
         self.hashes += hashes
         self.steps += steps
         self.checkpoints += ckpts

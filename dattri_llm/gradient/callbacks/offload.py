@@ -101,7 +101,10 @@ class OffloadCallback(HookCallback):
             them back to the capture dtype (recorded in each shard), so scoring sees float32;
             the rank agreement of bf16 / fp16 scores with float32 ones is measured in
             ``docs/benchmarks/store.md``. ``float16`` overflows above 65504; ``bfloat16``
-            keeps float32's range.
+            keeps float32's range. A record that holds ``inf`` / ``NaN`` as stored is refused
+            by the store with an error naming the sample, the layer and the step, and whether
+            the cast overflowed (then store in ``"bfloat16"`` or ``"float32"``) or the
+            gradient was non-finite as captured (``GradientStorageManager(nonfinite=...)``).
         loss_reduction: ``None`` (default), ``"sum"`` or ``"mean"``: how the training loop's
             loss combined each batch (``"mean"`` for ``model(**batch).loss``), recorded in
             every record's metadata (:data:`LOSS_REDUCTION_KEY`). DVEmb and AdamW-influence
@@ -198,13 +201,15 @@ class OffloadCallback(HookCallback):
         if callable(coverage):
             self.file_manager.configure(coverage=coverage().to_dict())
 
-    def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict]:
-        """The gradient as stored (compact, cast) and its shard-header ``storage`` entry."""
+    def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict, Gradient]:
+        """The gradient as stored (compact, cast), its shard-header ``storage`` entry, and the
+        gradient before the cast (to word the store's refusal of a non-finite value)."""
         gradient, layers = compact_gradient(gradient, self.keep_token_factors)
         captured = str(gradient.dtype).removeprefix("torch.") if gradient.layers else None
+        uncast = gradient
         gradient = cast_gradient(gradient, self.storage_dtype)
         stored = str(gradient.dtype).removeprefix("torch.") if gradient.layers else None
-        return gradient, {"dtype": stored, "capture_dtype": captured, "layers": layers}
+        return gradient, {"dtype": stored, "capture_dtype": captured, "layers": layers}, uncast
 
     def _stored_step(self, step: int, checkpoint: int) -> int:
         if checkpoint not in self._offsets:
@@ -240,12 +245,13 @@ class OffloadCallback(HookCallback):
         step = self._stored_step(step, record.checkpoint)
         self._record_coverage()
         if self.recording_type == "per_sample":
-            gradient, storage = self._prepare(record.gradient)
+            gradient, storage, uncast = self._prepare(record.gradient)
             self.file_manager.write(
                 GradientRecord(
                     step, list(record.hashes), gradient, record.checkpoint, self._metadata(record)
                 ),
                 storage=storage,
+                uncast=uncast,
             )
             self.num_written += 1
             return
@@ -274,11 +280,12 @@ class OffloadCallback(HookCallback):
             return
         step, ckpt, grad, ids = self._batch
         self._batch = None
-        grad, storage = self._prepare(grad)  # already dense: only the dtype can change
+        grad, storage, uncast = self._prepare(grad)  # already dense: only the dtype changes
         self.file_manager.write(
             GradientRecord(step, [batch_id(ids)], grad, ckpt, self._metadata(None)),
             extra={"members": ids},
             storage=storage,
+            uncast=uncast,
         )
         self.num_written += 1
 

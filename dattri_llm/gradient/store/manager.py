@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,6 +24,11 @@ from dattri_llm.gradient.store.binary_index import (
     entry_column,
     read_partition,
     uses_binary_index,
+)
+from dattri_llm.gradient.store.finite import (
+    NONFINITE_MODES,
+    find_nonfinite,
+    nonfinite_error,
 )
 from dattri_llm.gradient.store.format import (
     FORMAT_VERSION,
@@ -132,6 +138,12 @@ class GradientStorageManager:
         allow_duplicate_records: Accept byte-identical records in two partitions (two ranks
             that computed the very same batch); by default that is refused as a copied
             partition.
+        nonfinite: What :meth:`write` does with a record holding an ``inf`` / ``NaN``
+            gradient value: ``"error"`` (default) refuses it with a
+            :class:`~dattri_llm.gradient.store.finite.NonFiniteGradientError` naming the sample,
+            the layer and the record, and the fix (an overflow of ``storage_dtype="float16"``
+            is told apart from a diverged step); ``"warn"`` writes it with a warning (the first
+            one only). Scoring ranks a NaN score after every finite one either way.
 
     Raises:
         StoreFormatError: ``save_dir`` holds files but is not a store, a store of an
@@ -148,9 +160,17 @@ class GradientStorageManager:
         fsync: bool = True,
         verify: bool = True,
         allow_duplicate_records: bool = False,
+        nonfinite: str = "error",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"nonfinite must be one of {NONFINITE_MODES} (what write() does with an inf / "
+                f"NaN gradient), got {nonfinite!r}."
+            )
+        self.nonfinite = nonfinite
+        self._nonfinite_warned = False
         self.save_dir = Path(save_dir)
         if self.save_dir.exists() and not self.save_dir.is_dir():
             raise NotADirectoryError(f"save_dir {self.save_dir} exists and is not a directory.")
@@ -319,11 +339,14 @@ class GradientStorageManager:
         record: GradientRecord,
         extra: Mapping[str, Any] | None = None,
         storage: Mapping[str, Any] | None = None,
+        *,
+        uncast: Gradient | None = None,
     ) -> None:
         """Append one record.
 
         The record's tensors are copied to CPU here; CPU tensors are written as they are, so
         they must not be modified in place until :meth:`flush` (the hook manager's never are).
+        A record holding an ``inf`` / ``NaN`` is refused first (``nonfinite``).
 
         Args:
             record: The record to persist.
@@ -332,7 +355,25 @@ class GradientStorageManager:
                 compact choices and the storage / capture dtypes), kept in the shard header;
                 a reader casts a record stored in a narrower dtype back to
                 ``storage["capture_dtype"]``.
+            uncast: The gradient before its cast to the storage dtype (``OffloadCallback``
+                passes it): read only to word the refusal of a non-finite record (an overflow
+                of the cast, or a value non-finite before it).
+
+        Raises:
+            NonFiniteGradientError: the record holds an ``inf`` / ``NaN`` (``nonfinite="error"``).
         """
+        found = find_nonfinite(record.gradient)
+        if found is not None:
+            error = nonfinite_error(record, found, uncast)
+            if self.nonfinite == "error":
+                raise error
+            if not self._nonfinite_warned:
+                self._nonfinite_warned = True
+                warnings.warn(
+                    f"{error} Written anyway (nonfinite='warn'); later ones are not reported.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._ensure_writer().write(
             record,
             dict(extra) if extra is not None else None,
