@@ -84,6 +84,15 @@ def test_use_cpu_and_other_flags_must_be_booleans() -> None:
             AttributionArguments(**{field: "yes"})
 
 
+@pytest.mark.parametrize("field", ["score_memory_gb", "live_cache_gb"])
+def test_memory_budgets_are_finite_numbers_of_gib(field: str) -> None:
+    """A budget becomes a byte count: ``inf`` has none (it died in ``int()`` before)."""
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=f"AttributionArguments.{field} must be a finite"):
+            AttributionArguments(**{field: bad})
+    assert getattr(AttributionArguments(**{field: 1e3}), field) == 1e3
+
+
 @pytest.mark.parametrize("field", ["bf16", "fp16", "fsdp"])
 def test_unused_training_fields_are_gone(field: str) -> None:
     with pytest.raises(TypeError):

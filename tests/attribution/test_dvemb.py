@@ -380,3 +380,17 @@ def test_exact_hessian_equals_the_exact_derivative(tmp_path, case):
     print(f"{case}: exact Hessian {err:.1e}, empirical Fisher {err_fisher:.1e}")
     assert err <= 1e-9
     assert err_fisher > 1e-4
+
+
+def test_top_k_beyond_the_train_samples_is_every_sample(tmp_path):
+    """A trajectory method's ``top_k=10**12`` (reduced from its full result) keeps every one
+    of the run's samples, ranked as the full result's ``top_k``."""
+    make_run(tmp_path, reduction="sum")
+    att = DVEmbAttributor(args(tmp_path), loss_reduction="sum")
+    tr, te = tmp_path / "train", tmp_path / "query"
+    full = att.attribute_from_cache(tr, te, learning_rate=LRS)
+    top = att.attribute_from_cache(tr, te, learning_rate=LRS, top_k=10**12)
+    n = len(full.agnostic_matrix()[0])
+    assert top.top_k_kept == n and top.num_train == n
+    assert top.top_k(10**12).proponent_hashes == full.top_k(n).proponent_hashes
+    assert top.top_k(n).opponent_hashes == full.top_k(10**12).opponent_hashes

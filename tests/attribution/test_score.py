@@ -72,6 +72,53 @@ def test_top_k():
         s.top_k(0)
 
 
+def brute_top(m: torch.Tensor, ids: list[str], j: int, k: int, largest: bool) -> list[str]:
+    """The ``k`` ids of column ``j`` by a Python sort: finite scores first, NaN last."""
+    col = m[:, j].tolist()
+    finite = sorted((i for i, v in enumerate(col) if v == v), key=lambda i: col[i])
+    order = (finite[::-1] if largest else finite) + [i for i, v in enumerate(col) if v != v]
+    return [ids[i] for i in order[:k]]
+
+
+def test_top_k_ranks_nan_scores_after_every_finite_one():
+    """A NaN row (a sample whose gradient was not finite) is no proponent nor opponent."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    scores[2] = float("nan")  # a whole sample
+    scores[5, 1] = float("nan")  # one (sample, query) score
+    ids = [f"t{i}" for i in range(8)]
+    s = AttributionScore(scores, ids, [0] * 8, ["x", "y", "z"])
+    with pytest.warns(UserWarning, match=r"4 score\(s\) are NaN .*'t2'.*'x'"):
+        top = s.top_k(3)
+    for j in range(3):
+        assert top.proponent_hashes[j] == brute_top(scores, ids, j, 3, True)
+        assert top.opponent_hashes[j] == brute_top(scores, ids, j, 3, False)
+        assert not top.proponent_scores[j].isnan().any()
+        assert not top.opponent_scores[j].isnan().any()
+    with pytest.warns(UserWarning, match="NaN"):
+        every = s.top_k(8)  # fewer than k finite scores: the NaN ones come last
+    for j in range(3):
+        assert every.proponent_hashes[j] == brute_top(scores, ids, j, 8, True)
+        assert every.opponent_hashes[j] == brute_top(scores, ids, j, 8, False)
+    assert every.proponent_scores[:, -1].isnan().all()
+
+
+def test_top_k_beyond_the_train_samples_is_every_sample():
+    s = make()
+    ids, m = s.agnostic_matrix()
+    huge = s.top_k(10**12)  # no allocation of 10**12 columns: clamped to the 4 samples
+    assert huge.proponent_scores.shape == (3, 4)
+    assert huge.proponent_hashes == s.top_k(4).proponent_hashes
+    kept = AttributionScore(m[:, :1].clone(), ids, [0] * 4, ["x"], top_k_kept=4, num_train=4)
+    assert kept.top_k(10**12).proponent_hashes == [brute_top(m, ids, 0, 4, True)]
+    few = AttributionScore(m[:3, :1].clone(), ids[:3], [0] * 3, ["x"], top_k_kept=2, num_train=4)
+    with pytest.raises(ValueError, match=r"top_k\(4\) needs a run with top_k >= 4"):
+        few.top_k(10**12)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="k must be a positive int"):
+            s.top_k(bad)
+
+
 def test_token_scores():
     s = make(tokens=True)
     pos, t = s.token_scores("a", step=1)

@@ -406,3 +406,37 @@ def test_top_labels_name_their_field(capsys) -> None:
     out = capsys.readouterr().out
     assert "[topic=import] a helpful text" in out
     assert "[topic=try] [split=1] an unhelpful one" in out
+
+
+def test_a_huge_k_on_the_command_line_is_every_sample(tmp_path: Path, capsys) -> None:
+    """``attribute --top-k``, ``top --k``, ``report --k`` and ``index search --k`` of 10**12 on
+    an 8-sample store: every sample, ranked as the library ranks it (nothing allocated for
+    10**12 entries)."""
+    from tests.helpers.index import record, train_vectors
+
+    huge = str(10**12)
+    train, test = train_vectors(8), train_vectors(2, seed=1)
+    with GradientStorageManager(tmp_path / "train") as store:
+        store.write(record(0, train, [f"t{i}" for i in range(8)]))
+    with GradientStorageManager(tmp_path / "test") as store:
+        store.write(record(0, test, ["q0", "q1"]))
+    out = tmp_path / "scores"
+    assert main(["attribute", "--method", "grad-dot", "--train", str(tmp_path / "train"),
+                 "--test", str(tmp_path / "test"), "--out", str(out), "--top-k", huge]) == 0  # fmt: skip
+    assert capsys.readouterr().out.count("\n    8  ") == 4  # 8 proponents and 8 opponents x 2
+    order = (test @ train.T).argsort(dim=1, descending=True).tolist()
+    assert main(["top", str(out), "--k", huge, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [[e["hash"] for e in q["proponents"]] for q in data] == [
+        [f"t{i}" for i in row] for row in order
+    ]
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html"), "--k", huge]) == 0
+    pytest.importorskip("faiss")
+    assert main(["index", "build", str(tmp_path / "train"), "-o", str(tmp_path / "idx"),
+                 "--block-rows", huge]) == 0  # fmt: skip
+    assert main(["index", "search", str(tmp_path / "idx"), "--test", str(tmp_path / "test"),
+                 "--k", huge, "--out", str(tmp_path / "s2")]) == 0  # fmt: skip
+    got = AttributionScore.load(tmp_path / "s2")
+    assert got.top_k_kept == 8 and got.top_k(8).proponent_hashes == [
+        [f"t{i}" for i in row] for row in order
+    ]

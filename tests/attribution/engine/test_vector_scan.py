@@ -297,3 +297,27 @@ def test_a_corrupted_shard_stops_scoring_through_the_read_ahead_thread(tmp_path)
             tmp_path / "train", tmp_path / "test", top_k=3
         )
     assert str(shard) in str(e.value)
+
+
+def test_nan_sample_ranks_last_and_huge_top_k_is_every_sample(tmp_path, monkeypatch):
+    """A store holding a NaN gradient (written with ``nonfinite="warn"``): the fast and the
+    general path keep the same finite proponents and opponents as a sort of the brute-force
+    matrix without that sample; ``top_k=10**12`` on the 16-sample store is every sample."""
+    monkeypatch.setattr(vector_scan, "_BLOCK_BYTES", 5 * D * 8)
+    tr, te = randn(16, 3), randn(4, 4)
+    tr[3, 0] = float("nan")
+    with GradientStorageManager(tmp_path / "train", nonfinite="warn") as store:
+        with pytest.warns(UserWarning, match="'t3'.*Written anyway"):
+            for s, i in enumerate(range(0, 16, 8)):
+                store.write(record(s, tr[i : i + 8], [f"t{j}" for j in range(i, i + 8)]))
+    write(tmp_path / "test", [(0, 0, te, [f"q{j}" for j in range(4)])])
+    ok = [i for i in range(16) if i != 3]
+    for k in (3, 10**12):
+        with pytest.warns(UserWarning, match="'t3' has a NaN score"):
+            fast, general = both_paths(
+                tmp_path, tmp_path / "train", tmp_path / "test", monkeypatch, top_k=k
+            )
+        monkeypatch.setattr(vector_scan, "ENABLED", True)
+        same(fast, general)
+        assert fast.top_k_kept == min(k, 16) and "t3" not in fast.train_hashes
+        check_top(fast, brute(tr[ok], te, False), [f"t{i}" for i in ok], min(k, 15))

@@ -265,3 +265,41 @@ def test_cli_round_trip_and_no_pickle_on_disk(stores, capsys):
             faiss.read_index(str(f))
     assert main(["index", "search", str(root / "nope"), "--test", str(root / "test"),
                  "--out", str(root / "s2")]) != 0  # fmt: skip
+
+
+# ---- non-finite vectors and sizes ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_non_finite_train_or_query_vectors_are_refused(tmp_path, kind):
+    """FAISS has no order for NaN: the build refuses the sample, the search the query."""
+    train = train_vectors(24)
+    train[9, 4] = float("nan")
+    with GradientStorageManager(tmp_path / "train", nonfinite="warn") as store:
+        with pytest.warns(UserWarning, match="'t9'"):
+            for s, i in enumerate(range(0, 24, 8)):
+                store.write(record(s, train[i : i + 8], [f"t{j}" for j in range(i, i + 8)]))
+    with pytest.raises(ValueError, match=r"train vector of sample 't9' is not finite"):
+        GradientIndex.build(tmp_path / "train", tmp_path / "idx", kind=kind)
+    write(tmp_path / "ok", train_vectors(24))
+    index = GradientIndex.build(tmp_path / "ok", tmp_path / "idx", kind=kind)
+    test = train_vectors(3, seed=1)
+    test[1, 0] = float("inf")
+    with GradientStorageManager(tmp_path / "test", nonfinite="warn") as store:
+        with pytest.warns(UserWarning, match="'q1'"):
+            store.write(record(0, test, ["q0", "q1", "q2"]))
+    with pytest.raises(ValueError, match=r"query vector of sample 'q1' is not finite"):
+        index.search(tmp_path / "test", k=3)
+
+
+def test_huge_k_and_block_rows_are_clamped_to_the_store(stores):
+    root, train, test = stores
+    index = GradientIndex.build(root / "train", root / "idx", block_rows=10**12)
+    scores = index.search(root / "test", k=10**12)
+    assert scores.top_k_kept == 60 and scores.num_train == 60
+    full = test @ train.T  # (M, N): every sample, sorted
+    got = scores.top_k(10**12)
+    order = full.argsort(dim=1, descending=True)
+    assert got.proponent_hashes == [[f"t{i}" for i in row] for row in order.tolist()]
+    torch.testing.assert_close(
+        got.proponent_scores.double(), full.gather(1, order), rtol=1e-5, atol=1e-5
+    )
+    same_top(scores, index.search(root / "test", k=60), 60)
