@@ -4,10 +4,13 @@ NaN rule. A score is ``NaN`` when the gradients behind it were not finite (a div
 store written before non-finite gradients were refused) or when ``inf - inf`` met in a sum. A
 NaN is not a large or a small influence, so it is never ranked as one: on both lists
 (proponents, largest first; opponents, smallest first) a NaN score ranks after every other
-score, ``±inf`` included. A list holds a NaN only where a query has fewer than ``k`` other
-scores. :func:`rank` is that rule; the full matrix's ``AttributionScore.top_k``, the streamed
-top-k of the score loop (the general loop and the vector fast path share its sink), the
-merge of ranks and :class:`~dattri_llm.attribution.index.GradientIndex` rank through it.
+score, ``±inf`` included. :func:`rank` is that rule, and every top-k path ranks through it:
+``AttributionScore.top_k`` of a full matrix (a list holds a NaN only where a query has fewer
+than ``k`` other scores; a warning names one), the streamed top-k of the score loop (the
+general loop and the vector fast path share its sink, whose empty slots rank before a NaN, so
+it never keeps one; a warning names the first), the merge of ranks' top-k, and
+:class:`~dattri_llm.attribution.index.GradientIndex` (which, FAISS having no order for NaN,
+also refuses non-finite vectors at build and search).
 
 Size rule. ``k`` (``top_k=``) is a positive int; a ``k`` larger than the number of train
 samples means "every sample" and is clamped to that number before anything is allocated

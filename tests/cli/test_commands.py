@@ -422,7 +422,8 @@ def test_a_huge_k_on_the_command_line_is_every_sample(tmp_path: Path, capsys) ->
         store.write(record(0, test, ["q0", "q1"]))
     out = tmp_path / "scores"
     assert main(["attribute", "--method", "grad-dot", "--train", str(tmp_path / "train"),
-                 "--test", str(tmp_path / "test"), "--out", str(out), "--top-k", huge]) == 0  # fmt: skip
+                 "--test", str(tmp_path / "test"), "--out", str(out),
+                 "--top-k", huge]) == 0  # fmt: skip
     assert capsys.readouterr().out.count("\n    8  ") == 4  # 8 proponents and 8 opponents x 2
     order = (test @ train.T).argsort(dim=1, descending=True).tolist()
     assert main(["top", str(out), "--k", huge, "--json"]) == 0

@@ -202,8 +202,10 @@ class OffloadCallback(HookCallback):
             self.file_manager.configure(coverage=coverage().to_dict())
 
     def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict, Gradient]:
-        """The gradient as stored (compact, cast), its shard-header ``storage`` entry, and the
-        gradient before the cast (to word the store's refusal of a non-finite value)."""
+        """The gradient as stored, its ``storage`` header entry, and it before the cast.
+
+        The store words its refusal of a non-finite value with the uncast gradient.
+        """
         gradient, layers = compact_gradient(gradient, self.keep_token_factors)
         captured = str(gradient.dtype).removeprefix("torch.") if gradient.layers else None
         uncast = gradient

@@ -362,6 +362,7 @@ class GradientStorageManager:
         Raises:
             NonFiniteGradientError: the record holds an ``inf`` / ``NaN`` (``nonfinite="error"``).
         """
+        writer = self._ensure_writer()  # a locked partition is named first
         found = find_nonfinite(record.gradient)
         if found is not None:
             error = nonfinite_error(record, found, uncast)
@@ -374,7 +375,7 @@ class GradientStorageManager:
                     UserWarning,
                     stacklevel=2,
                 )
-        self._ensure_writer().write(
+        writer.write(
             record,
             dict(extra) if extra is not None else None,
             dict(storage) if storage is not None else None,

@@ -179,13 +179,17 @@ def test_top_k_equals_sorting_the_full_matrix(stores, tmp_path, k):
     att = TracInAttributor(args(tmp_path, score_memory_gb=1e-6))
     full = att.attribute_from_cache(root / "train", root / "test")
     top = att.attribute_from_cache(root / "train", root / "test", top_k=k)
-    assert top.top_k_kept == k and top.num_train == 24
-    kept = min(k, 24)
+    kept = min(k, 24)  # beyond the train samples: every one
+    assert top.top_k_kept == kept and top.num_train == 24
     same_top_k(top, full, kept)
     if kept > 1:
         same_top_k(top, full, kept - 1)
-    with pytest.raises(ValueError, match="top_k"):
-        top.top_k(k + 1)
+    if kept < 24:
+        with pytest.raises(ValueError, match="top_k"):
+            top.top_k(k + 1)
+    else:  # everything was kept: any k is every sample
+        same_top_k(top, full, 24)
+        assert top.top_k(k + 1).proponent_hashes == top.top_k(24).proponent_hashes
     # kept entries equal the full matrix; the others are NaN (never a made-up number)
     q = top.query(top.train_hashes)
     f = full.query(top.train_hashes)
