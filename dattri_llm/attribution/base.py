@@ -481,6 +481,10 @@ class BaseAttributor:
                 )
 
         keys = None
+        if k is not None:
+            # before the sink allocates its (M, k) lists: the whole train set bounds the
+            # samples (the same bound on every rank, so that their lists merge)
+            k = clamp_top_k(k, len(train_set))
         split = distributed.active(args)
         if split:
             distributed.join(args, f"{type(self).__name__}.attribute")

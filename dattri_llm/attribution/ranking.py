@@ -44,21 +44,26 @@ def clamp_top_k(k: int, num_train: int) -> int:
     return max(1, min(int(k), int(num_train)))
 
 
-def rank(values: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def rank(
+    values: torch.Tensor, k: int, largest: bool = True, *, has_nan: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the ``k`` largest (or smallest) values and their columns, NaN after all others.
 
     Args:
         values: ``(R, N)`` scores.
         k: How many per row (clamped to ``N``).
         largest: ``True``: descending (proponents); ``False``: ascending (opponents).
+        has_nan: Whether ``values`` holds a NaN, when the caller knows (``None``: looked up).
 
     Returns:
         ``(values, columns)``, each ``(R, min(k, N))``, the values as given (a NaN stays NaN).
     """
     k = min(int(k), values.shape[1])
-    nan = values.isnan()
-    if not bool(nan.any()):
+    if has_nan is None:
+        has_nan = bool(values.isnan().any())
+    if not has_nan:
         return values.topk(k, dim=1, largest=largest)
+    nan = values.isnan()
     # two stable sorts: by value (NaN stands in as 0, any value would do), then NaN last
     order = values.masked_fill(nan, 0).sort(dim=1, descending=largest, stable=True).indices
     last = nan.gather(1, order).to(torch.int8).sort(dim=1, stable=True).indices

@@ -66,11 +66,15 @@ def _as_hash(x: Any) -> str:
     )
 
 
-def _warn_nan(train: Sequence[str], test: Sequence[str], cols: torch.Tensor) -> None:
-    """Warn when a full matrix (``cols``: ``(M, N)``) holds NaN scores, naming the first."""
+def _warn_nan(train: Sequence[str], test: Sequence[str], cols: torch.Tensor) -> bool:
+    """Warn when a full matrix (``cols``: ``(M, N)``) holds NaN scores, naming the first.
+
+    Returns:
+        Whether it does.
+    """
     nan = cols.isnan()
     if not bool(nan.any()):
-        return
+        return False
     j, i = (int(x) for x in nan.nonzero()[0])
     warnings.warn(
         f"{int(nan.sum())} score(s) are NaN (e.g. train sample {train[i]!r}, test sample "
@@ -80,6 +84,7 @@ def _warn_nan(train: Sequence[str], test: Sequence[str], cols: torch.Tensor) -> 
         UserWarning,
         stacklevel=3,
     )
+    return True
 
 
 class AttributionScore:
@@ -318,6 +323,7 @@ class AttributionScore:
         ids, matrix = self.agnostic_matrix(duplicates)
         k = clamp_top_k(k, self.num_train if self.num_train is not None else len(ids))
         cols = matrix.T  # (M, N)
+        nan = None
         if self.top_k_kept is not None:  # NaN: not kept (never ranked)
             if k > self.top_k_kept:
                 raise ValueError(
@@ -326,9 +332,9 @@ class AttributionScore:
                     f"top_k >= {k}."
                 )
         else:
-            _warn_nan(ids, self.test_hashes, cols)
-        p_val, p_idx = rank(cols, k, largest=True)
-        o_val, o_idx = rank(cols, k, largest=False)
+            nan = _warn_nan(ids, self.test_hashes, cols)
+        p_val, p_idx = rank(cols, k, True, has_nan=nan)
+        o_val, o_idx = rank(cols, k, False, has_nan=nan)
         return TopK(
             list(self.test_hashes),
             [[ids[i] for i in r] for r in p_idx.tolist()],

@@ -35,7 +35,11 @@ def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def _keep_extremes(
-    vals: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], k: int, largest: bool
+    vals: Sequence[torch.Tensor],
+    ids: Sequence[torch.Tensor],
+    k: int,
+    largest: bool,
+    has_nan: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the ``k`` largest (or smallest) of the columns of ``vals`` joined, and their ids.
 
@@ -44,7 +48,7 @@ def _keep_extremes(
     """
     dtype = _common_dtype(vals)
     joined = torch.cat([v.to(dtype) for v in vals], dim=1)
-    v, pos = rank(joined, k, largest)
+    v, pos = rank(joined, k, largest, has_nan=has_nan)
     return v, torch.cat(list(ids), dim=1).gather(1, pos)
 
 
@@ -295,15 +299,16 @@ class TopKSink:
         if self.top_vals is None:
             self.top_vals = torch.full((m, self.k), float("-inf"), dtype=rows.dtype)
             self.bot_vals = torch.full((m, self.k), float("inf"), dtype=rows.dtype)
-        if not self._nan_warned:
+        nan = bool(rows.isnan().any())  # the kept lists never hold one: the rows decide
+        if nan and not self._nan_warned:
             self._warn_nan(rows, ids)
         cols = rows.T  # (M, f)
         all_ids = ids.unsqueeze(0).expand(m, -1)
         self.top_vals, self.top_ids = _keep_extremes(
-            [self.top_vals, cols], [self.top_ids, all_ids], self.k, largest=True
+            [self.top_vals, cols], [self.top_ids, all_ids], self.k, True, nan
         )
         self.bot_vals, self.bot_ids = _keep_extremes(
-            [self.bot_vals, cols], [self.bot_ids, all_ids], self.k, largest=False
+            [self.bot_vals, cols], [self.bot_ids, all_ids], self.k, False, nan
         )
         if len(self.ids) > 8 * (2 * self.k * m + 256):
             self._compact()
@@ -311,8 +316,6 @@ class TopKSink:
     def _warn_nan(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Warn once that NaN scores were met (never kept: see ``attribution.ranking``)."""
         nan = rows.isnan()
-        if not bool(nan.any()):
-            return
         self._nan_warned = True
         r, c = (int(x) for x in nan.nonzero()[0])
         warnings.warn(

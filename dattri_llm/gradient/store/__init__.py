@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from dattri_llm.gradient.store.finite import NonFiniteGradientError
 from dattri_llm.gradient.store.format import FORMAT_NAME, FORMAT_VERSION, StoreFormatError
 from dattri_llm.gradient.store.lookup import SampleLocation
 from dattri_llm.gradient.store.manager import GradientStorageManager, RecordInfo
@@ -17,6 +18,7 @@ __all__ = [
     "SampleLocation",
     "RepairReport",
     "StoreFormatError",
+    "NonFiniteGradientError",
     "FORMAT_NAME",
     "FORMAT_VERSION",
 ]

@@ -231,9 +231,15 @@ def test_live_top_k_and_other_attributors(stores, tmp_path):
     att = TracInAttributor(args(tmp_path, per_device_train_batch_size=4), task=task)
     full = att.attribute(train, test)
     same_top_k(att.attribute(train, test, top_k=4), full, 4)
+    huge = att.attribute(train, test, top_k=10**12)  # every one of the 24 samples
+    assert huge.top_k_kept == 24
+    same_top_k(huge, full, 24)
     ek = EKFACAttributor(args(tmp_path))
     full = ek.attribute_from_cache(root / "train", root / "test")
     same_top_k(ek.attribute_from_cache(root / "train", root / "test", top_k=2), full, 2)
+    huge = ek.attribute_from_cache(root / "train", root / "test", top_k=10**12)  # general loop
+    assert huge.top_k_kept == 24
+    same_top_k(huge, full, 24)
     with pytest.raises(ValueError, match="top_k must be"):
         att.attribute(train, test, top_k=0)
 

@@ -22,7 +22,8 @@ from dattri_llm import (
     TracInAttributor,
 )
 from dattri_llm.gradient import Gradient, GradientRecord, Materialized
-from dattri_llm.gradient.store.finite import NonFiniteGradientError, find_nonfinite
+from dattri_llm.gradient.store import NonFiniteGradientError
+from dattri_llm.gradient.store.finite import find_nonfinite
 from tests.helpers.store import args
 
 
