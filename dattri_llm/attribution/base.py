@@ -606,7 +606,7 @@ class BaseAttributor:
             by_ckpt.setdefault(self.pairing_key(block), []).append(block)
         if not by_ckpt:
             raise ValueError("the test source yielded no gradients.")
-        train_weights, intervals = stored_label_weights(train_source)
+        train_weights, intervals = stored_label_weights(train_source, test_source)
         if self.args.check_weights and type(self).pairing_key is BaseAttributor.pairing_key:
             fingerprints = {c: blocks[0].metadata.get(FINGERPRINT_KEY) for c, blocks in by_ckpt.items()}
             check_query_weights(train_weights, fingerprints, names[0], names[1])

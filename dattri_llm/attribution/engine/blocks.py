@@ -177,15 +177,26 @@ def check_query_weights(
         )
 
 
-def stored_label_weights(source: Any) -> tuple[dict[int, set[str] | None], set[int]]:
-    """``(label_weights, declared interval labels)`` of a store-backed source; empty otherwise."""
+def stored_label_weights(
+    source: Any, test_source: Any = None
+) -> tuple[dict[int, set[str] | None], set[int]]:
+    """``(label_weights, declared interval labels)`` of a store-backed train source.
+
+    The label weights are empty (nothing to compare) for a source without a store, and when the
+    test side is not a store that captured the same layers: a fingerprint covers the captured
+    layers' parameters, so two captures of different layers have different fingerprints at the
+    same weights.
+    """
     from dattri_llm.gradient.store.checkpoints import declared_labels, label_weights
 
     store = getattr(source, "store", None)
     if store is None or not callable(getattr(store, "index_entries", None)):
         return {}, set()
-    weights = label_weights(store, getattr(source, "checkpoints", None))
-    return weights, set(declared_labels(store.save_dir))
+    declared = set(declared_labels(store.save_dir))
+    test_store = getattr(test_source, "store", None)
+    if test_store is None or set(getattr(test_store, "layer_names", ())) != set(store.layer_names):
+        return {}, declared
+    return label_weights(store, getattr(source, "checkpoints", None)), declared
 
 
 class Accumulator:
