@@ -607,9 +607,7 @@ class BaseAttributor:
         if not by_ckpt:
             raise ValueError("the test source yielded no gradients.")
         train_weights, intervals = stored_label_weights(train_source, test_source)
-        if self.args.check_weights and type(self).pairing_key is BaseAttributor.pairing_key:
-            fingerprints = {c: blocks[0].metadata.get(FINGERPRINT_KEY) for c, blocks in by_ckpt.items()}
-            check_query_weights(train_weights, fingerprints, names[0], names[1])
+        fingerprints = {c: blocks[0].metadata.get(FINGERPRINT_KEY) for c, blocks in by_ckpt.items()}
         columns: dict[str, int] = {}
         tests = {
             c: self._test_side(blocks, c, columns, grow=True, source=names[1])
@@ -620,6 +618,10 @@ class BaseAttributor:
         sink = self._sink(k, granularity, counts, len(columns))
         acc = Accumulator(granularity, names[0], sink)
         acc.weights = WeightsWatch("train", intervals)
+        if self.args.check_weights and type(self).pairing_key is BaseAttributor.pairing_key:
+            acc.deferred.append(
+                lambda: check_query_weights(train_weights, fingerprints, names[0], names[1])
+            )
         loop = ScoreLoop(self, tests, len(columns), acc)
         show = self.args.show_progress
         checkpoint = None

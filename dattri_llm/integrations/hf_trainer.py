@@ -117,14 +117,19 @@ def _sum_nll(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.T
         logits, labels = logits[:, :-1], labels[:, 1:]
     b = logits.shape[0]
     tokens = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        reduction="none",
     )
     return tokens.reshape(b, -1).sum(1)
 
 
 class _PerSampleScale:
-    """Observes what the trainer backpropagates and turns each captured row into the gradient
-    of the declared per-sample loss (a :meth:`HookManager.add_transform` transform).
+    """Turns each captured row into the gradient of the declared per-sample loss.
+
+    It observes what the trainer backpropagates; :meth:`transform` is a
+    :meth:`HookManager.add_transform` transform.
 
     Two ways a trainer's loss reaches ``backward()``, both observed exactly:
 
@@ -436,14 +441,21 @@ class AttributionCallback(TrainerCallback):
 
     # ---- the query side --------------------------------------------------------------------
     def capture_queries(
-        self, model: nn.Module, data: Iterable[Mapping[str, Any]], store_dir: str | os.PathLike,
+        self,
+        model: nn.Module,
+        data: Iterable[Mapping[str, Any]],
+        store_dir: str | os.PathLike,
         **kwargs: Any,
     ) -> GradientStorageManager:
         """:func:`capture_queries` with this capture's store, layers and per-sample loss."""
         kwargs.setdefault("config", self.config)
         return capture_queries(
-            model, data, store_dir, train_store=self.store_dir,
-            per_sample_loss=self.per_sample_loss, **kwargs,
+            model,
+            data,
+            store_dir,
+            train_store=self.store_dir,
+            per_sample_loss=self.per_sample_loss,
+            **kwargs,
         )
 
 
@@ -523,8 +535,9 @@ def capture_queries(
             names, want = _stored_names(manager), store.layer_names
             if sorted(names) != sorted(want):
                 raise ValueError(
-                    f"capture_queries: the hooks would capture layers {sorted(set(names) - set(want))} "
-                    f"that the train store {train_store} lacks, and miss "
+                    "capture_queries: the hooks would capture layers "
+                    f"{sorted(set(names) - set(want))} that the train store {train_store} "
+                    "lacks, and miss "
                     f"{sorted(set(want) - set(names))}; pass config= with the train capture's "
                     "HookManagerConfig (AttributionCallback.capture_queries does)."
                 )
@@ -548,7 +561,9 @@ def _query_label(
     matching = [c for c, fps in sorted(labels.items()) if fps is not None and fingerprint in fps]
     if matching:
         return matching[-1]
-    listed = "; ".join(f"label {c}: {', '.join(sorted(f)) if f else 'unknown'}" for c, f in sorted(labels.items()))
+    listed = "; ".join(
+        f"label {c}: {', '.join(sorted(f)) if f else 'unknown'}" for c, f in sorted(labels.items())
+    )
     raise ValueError(
         f"capture_queries: the model's weights (fingerprint {fingerprint}) match none of the "
         f"checkpoint labels of the train store {where} ({listed}); queries captured at other "
@@ -559,7 +574,7 @@ def _query_label(
 
 
 def _labelled(query: dict[str, Any]) -> dict[str, Any]:
-    """The query with ``labels``: its own, else its ``input_ids`` where attended (before padding)."""
+    """The query with ``labels``: its own, else its ``input_ids`` where attended (unpadded)."""
     if "labels" in query:
         return query
     labels = torch.as_tensor(query["input_ids"]).clone()
@@ -594,7 +609,9 @@ def _run_queries(
                 logits = model(**batch).logits
                 per_sample = _sum_nll(logits, labels, shift=True)
                 if per_sample_loss == "mean":
-                    per_sample = per_sample / _label_counts(labels, True).clamp_min(1).to(per_sample)
+                    per_sample = per_sample / _label_counts(labels, True).clamp_min(1).to(
+                        per_sample
+                    )
                 per_sample.sum().backward()
     finally:
         model.train(was_training)

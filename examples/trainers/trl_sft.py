@@ -3,10 +3,11 @@
 The training code is the stock ``SFTTrainer``: dattri_llm only adds one callback,
 ``AttributionCallback``, which stores each sample's gradient of its own summed token loss
 (whatever ``num_items_in_batch`` and the accumulation do to SFT's token mean), one checkpoint
-label per epoch; ``capture_queries`` captures the queries the same way at the final weights. Offline: a tiny GPT-2 built from a config,
-a byte-level BPE tokenizer trained on the fly, and short sentences of four of Python's
-documentation topics (``pydoc_data.topics``) as the SFT dataset. Held-out sentences are then
-attributed to the training sentences with TracIn from the two gradient stores.
+label per epoch; ``capture_queries`` captures the queries the same way at the final weights.
+Offline: a tiny GPT-2 built from a config, a byte-level BPE tokenizer trained on the fly, and
+short sentences of four of Python's documentation topics (``pydoc_data.topics``) as the SFT
+dataset. Held-out sentences are then attributed to the training sentences with TracIn from the
+two gradient stores.
 
 Two things of ``SFTTrainer`` shape the capture (both explained where they are set below):
 
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     # (2) query gradients at the final weights: eval mode, same loss, layers and label
     ids = [padded(tokenizer(s)["input_ids"] + [tokenizer.eos_token_id]) for _, s in queries]
     capture.capture_queries(
-        model, [{"input_ids": i, "attention_mask": (i != tokenizer.pad_token_id).long()} for i in ids],
+        model,
+        [{"input_ids": i, "attention_mask": (i != tokenizer.pad_token_id).long()} for i in ids],
         work / "test_grads",
     )
 

@@ -227,14 +227,20 @@ def test_queries_are_eval_mode_one_sample_gradients(tmp_path):
         record = store.load_record(i)
         mat = record.gradient.materialize()
         for j, h in enumerate(record.hashes):
-            got[h] = {f"{n}.{p}": g[j] for n in mat.layer_names for p, g in mat.layers[n].parameters().items()}
+            got[h] = {
+                f"{n}.{p}": g[j]
+                for n in mat.layer_names
+                for p, g in mat.layers[n].parameters().items()
+            }
     assert set(got) == {hash_sample(q) for q in queries}
     for q in queries:
         n = len(q["input_ids"])
         sample = {"input_ids": q["input_ids"], "attention_mask": torch.ones(n, dtype=torch.long)}
         want = _one_sample_grads(ref, sample, "sum")
         for name, g in got[hash_sample(q)].items():
-            torch.testing.assert_close(g, want[name], rtol=1e-10, atol=1e-10 * float(want[name].abs().max()))
+            torch.testing.assert_close(
+                g, want[name], rtol=1e-10, atol=1e-10 * float(want[name].abs().max())
+            )
 
 
 def test_queries_at_other_weights_are_refused_and_recapturing_fixes_it(run, tmp_path):
@@ -260,7 +266,9 @@ def test_per_sample_loss_must_agree_with_the_train_store(run, tmp_path):
     tmp, model, data, _, _, _ = run
     queries = [{"input_ids": data[0]["input_ids"][:3]}]
     with pytest.raises(ValueError, match="per_sample_loss='sum'"):
-        capture_queries(model, queries, tmp_path / "q", train_store=tmp / "train", per_sample_loss="mean")
+        capture_queries(
+            model, queries, tmp_path / "q", train_store=tmp / "train", per_sample_loss="mean"
+        )
 
 
 def test_refuses_a_loss_computed_outside_the_model(tmp_path):
@@ -269,9 +277,15 @@ def test_refuses_a_loss_computed_outside_the_model(tmp_path):
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
-            output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
-            use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-            disable_tqdm=True, label_smoothing_factor=0.1,
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=2,
+            max_steps=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            label_smoothing_factor=0.1,
         ),
         train_dataset=[_sample(n) for n in (3, 5)],
     )

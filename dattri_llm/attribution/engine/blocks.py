@@ -214,6 +214,9 @@ class Accumulator:
         self.sink = sink if sink is not None else FullSink(granularity)
         self.facts: CaptureFacts | None = None  # of the first train block
         self.weights = WeightsWatch("train")
+        #: Checks of the whole call run once, after the first train block's own checks (so a
+        #: block's more specific refusal, such as a capture-time correction, is raised first).
+        self.deferred: list[Callable[[], None]] = []
         self._checked: set[int] = set()  # test sides the train facts were checked against
 
     def check_facts(
@@ -236,6 +239,8 @@ class Accumulator:
             f"the train gradients at step {block.step} ({self.source})",
             f"the test gradients ({test.facts.source or 'test'})",
         )
+        while self.deferred:
+            self.deferred.pop(0)()
 
     def add(
         self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None
