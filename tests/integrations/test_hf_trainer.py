@@ -292,3 +292,12 @@ def test_refuses_a_loss_computed_outside_the_model(tmp_path):
     trainer.add_callback(AttributionCallback(tmp_path / "train"))
     with pytest.raises(RuntimeError, match="computed no loss from labels="):
         trainer.train()
+
+
+def test_refuses_trl_reinforcement_learning_trainers(tmp_path):
+    trl = pytest.importorskip("trl")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    callback = AttributionCallback(tmp_path / "train")
+    with pytest.raises(ValueError, match="GRPOConfig trains with a loss that is not a per-sample"):
+        callback.on_train_begin(args, None, None, model=_model())
+    assert callback.manager is None and not (tmp_path / "train").exists()
