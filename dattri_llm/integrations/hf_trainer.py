@@ -46,6 +46,11 @@ at the first step), per-token weights that differ within a sample (TRL's ``"dft"
 TRL's reinforcement-learning trainers (a GRPO loss is no per-sample log-likelihood: capture
 those with a :class:`~dattri_llm.HookManager` as ``examples/trainers/trl_grpo.py`` does).
 
+Not for the trajectory methods: AdamW-influence and DVEmb model each update as the sum or the
+mean over the batch's samples of the stored gradients, and a trainer's token-weighted mean is
+neither, so the callback records no optimizer state; record those runs with a
+:class:`~dattri_llm.HookManager`, an ``OptimizerStateCallback`` and a summed loss.
+
 TRL computes the SFT loss with a fused LM head that uses ``lm_head.weight`` without calling the
 ``lm_head`` module, so hooks cannot see the head: exclude it
 (``HookManagerConfig(exclude=[r"lm_head"])``) and untie the embedding, as
