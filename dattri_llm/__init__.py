@@ -61,6 +61,9 @@ _EXPORTS: dict[str, str] = {
     "LiveRunArguments": "dattri_llm.attribution",
     "SecondMoment": "dattri_llm.attribution",
     "GradientIndex": "dattri_llm.attribution",
+    # training frameworks (imported on first access; need their extras)
+    "AttributionCallback": "dattri_llm.integrations.hf_trainer",
+    "capture_queries": "dattri_llm.integrations.hf_trainer",
     # sample identity
     "hash_sample": "dattri_llm.utils.hashing",
     "hash_batch": "dattri_llm.utils.hashing",

@@ -67,14 +67,18 @@ def test_sft_hashes_are_the_dataset_rows(sft):
     assert expected == sft["train_hashes"]
     store = GradientStorageManager(sft["train_dir"])
     n, bs, ga = len(sft["train"]), 4, sft["grad_accum"]
-    # every row once per epoch, one record per micro-batch, stored step = micro-batch // GA
+    # every row once per epoch, one record per micro-batch, stored step = the optimizer step
+    # (an epoch's last update may take fewer micro-batches), one checkpoint label per epoch
     assert store.num_samples == sft["epochs"] * n
     assert Counter(h for r in store.records() for h in r.hashes) == Counter(
         {h: sft["epochs"] for h in expected}
     )
-    micro = sft["epochs"] * math.ceil(n / bs)
-    assert len(store) == micro
-    assert [r.step for r in store.records()] == [i // ga for i in range(micro)]
+    micro = math.ceil(n / bs)
+    updates = math.ceil(micro / ga)
+    assert len(store) == sft["epochs"] * micro
+    assert [(r.step, r.checkpoint) for r in store.records()] == [
+        (e * updates + i // ga, e) for e in range(sft["epochs"]) for i in range(micro)
+    ]
     assert "lm_head" not in store.layer_names and "transformer.wte" in store.layer_names
 
 
@@ -85,10 +89,12 @@ def _param_grads(mat, j: int, names) -> dict[str, torch.Tensor]:
 def test_sft_per_sample_gradients_are_exact(sft):
     """Step 0 (both accumulated micro-batches, at the initial weights) vs per-sample references.
 
+    The example declares ``per_sample_loss="sum"``: each stored row is the gradient of the
+    sample's own summed token loss, whatever SFT's token mean over the accumulated batch was.
     TRL's fused LM head computes the log-softmax in float32 tiles even for a float64 model, so
     (1) a plain float64 forward of each sample alone (unpadded, unfused) agrees to ~1e-7 only;
-    (2) the trainer's own loss on the same padded micro-batch, backpropagated one sample's term
-    at a time (``autograd.grad``), agrees to float64 rounding.
+    (2) the fused loss of the same padded micro-batch, one sample's term at a time
+    (``autograd.grad``), agrees to float64 rounding.
     """
     from trl.trainer.utils import add_fused_lm_head
 
@@ -105,11 +111,9 @@ def test_sft_per_sample_gradients_are_exact(sft):
             (tok(sft["train"][row_of[h]][1])["input_ids"] + [tok.eos_token_id])[:seq]
         )
 
-    # (1) independent of TRL: one sample alone, token NLL summed; the trainer divides by the
-    # step's label-token count, whichever way the Transformers version counts them
+    # (1) independent of TRL: one sample alone, token NLL summed
     plain = _reference_model(sft)
     params = dict(plain.named_parameters())
-    scales = []
     for rec in records:
         mat = rec.gradient.materialize()
         for j, h in enumerate(rec.hashes):
@@ -121,16 +125,14 @@ def test_sft_per_sample_gradients_are_exact(sft):
             nll.backward()
             for name, got in _param_grads(mat, j, names).items():
                 ref = params[name].grad
-                scale = float(got.flatten() @ ref.flatten() / (ref.flatten() @ ref.flatten()))
-                torch.testing.assert_close(got, scale * ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
-                scales.append(scale)
-    hashes = [h for rec in records for h in rec.hashes]
-    counts = {sum(len(ids_of(h)) - k for h in hashes) for k in (0, 1)}  # before / after the shift
-    n_tokens = round(1 / scales[0])
-    assert n_tokens in counts, (1 / scales[0], counts)
-    torch.testing.assert_close(torch.tensor(scales), torch.full((len(scales),), 1 / n_tokens))
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
-    # (2) exact: the trainer's loss on the padded micro-batch, one sample's term at a time
+    # (2) exact: the trainer's loss on the padded micro-batch, one sample's term at a time. The
+    # fused head returns float32 log-probabilities even for a float64 model: each token's -log p
+    # enters the loss with the weight float32(1/N) (N: num_items_in_batch of the step), which is
+    # what the rescaling divides by.
+    n_tokens = sum(len(ids_of(h)) for rec in records for h in rec.hashes)
+    weight = float(torch.tensor(1 / n_tokens, dtype=torch.float32))  # as the fused head sees it
     fused = _reference_model(sft)
     add_fused_lm_head(fused, outputs=("log_probs", "entropy", "is_top1"))
     fused.train()
@@ -153,7 +155,7 @@ def test_sft_per_sample_gradients_are_exact(sft):
             refs = torch.autograd.grad(
                 -out.log_probs[j].sum() / n_tokens, [params[n] for n in got], retain_graph=True
             )
-            for g, ref in zip(got.values(), refs):
+            for g, ref in zip(got.values(), (r / weight for r in refs)):
                 torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-13 * ref.abs().max())
 
 

@@ -67,6 +67,10 @@ class AttributionArguments:
             EK-FAC eigenvalues, then scoring) runs one forward/backward pass over it instead
             of one per read. Past the budget the cache is dropped and the train set is
             streamed again for each read. ``0`` disables it.
+        check_weights: Refuse, from stores, test gradients captured at weights that match
+            none of the train checkpoint labels they are scored against (every record carries
+            a fingerprint of its weights; see docs/API.md, "Train and test weights").
+            ``False`` scores across weights on purpose.
     """
 
     output_dir: str = "attribution_output"
@@ -85,6 +89,7 @@ class AttributionArguments:
     distributed_timeout_s: float = 300.0
     show_progress: bool | None = None
     live_cache_gb: float = 2.0
+    check_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in (

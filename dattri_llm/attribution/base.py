@@ -29,9 +29,11 @@ from dattri_llm.attribution.engine.blocks import (
     WeightsWatch,
     check_granularity,
     check_hashes,
+    check_query_weights,
     first_occurrences,
     join_releasing,
     source_name,
+    stored_label_weights,
 )
 from dattri_llm.attribution.engine.distributed import row_keys
 from dattri_llm.attribution.engine.prepared import PreparedTest, densify_test
@@ -53,6 +55,7 @@ from dattri_llm.gradient.compat import (
 )
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManagerConfig
+from dattri_llm.gradient.hooks.fingerprint import METADATA_KEY as FINGERPRINT_KEY
 from dattri_llm.gradient.optim.second_moment import check_same_correction
 from dattri_llm.gradient.sources import GradientBlock, GradientSource, as_source
 from dattri_llm.utils.distributed import get_rank, get_world_size
@@ -610,6 +613,8 @@ class BaseAttributor:
             by_ckpt.setdefault(self.pairing_key(block), []).append(block)
         if not by_ckpt:
             raise ValueError("the test source yielded no gradients.")
+        train_weights, intervals = stored_label_weights(train_source, test_source)
+        fingerprints = {c: blocks[0].metadata.get(FINGERPRINT_KEY) for c, blocks in by_ckpt.items()}
         columns: dict[str, int] = {}
         tests = {
             c: self._test_side(blocks, c, columns, grow=True, source=names[1])
@@ -623,6 +628,11 @@ class BaseAttributor:
             k = clamp_top_k(k, len(row_counts(full.units)) if split else len(counts))
         sink = self._sink(k, granularity, counts, len(columns))
         acc = Accumulator(granularity, names[0], sink)
+        acc.weights = WeightsWatch("train", intervals)
+        if self.args.check_weights and type(self).pairing_key is BaseAttributor.pairing_key:
+            acc.deferred.append(
+                lambda: check_query_weights(train_weights, fingerprints, names[0], names[1])
+            )
         loop = ScoreLoop(self, tests, len(columns), acc)
         show = self.args.show_progress
         checkpoint = None

@@ -1,8 +1,11 @@
 """Capture per-sample gradients from a Hugging Face ``Trainer`` run, then attribute from disk.
 
-The training code is the stock ``Trainer``: dattri_llm only wraps ``trainer.train()`` in a
-``HookManager`` context with an ``OffloadCallback``. Offline: a tiny GPT-2 built from a config
-and a byte-level tokenizer trained on the fly on Python's documentation topics.
+The training code is the stock ``Trainer``: dattri_llm only adds one callback,
+``AttributionCallback``, which stores each sample's gradient of its own summed token loss
+(whatever the padding and the accumulation do to the batch mean), one checkpoint label per
+epoch; ``capture_queries`` captures the queries the same way at the final weights. Offline: a
+tiny GPT-2 built from a config and a byte-level tokenizer trained on the fly on Python's
+documentation topics.
 
     python examples/trainers/hf_trainer.py [--out DIR]
 """
@@ -17,17 +20,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from dattri_llm import (
-    REGISTER_ALL,
-    AttributionArguments,
-    GradientStorageManager,
-    HookManager,
-    HookManagerConfig,
-    OffloadCallback,
-    TracInAttributor,
-    hash_sample,
-)
+from dattri_llm import AttributionArguments, TracInAttributor, hash_sample
 from dattri_llm.demo import load_corpus
+from dattri_llm.integrations.hf_trainer import AttributionCallback
 
 SEQ = 32
 
@@ -68,7 +63,6 @@ def run(work: Path) -> None:
         }
 
     train = [encode(t) for _, t in corpus[:48]]
-    test = [encode(t) for _, t in corpus[48:52]]
     model = GPT2LMHeadModel(
         GPT2Config(
             n_layer=2,
@@ -80,6 +74,7 @@ def run(work: Path) -> None:
             eos_token_id=0,
         )
     )
+    model.loss_type = "ForCausalLM"  # the default, declared (transformers says so otherwise)
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
@@ -95,40 +90,20 @@ def run(work: Path) -> None:
         train_dataset=train,
     )
 
-    # (1) wrap the unchanged training run: per-sample gradients go to disk as it trains
-    train_store = GradientStorageManager(str(work / "train_grads"))
-    hm = HookManager(
-        model,
-        config=HookManagerConfig(linear_io=REGISTER_ALL),
-        callbacks=[
-            OffloadCallback(
-                offload_interval=1, file_manager=train_store, recording_type="per_sample"
-            )
-        ],
-    )
-    with hm.collect(deregister_on_exit=True):
-        trainer.train()
-    train_store.close()
+    # (1) one callback: per-sample gradients go to disk as it trains, a label per epoch
+    capture = AttributionCallback(work / "train_grads")  # per_sample_loss="sum"
+    trainer.add_callback(capture)
+    trainer.train()
 
-    # (2) query gradients at the final weights, through the same hooks
-    test_store = GradientStorageManager(str(work / "test_grads"))
-    hm = HookManager(
-        model,
-        config=HookManagerConfig(linear_io=REGISTER_ALL),
-        callbacks=[OffloadCallback(file_manager=test_store)],
-    )
-    batch = {k: torch.stack([t[k] for t in test]) for k in test[0]}
-    with hm.collect(deregister_on_exit=True):
-        model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    test_store.close()
+    # (2) query gradients at the final weights: eval mode, same loss, layers and label
+    capture.capture_queries(model, [encode(t) for _, t in corpus[48:52]], work / "test_grads")
 
     # (3) attribute from the cache: no model needed
     score = TracInAttributor(
         AttributionArguments(output_dir=str(work / "scores"))
     ).attribute_from_cache(str(work / "train_grads"), str(work / "test_grads"))
     train_ids, matrix = score.agnostic_matrix()
-    print(f"scores: {tuple(matrix.shape)} (train x test), from {len(train_store)} offloaded steps")
+    print(f"scores: {tuple(matrix.shape)} (train x test), from {len(capture.store)} records")
     text_of = {hash_sample(x): t for x, (_, t) in zip(train, corpus)}
     for j, (_, text) in enumerate(corpus[48:52]):
         best = int(matrix[:, j].argmax())

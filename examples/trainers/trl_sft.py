@@ -1,10 +1,13 @@
 """Capture per-sample gradients from a TRL ``SFTTrainer`` run, then attribute from disk.
 
-The training code is the stock ``SFTTrainer``: dattri_llm only wraps ``trainer.train()`` in a
-``HookManager`` context with an ``OffloadCallback``. Offline: a tiny GPT-2 built from a config,
-a byte-level BPE tokenizer trained on the fly, and short sentences of four of Python's
-documentation topics (``pydoc_data.topics``) as the SFT dataset. Held-out sentences are then
-attributed to the training sentences with TracIn from the two gradient stores.
+The training code is the stock ``SFTTrainer``: dattri_llm only adds one callback,
+``AttributionCallback``, which stores each sample's gradient of its own summed token loss
+(whatever ``num_items_in_batch`` and the accumulation do to SFT's token mean), one checkpoint
+label per epoch; ``capture_queries`` captures the queries the same way at the final weights.
+Offline: a tiny GPT-2 built from a config, a byte-level BPE tokenizer trained on the fly, and
+short sentences of four of Python's documentation topics (``pydoc_data.topics``) as the SFT
+dataset. Held-out sentences are then attributed to the training sentences with TracIn from the
+two gradient stores.
 
 Two things of ``SFTTrainer`` shape the capture (both explained where they are set below):
 
@@ -32,13 +35,11 @@ import torch
 from dattri_llm import (
     REGISTER_ALL,
     AttributionArguments,
-    GradientStorageManager,
-    HookManager,
     HookManagerConfig,
-    OffloadCallback,
     TracInAttributor,
     hash_sample,
 )
+from dattri_llm.integrations.hf_trainer import AttributionCallback
 
 TOPICS = ("debugger", "comparisons", "formatstrings", "import")
 
@@ -175,23 +176,13 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         processing_class=tokenizer,
     )
 
-    # (1) wrap the unchanged training run: per-sample gradients go to disk as it trains
-    capture = HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r"lm_head"])
-    train_store = GradientStorageManager(str(work / "train_grads"))
-    hm = HookManager(
-        model,
-        config=capture,
-        callbacks=[
-            OffloadCallback(
-                file_manager=train_store,
-                recording_type="per_sample",
-                gradient_accumulation_steps=args.grad_accum,
-            )
-        ],
+    # (1) one callback: per-sample gradients of each sample's summed token loss go to disk
+    capture = AttributionCallback(
+        work / "train_grads", config=HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r"lm_head"])
     )
-    with hm.collect(deregister_on_exit=True):
-        trainer.train()
-    train_store.close()
+    trainer.add_callback(capture)
+    trainer.train()
+    train_store = capture.store
 
     # the hash of each training row, as the collator pads it
     def padded(ids: Sequence[int]) -> torch.Tensor:
@@ -201,19 +192,13 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     rows = trainer.train_dataset["input_ids"]
     train_hashes = [hash_sample({"input_ids": padded(ids)}) for ids in rows]
 
-    # (2) query gradients at the final weights, through the same hooks (the model's own loss)
-    test_store = GradientStorageManager(str(work / "test_grads"))
-    hm = HookManager(model, config=capture, callbacks=[OffloadCallback(file_manager=test_store)])
-    ids = torch.stack(
-        [padded(tokenizer(s)["input_ids"] + [tokenizer.eos_token_id]) for _, s in queries]
+    # (2) query gradients at the final weights: eval mode, same loss, layers and label
+    ids = [padded(tokenizer(s)["input_ids"] + [tokenizer.eos_token_id]) for _, s in queries]
+    capture.capture_queries(
+        model,
+        [{"input_ids": i, "attention_mask": (i != tokenizer.pad_token_id).long()} for i in ids],
+        work / "test_grads",
     )
-    mask = (ids != tokenizer.pad_token_id).long()
-    model.train()
-    with hm.collect(deregister_on_exit=True):
-        out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-        (out.loss * len(ids)).backward()  # per-sample share of the batch-mean loss
-    model.zero_grad(set_to_none=True)
-    test_store.close()
 
     # (3) attribute from the cache: no model needed
     score = TracInAttributor(

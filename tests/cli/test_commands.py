@@ -134,8 +134,8 @@ def work(tmp_path_factory) -> Path:
             query_model.zero_grad(set_to_none=True)
             loss_fn(query_model, torch.stack([encode(t) for t in QUERY_TEXTS])).backward()
             with hm.paused():  # replay the training step without capturing it
-                query_model.zero_grad(set_to_none=True)
-                for i in range(0, len(train_ids), 4):
+                for i in range(0, len(train_ids), 4):  # as capture() does: the last batch steps
+                    query_model.zero_grad(set_to_none=True)
                     loss_fn(query_model, train_ids[i : i + 4]).backward()
                 opt.step()
     hm.remove()
@@ -347,7 +347,9 @@ def test_kfac_non_kronecker_flag_layer_patterns_and_one_line_warnings(
     query = tmp_path / "query_emb"
     torch.manual_seed(0)
     model = TinyLM().double()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     capture(model, TRAIN_TEXTS, with_emb, batch=4, checkpoints=1, layers=[r"emb", r"fc", r"head"])
+    model.load_state_dict(initial)  # the queries at the weights the train side was captured at
     capture(model, QUERY_TEXTS, query, batch=2, checkpoints=1, layers=[r"emb", r"fc", r"head"])
     base = ["attribute", "--method", "kfac", "--train", with_emb, "--test", query]
     code, err = run(*base, "--out", tmp_path / "skip")

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +30,8 @@ __all__ = [
     "LiveSource",
     "Accumulator",
     "WeightsWatch",
+    "check_query_weights",
+    "stored_label_weights",
     "GRANULARITIES",
     "source_name",
     "first_occurrences",
@@ -91,19 +93,26 @@ class WeightsWatch:
     two different fingerprints under one key (of one rank) mean that a loop trained while it
     captured without relabelling, and the scores would mix gradients at different weights.
 
+    A label the store declares as a training interval (``checkpoints.json``, written by
+    :class:`~dattri_llm.integrations.hf_trainer.AttributionCallback`: the records of one epoch
+    or of the steps between two saves, standing for the weights at its end) spans several
+    weights on purpose and is not warned about.
+
     Args:
         side: ``"train"`` or ``"test"`` (for the message).
+        intervals: Pairing keys declared as training intervals.
     """
 
-    def __init__(self, side: str) -> None:
+    def __init__(self, side: str, intervals: Collection[int] = ()) -> None:
         self.side = side
+        self.intervals = {int(k) for k in intervals}
         self._first: dict[tuple[int, str], tuple[str, int]] = {}  # (key, rank) -> first
         self._warned = False
 
     def see(self, block: GradientBlock, key: int) -> None:
         """Compare a block's fingerprint with the first one of its pairing key; warn once."""
         fingerprint = block.metadata.get(FINGERPRINT_KEY)
-        if self._warned or not isinstance(fingerprint, str):
+        if self._warned or not isinstance(fingerprint, str) or int(key) in self.intervals:
             return
         rank, _, value = fingerprint.partition(":")
         first, step = self._first.setdefault((int(key), rank), (value, int(block.step)))
@@ -121,6 +130,75 @@ class WeightsWatch:
             )
 
 
+def check_query_weights(
+    train: Mapping[int, set[str] | None],
+    tests: Mapping[int, str | None],
+    train_name: str,
+    test_name: str,
+) -> None:
+    """Refuse test gradients captured at weights that match none of their train labels'.
+
+    A test side at pairing key ``k`` is scored against the train label ``k`` (or, when the test
+    side has a single key, against every train label); gradients at other weights than the
+    ones those labels stand for are not comparable, and the scores would mean nothing.
+
+    Args:
+        train: ``{train label: fingerprints it stands for, or None when unknown}``
+            (:func:`~dattri_llm.gradient.store.checkpoints.label_weights`).
+        tests: ``{test pairing key: fingerprint of its first record, or None}``.
+        train_name: How the message names the train side.
+        test_name: How the message names the test side.
+
+    Raises:
+        ValueError: naming the test key, its fingerprint, the train labels with theirs, and
+            the fix.
+    """
+    for key, fingerprint in tests.items():
+        paired = list(train) if len(tests) == 1 else [key] if key in train else []
+        known = [train[c] for c in paired]
+        if fingerprint is None or not paired or any(k is None for k in known):
+            continue  # nothing to compare, or a label whose weights are not known
+        rank = fingerprint.partition(":")[0]
+        if not any(f.partition(":")[0] == rank for k in known for f in k):
+            continue  # fingerprints of another rank's shard (FSDP) are not comparable
+        if any(fingerprint in k for k in known):
+            continue
+        listed = "; ".join(f"label {c}: {', '.join(sorted(train[c]))}" for c in paired)
+        raise ValueError(
+            f"the {test_name} (checkpoint label {key}) was captured at weights with fingerprint "
+            f"{fingerprint}, which match none of the weights of the train checkpoint label(s) it "
+            f"is scored against in the {train_name} ({listed}). Gradients taken at other "
+            "weights are not comparable, so the scores would mean nothing. Capture the queries "
+            "at the weights of the checkpoint you attribute at: right after trainer.train() "
+            "for the last label, or after loading checkpoint k's weights for label k; "
+            "dattri_llm.integrations.hf_trainer.capture_queries(model, queries, dir, "
+            "train_store=...) labels them with the matching checkpoint. If scoring across "
+            "weights is what you mean, pass AttributionArguments(check_weights=False)."
+        )
+
+
+def stored_label_weights(
+    source: Any, test_source: Any = None
+) -> tuple[dict[int, set[str] | None], set[int]]:
+    """``(label_weights, declared interval labels)`` of a store-backed train source.
+
+    The label weights are empty (nothing to compare) for a source without a store, and when the
+    test side is not a store that captured the same layers: a fingerprint covers the captured
+    layers' parameters, so two captures of different layers have different fingerprints at the
+    same weights.
+    """
+    from dattri_llm.gradient.store.checkpoints import declared_labels, label_weights
+
+    store = getattr(source, "store", None)
+    if store is None or not callable(getattr(store, "index_entries", None)):
+        return {}, set()
+    declared = set(declared_labels(store.save_dir))
+    test_store = getattr(test_source, "store", None)
+    if test_store is None or set(getattr(test_store, "layer_names", ())) != set(store.layer_names):
+        return {}, declared
+    return label_weights(store, getattr(source, "checkpoints", None)), declared
+
+
 class Accumulator:
     """Checks every train block's capture and hands its score rows to a sink.
 
@@ -136,6 +214,9 @@ class Accumulator:
         self.sink = sink if sink is not None else FullSink(granularity)
         self.facts: CaptureFacts | None = None  # of the first train block
         self.weights = WeightsWatch("train")
+        #: Checks of the whole call run once, after the first train block's own checks (so a
+        #: block's more specific refusal, such as a capture-time correction, is raised first).
+        self.deferred: list[Callable[[], None]] = []
         self._checked: set[int] = set()  # test sides the train facts were checked against
 
     def check_facts(
@@ -158,6 +239,8 @@ class Accumulator:
             f"the train gradients at step {block.step} ({self.source})",
             f"the test gradients ({test.facts.source or 'test'})",
         )
+        while self.deferred:
+            self.deferred.pop(0)()
 
     def add(
         self, scores: torch.Tensor, block: GradientBlock, tokens: list[torch.Tensor] | None

@@ -1,0 +1,303 @@
+"""The Hugging Face ``Trainer`` integration: the stored gradients are the declared per-sample
+loss's, whatever padding, label masking, ``num_items_in_batch`` and gradient accumulation do.
+
+Every reference is a one-sample ``backward()`` of the declared loss on the sample alone
+(unpadded), at the weights the trainer held when it took that step (snapshotted by a callback).
+The model's loss is computed in float64 here (transformers upcasts its causal-LM loss to
+float32, which would cap the agreement at ~1e-7).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from dattri_llm import (  # noqa: E402
+    AttributionArguments,
+    GradientStorageManager,
+    TracInAttributor,
+    hash_sample,
+)
+from dattri_llm.integrations.hf_trainer import AttributionCallback, capture_queries  # noqa: E402
+
+SEQ = 10
+LENGTHS = [3, 9, 5, 10, 4, 7, 6, 8, 2, 5]
+
+
+def _float64_causal_loss(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+    """transformers' ForCausalLMLoss without its float32 upcast."""
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab_size), shift.reshape(-1), ignore_index=-100, reduction=reduction
+    )
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def _sample(n: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 40, (n,))
+    pad = SEQ - n
+    return {
+        "input_ids": torch.cat([ids, torch.zeros(pad, dtype=torch.long)]),
+        "attention_mask": torch.cat([torch.ones(n, dtype=torch.long), torch.zeros(pad).long()]),
+        "labels": torch.cat([ids, torch.full((pad,), -100)]),
+    }
+
+
+def _model(dropout: float = 0.0) -> GPT2LMHeadModel:
+    config = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        vocab_size=40,
+        n_positions=SEQ,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config).double()
+    model.loss_type = "ForCausalLM"
+    model.loss_function = _float64_causal_loss
+    return model
+
+
+class _Snapshots(TrainerCallback):
+    """The weights at the start of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.at[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(tmp: Path, per_sample_loss: str = "sum", epochs: int = 2, **cb_kwargs):
+    torch.manual_seed(0)
+    data = [_sample(n) for n in LENGTHS]
+    model = _model()
+    snaps = _Snapshots()
+    callback = AttributionCallback(tmp / "train", per_sample_loss=per_sample_loss, **cb_kwargs)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=str(tmp / "run"),
+            per_device_train_batch_size=3,  # batches of 3, 3, 3, 1 rows: unequal label counts
+            gradient_accumulation_steps=2,
+            num_train_epochs=epochs,
+            learning_rate=1e-2,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        ),
+        train_dataset=data,
+        callbacks=[snaps],
+    )
+    trainer.add_callback(callback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    return model, data, callback, snaps, caught
+
+
+def _one_sample_grads(model, sample, per_sample_loss: str) -> dict[str, torch.Tensor]:
+    n = int(sample["attention_mask"].sum())
+    ids = sample["input_ids"][:n][None]
+    logits = model(input_ids=ids).logits[0, :-1]
+    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    if per_sample_loss == "mean":
+        loss = loss / (n - 1)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def _check_store(store, data, snaps, per_sample_loss: str) -> int:
+    by_hash = {hash_sample({"input_ids": d["input_ids"]}): d for d in data}
+    ref = _model()
+    compared = 0
+    for i, info in enumerate(store.records()):
+        record = store.load_record(i)
+        ref.load_state_dict(snaps.at[info.step])
+        mat = record.gradient.materialize()
+        for j, h in enumerate(record.hashes):
+            want = _one_sample_grads(ref, by_hash[h], per_sample_loss)
+            for name in mat.layer_names:
+                for p, got in mat.layers[name].parameters().items():
+                    expected = want[f"{name}.{p}"]
+                    torch.testing.assert_close(
+                        got[j], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max())
+                    )
+            compared += 1
+    return compared
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_trainer")
+    return tmp, *_train(tmp)
+
+
+def test_stored_gradients_are_one_sample_backward_of_the_summed_loss(run):
+    """Every sample of every step, padded batches of unequal label counts, 2 epochs, GA 2."""
+    tmp, _, data, _, snaps, _ = run
+    store = GradientStorageManager(tmp / "train")
+    assert _check_store(store, data, snaps, "sum") == 2 * len(data)
+
+
+def test_steps_are_optimizer_steps_and_labels_follow_the_epochs(run):
+    tmp, model, _, callback, _, _ = run
+    store = GradientStorageManager(tmp / "train")
+    # 4 micro-batches an epoch (3, 3, 3, 1 rows), 2 per optimizer step
+    assert [(r.step, r.checkpoint, len(r.hashes)) for r in store.records()] == [
+        (0, 0, 3), (0, 0, 3), (1, 0, 3), (1, 0, 1),
+        (2, 1, 3), (2, 1, 3), (3, 1, 3), (3, 1, 1),
+    ]  # fmt: skip
+    assert sorted(callback.checkpoints) == [0, 1]
+    assert [callback.checkpoints[c]["global_step"] for c in (0, 1)] == [2, 4]
+    assert callback.manager is not None and not callback.manager.capturing  # closed at the end
+
+
+def test_no_warning_and_grad_cos_within_one(run):
+    tmp, model, data, callback, _, caught = run
+    queries = [{"input_ids": d["input_ids"][: int(d["attention_mask"].sum())]} for d in data[:3]]
+    with warnings.catch_warnings(record=True) as scoring:
+        warnings.simplefilter("always")
+        qstore = callback.capture_queries(model, queries, tmp / "test")
+        args = AttributionArguments(output_dir=str(tmp / "scores"), show_progress=False)
+        score = TracInAttributor(args, normalized_grad=True).attribute_from_cache(
+            tmp / "train", tmp / "test", checkpoints=[1]
+        )
+    assert [str(w.message) for w in caught + scoring] == []
+    assert [r.checkpoint for r in qstore.records()] == [1]  # the final weights: label 1
+    _, matrix = score.agnostic_matrix()
+    assert matrix.shape == (len(data), 3)
+    assert float(matrix.abs().max()) <= 1 + 1e-12
+    # a query is its own train sample: cosine 1 with the captured train gradient of label 1
+    own = score.query([hash_sample({"input_ids": data[0]["input_ids"]})], [hash_sample(queries[0])])
+    assert float(own) > 0
+
+
+def test_mean_convention_is_each_samples_own_token_mean(tmp_path):
+    _, data, _, snaps, caught = _train(tmp_path, per_sample_loss="mean", epochs=1)
+    store = GradientStorageManager(tmp_path / "train")
+    assert _check_store(store, data, snaps, "mean") == len(data)
+    assert caught == []
+
+
+def test_labels_per_save(tmp_path):
+    """checkpoint_every='save' without saves: one label, closed at the end of training."""
+    _, _, callback, _, _ = _train(tmp_path, epochs=2, checkpoint_every="save")
+    store = GradientStorageManager(tmp_path / "train")
+    assert store.available_checkpoints() == [0]
+    assert callback.checkpoints[0]["reason"] == "end"
+
+
+def test_queries_are_eval_mode_one_sample_gradients(tmp_path):
+    torch.manual_seed(1)
+    model = _model(dropout=0.3)  # dropout on: train mode would change the gradients
+    model.train()
+    queries = [{"input_ids": torch.randint(1, 40, (n,))} for n in (4, 9, 6)]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    store = capture_queries(model, queries, tmp_path / "q", per_sample_loss="sum", batch_size=2)
+    assert model.training
+    assert all(bool((p.grad == 1).all()) for p in model.parameters())  # param.grad as found
+    ref = _model(dropout=0.3)
+    ref.load_state_dict(model.state_dict())
+    ref.eval()
+    got = {}
+    for i in range(len(store)):
+        record = store.load_record(i)
+        mat = record.gradient.materialize()
+        for j, h in enumerate(record.hashes):
+            got[h] = {
+                f"{n}.{p}": g[j]
+                for n in mat.layer_names
+                for p, g in mat.layers[n].parameters().items()
+            }
+    assert set(got) == {hash_sample(q) for q in queries}
+    for q in queries:
+        n = len(q["input_ids"])
+        sample = {"input_ids": q["input_ids"], "attention_mask": torch.ones(n, dtype=torch.long)}
+        want = _one_sample_grads(ref, sample, "sum")
+        for name, g in got[hash_sample(q)].items():
+            torch.testing.assert_close(
+                g, want[name], rtol=1e-10, atol=1e-10 * float(want[name].abs().max())
+            )
+
+
+def test_queries_at_other_weights_are_refused_and_recapturing_fixes_it(run, tmp_path):
+    tmp, model, data, callback, _, _ = run
+    queries = [{"input_ids": d["input_ids"][: int(d["attention_mask"].sum())]} for d in data[:2]]
+    stale = _model()  # the untrained weights: no train label stands for them
+    with pytest.raises(ValueError, match="match none of the checkpoint labels"):
+        callback.capture_queries(stale, queries, tmp_path / "refused")
+    callback.capture_queries(stale, queries, tmp_path / "stale", checkpoint=1)
+    args = AttributionArguments(output_dir=str(tmp_path / "s"), show_progress=False)
+    with pytest.raises(ValueError, match=r"label 1: 0:") as err:
+        TracInAttributor(args).attribute_from_cache(tmp / "train", tmp_path / "stale")
+    assert "capture the queries at the weights" in str(err.value).lower()
+    # the fix the message names: capture them at the checkpoint's weights
+    callback.capture_queries(model, queries, tmp_path / "fresh")
+    TracInAttributor(args).attribute_from_cache(tmp / "train", tmp_path / "fresh")
+    # or, on purpose, across weights
+    args.check_weights = False
+    TracInAttributor(args).attribute_from_cache(tmp / "train", tmp_path / "stale")
+
+
+def test_per_sample_loss_must_agree_with_the_train_store(run, tmp_path):
+    tmp, model, data, _, _, _ = run
+    queries = [{"input_ids": data[0]["input_ids"][:3]}]
+    with pytest.raises(ValueError, match="per_sample_loss='sum'"):
+        capture_queries(
+            model, queries, tmp_path / "q", train_store=tmp / "train", per_sample_loss="mean"
+        )
+
+
+def test_refuses_a_loss_computed_outside_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = _model()
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=2,
+            max_steps=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            label_smoothing_factor=0.1,
+        ),
+        train_dataset=[_sample(n) for n in (3, 5)],
+    )
+    trainer.add_callback(AttributionCallback(tmp_path / "train"))
+    with pytest.raises(RuntimeError, match="computed no loss from labels="):
+        trainer.train()
+
+
+def test_refuses_trl_reinforcement_learning_trainers(tmp_path):
+    trl = pytest.importorskip("trl")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    callback = AttributionCallback(tmp_path / "train")
+    with pytest.raises(ValueError, match="GRPOConfig trains with a loss that is not a per-sample"):
+        callback.on_train_begin(args, None, None, model=_model())
+    assert callback.manager is None and not (tmp_path / "train").exists()
