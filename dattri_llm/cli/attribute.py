@@ -289,8 +289,8 @@ def add_parser(sub: Any) -> None:
         choices=("sum", "mean"),
         default=None,
         help="adamw-influence, dvemb: how the training loss combined each batch (default: what "
-        "the store recorded, OffloadCallback(loss_reduction=...); recorded nowhere, the sum is "
-        "assumed with a warning)",
+        "the store recorded, OffloadCallback(loss_reduction=...); recorded nowhere, it must be "
+        "given here)",
     )
     p.add_argument(
         "--pair-by",
