@@ -1,4 +1,4 @@
-"""``dattri-llm attribute``'s layer selection: one pattern language, what is scored is recorded."""
+"""The `--layers` of the commands (`cli/_common.select_layers`): one pattern language, globs."""
 
 from __future__ import annotations
 
