@@ -136,8 +136,8 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             ``TrajectorySnapshots`` or its directory); a call's own ``dynamics=`` wins.
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
             ``None``: what the capture recorded (``OffloadCallback(loss_reduction=...)``); an
-            argument that contradicts the recording is an error. Declared nowhere, a store
-            scores as ``"sum"`` with a warning; the live ``attribute`` uses ``"sum"``.
+            argument that contradicts the recording is an error. Declared nowhere, a store is
+            refused (a ValueError naming both ways); the live ``attribute`` uses ``"sum"``.
         method: ``"adjoint"`` (memory ∝ queries) or ``"forward"`` (memory ∝ samples).
         compute_dtype: Raise the propagation's precision (e.g. ``torch.float64``).
         normalized_grad: TrackStar's unit normalization of both sides (needs

@@ -380,7 +380,9 @@ class BaseAttributor:
                 :class:`~dattri_llm.ReplayGradientSource`).
             test_dir: Store of the test gradients, captured on the same layers.
             attribution_granularity: ``"sample"`` or ``"token"``.
-            layers: Score only these layers (default: all captured).
+            layers: Score only these layers, exact stored names (default: all captured); a
+                name a store does not hold is refused, listing the stored ones. Selects from
+                stores only: with a gradient source, build the source with the selection.
             checkpoints: Read only records with these checkpoint labels from both stores
                 (e.g. ``[last]`` for Grad-Dot on stores captured at several checkpoints);
                 default: all.
@@ -437,7 +439,20 @@ class BaseAttributor:
         from dattri_llm.gradient.store import GradientStorageManager
 
         if not isinstance(where, (str, os.PathLike, GradientStorageManager)):
-            return where  # a gradient source (e.g. a ReplayGradientSource)
+            # a gradient source (e.g. a ReplayGradientSource) yields what it was built to:
+            # a selection passed here would be dropped without a word, so it is refused
+            chosen = {"layers": layers, "checkpoints": checkpoints}
+            passed = [k for k, v in chosen.items() if v is not None]
+            if passed:
+                raise ValueError(
+                    f"{type(self).__name__}.attribute_from_cache({'=, '.join(passed)}=) selects "
+                    f"from a store, but this side is a {type(where).__name__}, which yields "
+                    "what it was built to yield. Pass the store's directory or "
+                    "GradientStorageManager instead, or build the source with the selection "
+                    "(DiskGradientSource(store, layers=..., checkpoints=...); a "
+                    "ReplayGradientSource captures the layers of its hook config)."
+                )
+            return where
         return DiskGradientSource(where, layers=layers, device=self.device, checkpoints=checkpoints)
 
     # ---- the drivers -----------------------------------------------------------------------

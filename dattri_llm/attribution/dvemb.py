@@ -238,8 +238,8 @@ class DVEmbAttributor(TrajectoryAttributor):
             of each step's batch loss, replayed from parameter snapshots).
         loss_reduction: ``"sum"`` or ``"mean"``: how the training loss combined each batch.
             ``None``: what the capture recorded (``OffloadCallback(loss_reduction=...)``); an
-            argument that contradicts the recording is an error. Declared nowhere, a store
-            scores as ``"sum"`` with a warning; the live ``attribute`` uses ``"sum"``.
+            argument that contradicts the recording is an error. Declared nowhere, a store is
+            refused (a ValueError naming both ways); the live ``attribute`` uses ``"sum"``.
         method: ``"auto"`` (default: ``"adjoint"``, or ``"forward"`` with ``normalized_grad``),
             ``"forward"`` (every occurrence's embedding carried forward: memory and work ∝
             samples) or ``"adjoint"`` (the queries carried backward: ∝ queries; no embeddings

@@ -354,7 +354,13 @@ class AttributionScore:
 
         Returns:
             ``(positions (T,), scores (T, num_test))``; summed over positions they give the
-            sample's instance scores.
+            sample's instance scores. Occurrences of different lengths are summed position by
+            position only where the longer ones' extra positions score exactly zero (a padded
+            tail).
+
+        Raises:
+            ValueError: no token scores, or occurrences whose positions do not line up (the
+                message says how to pick one with ``step=``).
         """
         if self._token_scores is None:
             raise ValueError(
@@ -370,7 +376,21 @@ class AttributionScore:
         if not rows:
             where = "" if step is None else f" at step {step}"
             raise KeyError(f"train hash {h!r} is not in the scores{where}.")
-        length = max(self._token_scores[i].shape[0] for i in rows)
+        lengths = [self._token_scores[i].shape[0] for i in rows]
+        length, shortest = max(lengths), min(lengths)
+        for i, n in zip(rows, lengths):
+            # occurrences padded to different lengths line up position by position only when
+            # the extra positions are a padded tail (exactly zero): with left padding the
+            # same position index holds different tokens, and a sum would mix them
+            if n > shortest and bool(self._token_scores[i][shortest:].ne(0).any()):
+                seen = sorted({(self.train_steps[r], m) for r, m in zip(rows, lengths)})
+                raise ValueError(
+                    f"token_scores: train sample {h!r} occurs with different numbers of token "
+                    f"positions ((step, positions): {seen}) and the longer ones score positions "
+                    f"past the shortest's {shortest}, so position i is not the same token in "
+                    "each (left padding?). Pass step= for one occurrence, or capture with "
+                    "right padding."
+                )
         out = self.scores.new_zeros(length, self.num_test)
         for i in rows:
             t = self._token_scores[i]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import re
 import shutil
 from typing import Any
+
+from dattri_llm.utils.names import close_candidates
 
 __all__ = [
     "plain",
@@ -22,6 +25,7 @@ __all__ = [
     "open_store",
     "load_scores",
     "load_texts_arg",
+    "select_layers",
     "snippet",
 ]
 
@@ -158,6 +162,34 @@ def load_texts_arg(path: str | None, argument: str) -> dict:
         return load_texts(path)
     except ValueError as e:
         raise UsageError(argument, str(e)) from None
+
+
+def select_layers(patterns: list[str], names: list[str], store: str) -> list[str]:
+    """The layers ``--layers`` names, in store order: shell globs over whole layer names.
+
+    The one reading of ``--layers`` in every command (``attribute``, ``index build``).
+
+    One pattern language: each pattern is a glob matched against the whole layer name by
+    ``fnmatch.fnmatchcase`` (``*`` any run of characters, dots included; ``?`` one character;
+    ``[...]`` a set), so a plain name selects that layer alone and ``transformer.h.1.*``
+    selects block 1 and not blocks 10 and 11. (``HookManagerConfig`` selects modules with
+    full-match regexes instead; this option is about stored layers and reads globs only.)
+
+    Raises:
+        UsageError: a pattern that matches no layer of ``store``, listing the candidates.
+    """
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            raise UsageError(
+                "--layers",
+                f"[{pattern!r}] matches no layer of {store} (patterns are shell globs matched "
+                f"against whole layer names: '*' also crosses dots). Closest: "
+                f"{close_candidates(pattern, names)}; it holds {names}.",
+            )
+        chosen |= hits
+    return [n for n in names if n in chosen]
 
 
 def snippet(text: str, width: int) -> str:

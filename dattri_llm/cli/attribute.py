@@ -12,10 +12,8 @@ factory builds the library's attributor. Adding a method is one entry, e.g.::
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from dattri_llm.cli._common import (
     UsageError,
     add_progress_flag,
     open_store,
+    select_layers,
     show_progress,
 )
 
@@ -148,38 +147,6 @@ def _kronecker(name: str, ns: argparse.Namespace, args: Any) -> Any:
     return getattr(dattri_llm, name)(args, non_kronecker=ns.non_kronecker or "skip")
 
 
-def select_layers(patterns: list[str], names: list[str], store: str) -> list[str]:
-    r"""The layers ``--layers`` names, in store order: exact names, regexes or globs.
-
-    A pattern is a layer name, a regex full-matched against the names (as
-    ``HookManagerConfig`` selects modules: ``transformer\.h\..*``, ``fc|head``) or a shell
-    glob (``transformer.h.*``, ``*.mlp.*``).
-
-    Raises:
-        UsageError: a pattern that matches no layer of ``store``.
-    """
-    chosen: set[str] = set()
-    for pattern in patterns:
-        if pattern in names:
-            chosen.add(pattern)
-            continue
-        hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
-        try:
-            rx = re.compile(pattern)
-        except re.error:
-            rx = None
-        if rx is not None:
-            hits |= {n for n in names if rx.fullmatch(n)}
-        if not hits:
-            raise UsageError(
-                "--layers",
-                f"[{pattern!r}] not in {store}: no layer matches it as a name, a regex or a "
-                f"glob; it holds {names}.",
-            )
-        chosen |= hits
-    return [n for n in names if n in chosen]
-
-
 def _trajectory(name: str, ns: argparse.Namespace, args: Any) -> Any:
     import dattri_llm
 
@@ -246,8 +213,10 @@ def add_parser(sub: Any) -> None:
         "--layers",
         nargs="+",
         metavar="PATTERN",
-        help="score only these layers: names, regexes (full match, as HookManagerConfig) or "
-        "globs, e.g. 'transformer.h.*'",
+        help="score only these layers: shell globs matched against whole layer names "
+        "(fnmatch; a plain name is itself), e.g. 'transformer.h.1.*' (block 1, not 10 or "
+        "11); a pattern that matches no layer is refused; the scored names are recorded in "
+        "attribution_run.json",
     )
     p.add_argument(
         "--non-kronecker",
@@ -289,8 +258,8 @@ def add_parser(sub: Any) -> None:
         choices=("sum", "mean"),
         default=None,
         help="adamw-influence, dvemb: how the training loss combined each batch (default: what "
-        "the store recorded, OffloadCallback(loss_reduction=...); recorded nowhere, the sum is "
-        "assumed with a warning)",
+        "the store recorded, OffloadCallback(loss_reduction=...); recorded nowhere, it must be "
+        "given here)",
     )
     p.add_argument(
         "--pair-by",
@@ -395,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
         "train store": os.path.abspath(args.train),
         "test store": os.path.abspath(args.test),
         "checkpoints": "all" if checkpoints is None else checkpoints,
-        "layers": layers or f"all ({len(train.layer_names)})",
+        # the names actually scored, never the patterns: a report shows what was scored
+        "layers": layers if layers is not None else list(train.layer_names),
         "granularity": args.granularity,
         "seconds": round(seconds, 3),
         "dattri_llm": __version__,

@@ -8,7 +8,13 @@ import sys
 import time
 from typing import Any
 
-from dattri_llm.cli._common import HelpFormatter, UsageError, add_progress_flag, open_store
+from dattri_llm.cli._common import (
+    HelpFormatter,
+    UsageError,
+    add_progress_flag,
+    open_store,
+    select_layers,
+)
 
 DESCRIPTION = """Build a FAISS index over a projected train gradient store (every layer stored as
 one vector per sample), then answer top-k queries from it without a pass over the store.
@@ -47,7 +53,13 @@ def add_parser(sub: Any) -> None:
     b.add_argument("-o", "--out", required=True, metavar="INDEX_DIR", help="the index directory")
     b.add_argument("--metric", choices=("dot", "cosine"), default="dot", help="dot: Grad-Dot")
     b.add_argument("--kind", choices=("auto", "flat", "ivf", "hnsw"), default="auto")
-    b.add_argument("--layers", nargs="+", metavar="L", help="only these layers (default: all)")
+    b.add_argument(
+        "--layers",
+        nargs="+",
+        metavar="PATTERN",
+        help="index only these layers: shell globs matched against whole layer names (as "
+        "attribute --layers; a pattern that matches no layer is refused) (default: all)",
+    )
     b.add_argument("--checkpoints", nargs="+", type=int, metavar="C", help="only these labels")
     b.add_argument("--nlist", type=int, help="ivf: inverted lists (default 4 sqrt(n))")
     b.add_argument("--nprobe", type=int, help="ivf: lists searched (default max(8, nlist / 32))")
@@ -110,7 +122,9 @@ def run_build(args: argparse.Namespace) -> int:
         args.out,
         metric=args.metric,
         kind=args.kind,
-        layers=args.layers,
+        layers=select_layers(args.layers, store.layer_names, f"STORE {store.save_dir}")
+        if args.layers
+        else None,
         checkpoints=args.checkpoints,
         overwrite=args.overwrite,
         show_progress=show_progress(args),

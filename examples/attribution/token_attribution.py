@@ -27,7 +27,12 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor
-from dattri_llm.attribution.views.token_view import TokenHeatmap, terminal_heatmap, write_html
+from dattri_llm.attribution.views.token_view import (
+    TokenHeatmap,
+    terminal_heatmap,
+    token_window,
+    write_html,
+)
 from dattri_llm.demo import load_corpus
 from dattri_llm.utils.hashing import hash_sample
 
@@ -173,7 +178,8 @@ def run(opts: argparse.Namespace, out: str) -> None:
         for kind, h, s in picks:
             i = row_of[h]
             tokens = train_tokens[i]
-            token_scores = score.token_scores(h)[1][: len(tokens), j]
+            per = score.token_scores(h)[1]
+            token_scores = per[token_window(tokens, per), j]  # placed by padding, not cut
             head = f"{kind}: train #{i} ({train_topics[i]}), score {float(s):+.3e}"
             lines.append((j, head, tokens, token_scores))
             note = f"query {j} ({TOPICS[j]}): {query_texts[j]}"

@@ -214,51 +214,6 @@ def test_sample_sum_loss_on_its_own():
     assert one.reduction == "auto"  # a single sample cannot tell; sum and mean agree on it
 
 
-# ---- the trajectory methods: the captured run's reduction is declared, not assumed silently --
-def test_trajectory_methods_never_assume_the_reduction_silently(tmp_path, recwarn):
-    """Issue 26, 3: a store captured from a mean-loss loop scored silently as a sum."""
-    import warnings
-
-    from dattri_llm import AdamWInfluenceAttributor, DVEmbAttributor
-    from tests.helpers import adamw_run, dvemb_run
-
-    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
-    sgd = dvemb_run.make_run(tmp_path / "sgd", reduction="mean")
-    adam = adamw_run.make_run(tmp_path / "adam", "adamw", reduction="mean")
-    calls = {
-        "DVEmbAttributor": lambda att: att.attribute_from_cache(
-            tmp_path / "sgd" / "train", tmp_path / "sgd" / "query", learning_rate=dvemb_run.LRS
-        ),
-        "AdamWInfluenceAttributor": lambda att: att.attribute_from_cache(
-            tmp_path / "adam" / "train",
-            tmp_path / "adam" / "query",
-            dynamics=adam.extra["dynamics"],
-        ),
-    }
-    for cls in (DVEmbAttributor, AdamWInfluenceAttributor):
-        call = calls[cls.__name__]
-        with pytest.warns(UserWarning, match="loss_reduction was not declared") as caught:
-            undeclared = call(cls(a))
-        msg = str(caught[0].message)
-        assert cls.__name__ in msg and 'loss_reduction="mean"' in msg
-        assert 'loss_reduction="sum"' in msg
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # declared: no warning
-            mean = call(cls(a, loss_reduction="mean"))
-            total = call(cls(a, loss_reduction="sum"))
-        # what the warning is about is real: the undeclared run scored as a sum, off the mean
-        assert torch.equal(undeclared.scores, total.scores)
-        assert (mean.scores - total.scores).abs().max() > 1e-3 * mean.scores.abs().max()
-        # no state survives a call: the attributor is undeclared again
-        att = cls(a)
-        with pytest.warns(UserWarning, match="loss_reduction"):
-            call(att)
-        assert att.loss_reduction is None
-        with pytest.raises(ValueError, match="loss_reduction is not declared.*loss_reduction="):
-            att.kappa(4)
-    del sgd
-
-
 # ---- the reduction recorded once at capture ---------------------------------------------------
 def _recorded_runs(tmp_path, reduction: str, recorded: str | None):
     """A DVEmb (SGD) and an AdamW run whose loop reduced the loss with ``reduction``, captured
@@ -324,16 +279,45 @@ def test_reduction_recorded_at_capture_is_used_and_checked(tmp_path, reduction):
         assert att.loss_reduction is None  # no state survives the call
 
 
-def test_reduction_recorded_nowhere_still_warns_and_bad_values_are_refused(tmp_path):
+def test_reduction_declared_nowhere_is_refused_and_both_remedies_work(tmp_path):
+    """A store captured from a mean-loss loop, its reduction declared nowhere, was scored as a
+    sum with a warning; now the call is refused naming both ways to declare it, and each way
+    gives the formula written out by hand for the mean (1e-9)."""
+    from dattri_llm.attribution.trajectory.reduction import resolve_reduction
+
+    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
+    nowhere = _recorded_runs(tmp_path / "nowhere", "mean", None)
+    recorded = _recorded_runs(tmp_path / "recorded", "mean", "mean")
+    for name, (cls, call, error_vs_formula) in nowhere.items():
+        att = cls(a)
+        with pytest.raises(ValueError, match="loss_reduction is declared nowhere") as refused:
+            call(att)
+        msg = str(refused.value)
+        assert f'{cls.__name__}(..., loss_reduction="mean")' in msg, msg
+        assert 'OffloadCallback(..., loss_reduction="mean")' in msg, msg
+        assert att.loss_reduction is None  # a refused call leaves the attributor as built
+        # remedy 1: the attributor's argument
+        assert error_vs_formula(call(cls(a, loss_reduction="mean"))) <= 1e-9, name
+        # remedy 2: the capture records it (OffloadCallback(loss_reduction="mean"))
+        cls2, call2, error2 = recorded[name]
+        assert error2(call2(cls2(a))) <= 1e-9, name
+    # DVEmb's embeddings take the same road
+    from dattri_llm import DVEmbAttributor
+    from tests.helpers import dvemb_run
+
+    train = tmp_path / "nowhere" / "sgd" / "train"
+    with pytest.raises(ValueError, match="DVEmbAttributor.embed: loss_reduction is declared"):
+        DVEmbAttributor(a).embed(train, learning_rate=dvemb_run.LRS)
+    DVEmbAttributor(a, loss_reduction="mean").embed(train, learning_rate=dvemb_run.LRS)
+    # the live path trains with the task's per-sample sum and needs no declaration
+    assert resolve_reduction("X", "attribute", None, None, live=True) == "sum"
+
+
+def test_bad_reduction_values_are_refused(tmp_path):
     from dattri_llm import OffloadCallback
     from dattri_llm.attribution.trajectory.reduction import recorded_reduction
     from dattri_llm.gradient.gradient import GradientBlock
 
-    a = AttributionArguments(output_dir=str(tmp_path / "out"), use_cpu=True, show_progress=False)
-    for name, (cls, call, error_vs_formula) in _recorded_runs(tmp_path, "sum", None).items():
-        with pytest.warns(UserWarning, match="OffloadCallback.*loss_reduction"):
-            score = call(cls(a))
-        assert error_vs_formula(score) <= 1e-9, name
     with pytest.raises(ValueError, match="loss_reduction.*'avg'"):
         OffloadCallback(file_manager=tmp_path / "x", loss_reduction="avg")
     blocks = [

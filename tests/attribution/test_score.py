@@ -123,13 +123,43 @@ def test_token_scores():
     s = make(tokens=True)
     pos, t = s.token_scores("a", step=1)
     assert pos.tolist() == [0, 1, 2, 3, 4] and torch.allclose(t.sum(0), s.scores[3])
-    pos, t = s.token_scores("a")  # summed over steps, padded to the longest
-    assert t.shape[0] == 5
-    assert torch.allclose(t.sum(0), s.query(["a"])[0], rtol=1e-12)
+    # "a" occurs with 2 positions at step 0 and 5 at step 1, scored past the shorter's 2:
+    # position i is not one token in both (left padding), so no sum is formed
+    with pytest.raises(
+        ValueError, match=r"'a' occurs with different numbers.*\(0, 2\), \(1, 5\).*step="
+    ):
+        s.token_scores("a")
     with pytest.raises(KeyError):
         s.token_scores("zz")
     with pytest.raises(ValueError, match="attribution_granularity='token'"):
         make().token_scores("a")
+
+
+def padded_occurrences(side: str) -> AttributionScore:
+    """One sample seen twice: 3 tokens alone (step 0), in a batch padded to 5 (step 1) on
+    ``side``; the padding positions score exactly zero (outside the loss)."""
+    g = torch.Generator().manual_seed(1)
+    own = [torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(2)]
+    pad = torch.zeros(2, 2, dtype=torch.float64)
+    tok = [own[0], torch.cat([own[1], pad] if side == "right" else [pad, own[1]])]
+    scores = torch.stack([t.sum(0) for t in tok])
+    return AttributionScore(scores, ["a", "a"], [0, 1], ["x", "y"], token_scores=tok)
+
+
+def test_token_scores_line_up_occurrences_by_position_or_refuse():
+    """Summed by position index, a left-padded occurrence added its tokens' scores to other
+    tokens' positions; a right-padded tail (exact zeros) lines up and is summed."""
+    right = padded_occurrences("right")
+    pos, t = right.token_scores("a")
+    assert pos.tolist() == [0, 1, 2, 3, 4]
+    expected = right._token_scores[0] + right._token_scores[1][:3]  # token by token
+    assert torch.equal(t[:3], expected) and not t[3:].any()
+    assert torch.allclose(t.sum(0), right.query(["a"])[0], rtol=1e-12)
+    left = padded_occurrences("left")
+    with pytest.raises(ValueError, match="left padding.*step="):
+        left.token_scores("a")
+    for step in (0, 1):  # the remedy the error names: one occurrence at a time
+        assert torch.equal(left.token_scores("a", step=step)[1], left._token_scores[step])
 
 
 def test_save_load_round_trip(tmp_path):
@@ -147,7 +177,10 @@ def test_save_load_round_trip(tmp_path):
         assert t.has_token_scores == tokens
         if tokens:
             for h in "abcd":
-                assert torch.equal(t.token_scores(h)[1], s.token_scores(h)[1])
+                for step in (0, 1):
+                    if (h, step) in zip(s.train_hashes, s.train_steps):
+                        got = t.token_scores(h, step=step)[1]
+                        assert torch.equal(got, s.token_scores(h, step=step)[1])
         with open(os.path.join(path, "scores.safetensors"), "rb") as f:
             assert not f.read(2).startswith(b"\x80")  # not a pickle
 

@@ -198,7 +198,7 @@ class TrajectoryAttributor(BaseAttributor):
             (``OffloadCallback(loss_reduction=...)``; an argument contradicting it is an
             error); recorded nowhere, the live ``attribute`` (trained with the task's sum) uses
             ``"sum"``, and a store (``attribute_from_cache``, ``attribute_sources``, ``embed``)
-            is scored as ``"sum"`` with a warning naming ``loss_reduction`` (declare it).
+            is refused with a ValueError naming both ways to declare it.
         compute_dtype: Raise the precision of the propagation (e.g. ``torch.float64`` for a
             float32 run); never lowers it.
         method: ``"adjoint"`` (the queries' adjoints carried backward: memory ∝ queries) or
@@ -280,10 +280,11 @@ class TrajectoryAttributor(BaseAttributor):
         """Within: ``loss_reduction`` resolved, for this call only (no state survives it).
 
         From the argument, else from what the capture recorded in ``index``'s first step
-        (``OffloadCallback(loss_reduction=...)``), else ``"sum"`` — with a warning naming both
+        (``OffloadCallback(loss_reduction=...)``); declared nowhere, a ValueError naming both
         ways to declare it, except on the live path, which trains with the task's per-sample
-        sum (:mod:`~dattri_llm.attribution.trajectory.reduction`). Yields ``index`` with every
-        step's records checked against the resolved reduction (``None`` without one).
+        sum and uses ``"sum"`` (:mod:`~dattri_llm.attribution.trajectory.reduction`). Yields
+        ``index`` with every step's records checked against the resolved reduction (``None``
+        without one).
         """
         name = type(self).__name__
         recorded = None if index is None else recorded_reduction(index.load(index.steps[0]), name)

@@ -8,8 +8,9 @@ the batch). It is taken from, in order:
 2. what the capture recorded in the train records' metadata under
    :data:`~dattri_llm.gradient.callbacks.offload.LOSS_REDUCTION_KEY`
    (``OffloadCallback(loss_reduction="mean")``, or a user source's block metadata);
-3. neither: ``"sum"`` with a warning naming both ways to declare it (the live path, which
-   trains with the task's per-sample sum itself, uses ``"sum"`` without one).
+3. neither: a stored run is refused with an error naming both ways to declare it (a guess
+   would change every score silently); the live path, which trains with the task's
+   per-sample sum itself, uses ``"sum"``.
 
 An argument that contradicts the recording is an error naming both; so are records that
 disagree with each other.
@@ -17,7 +18,6 @@ disagree with each other.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 
 from dattri_llm.gradient.callbacks.offload import LOSS_REDUCTION_KEY
@@ -61,7 +61,8 @@ def resolve_reduction(
     """The reduction to score with (see the module docstring).
 
     Raises:
-        ValueError: ``declared`` contradicts ``recorded``.
+        ValueError: ``declared`` contradicts ``recorded``, or a stored run (not ``live``)
+            declares it nowhere.
     """
     if declared is not None and recorded is not None and declared != recorded:
         raise ValueError(
@@ -72,18 +73,17 @@ def resolve_reduction(
         )
     if declared is not None or recorded is not None:
         return declared or recorded  # type: ignore[return-value]
-    if not live:
-        warnings.warn(
-            f"{name}.{where}: loss_reduction was not declared, so the scores assume the "
-            "captured run trained on the SUM of the per-sample losses. If the loop trained "
-            "on their mean (model(**batch).loss, reduction='mean'), every score is off: "
-            f'declare {name}(..., loss_reduction="mean"), or record it once at capture with '
-            'OffloadCallback(..., loss_reduction="mean"); declare loss_reduction="sum" to '
-            "confirm the sum (and silence this warning).",
-            UserWarning,
-            stacklevel=5,
-        )
-    return "sum"
+    if live:
+        return "sum"  # the live path trains with the task's per-sample sum itself
+    raise ValueError(
+        f"{name}.{where}: loss_reduction is declared nowhere: neither the attributor's "
+        "argument nor the train records say whether the captured run trained on the SUM or "
+        "the MEAN of its per-sample losses, and the two give different scores. Declare it "
+        f'either on the attributor, {name}(..., loss_reduction="mean") (or "sum"), or once '
+        'at capture, OffloadCallback(..., loss_reduction="mean") (or "sum"), which records '
+        "it in the store. A loop on model(**batch).loss (reduction='mean') trained on the "
+        "mean."
+    )
 
 
 def checked_loads(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.score import AttributionScore
-from dattri_llm.attribution.views.token_view import POSITIVE_RGB, html_tokens
+from dattri_llm.attribution.views.token_view import POSITIVE_RGB, html_tokens, token_window
 from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
 
@@ -82,10 +82,13 @@ def load_texts(path: str | os.PathLike) -> dict[str, SampleText]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: naming the line that is not valid JSON or lacks what is needed.
+        ValueError: naming the line that is not valid JSON or lacks what is needed, or two
+            lines that share an identity with different texts (identical repeats, a sample
+            that occurs twice in a dataset, are read once).
     """
     path = os.fspath(path)
     out: dict[str, SampleText] = {}
+    first_line: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -110,7 +113,17 @@ def load_texts(path: str | os.PathLike) -> dict[str, SampleText]:
                 for k, v in row.items()
                 if k not in _RESERVED and isinstance(v, (str, int, float, bool))
             }
-            out[_row_identity(row, where)] = SampleText(text, tokens, labels)
+            identity = _row_identity(row, where)
+            sample = SampleText(text, tokens, labels)
+            if identity in out and out[identity] != sample:
+                # one identity, two texts: whichever was shown would sit beside the other's score
+                raise ValueError(
+                    f"{where} has the identity {identity!r} of line {first_line[identity]} with "
+                    "a different text, tokens or labels; a score belongs to one sample. Remove "
+                    "one of the two lines (identical repeats of a sample are fine)."
+                )
+            first_line.setdefault(identity, lineno)
+            out[identity] = sample
     return out
 
 
@@ -291,12 +304,16 @@ def html_report(
                 return ""
             if sample is None or not sample.tokens:
                 return '<p class="note">token scores: add "tokens" to this sample\'s row</p>'
-            per = score.token_scores(h)[1][:, j]
-            n = min(len(sample.tokens), per.shape[0])
-            scale = max(float(per[:n].abs().max()) if n else 0.0, 0.0)
+            try:
+                per = score.token_scores(h)
+                window = token_window(sample.tokens, per[1])  # placed by padding, never cut
+            except ValueError as e:
+                return f'<p class="note">token scores not shown: {esc(str(e))}</p>'
+            per = per[1][window, j]
+            scale = max(float(per.abs().max()) if per.numel() else 0.0, 0.0)
             return (
                 f'<details class="fold"><summary>token view (full colour at |score| = '
-                f"{scale:.2e})</summary>{html_tokens(sample.tokens[:n], per[:n], scale)}</details>"
+                f"{scale:.2e})</summary>{html_tokens(sample.tokens, per, scale)}</details>"
             )
 
         return make

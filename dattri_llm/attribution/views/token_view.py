@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "TokenHeatmap",
+    "token_window",
     "display_token",
     "token_color",
     "color_enabled",
@@ -64,6 +65,51 @@ def _check(tokens: Sequence[str], scores: list[float]) -> None:
             f"tokens has {len(tokens)} entries but scores has {len(scores)}: give one score per "
             "token (e.g. score.token_scores(h)[1][:, j] for test column j)."
         )
+
+
+def token_window(tokens: Sequence[str], scores: Any) -> slice:
+    """The positions of ``scores`` that ``tokens`` name, when the token list is shorter.
+
+    A sample's token list (from a texts file) may omit the padding its batch added, so it can be
+    shorter than the scored positions. The tokens then sit at the start (right padding) or the
+    end (left padding) of the positions; the side is the one whose left-out positions score
+    exactly zero (padding is outside the loss), for every query column. Tokens are never paired
+    with positions by truncation.
+
+    Args:
+        tokens: The token strings.
+        scores: ``(T,)`` or ``(T, M)`` scores of the positions (``AttributionScore.token_scores``).
+
+    Returns:
+        The slice of positions the tokens belong to (all of them when the lengths agree).
+
+    Raises:
+        ValueError: more tokens than positions, or no side (or both, with scores that differ
+            between them) whose left-out positions are padding.
+    """
+    if hasattr(scores, "detach"):  # a torch tensor
+        scores = scores.detach().cpu().reshape(scores.shape[0], -1).tolist()
+    rows = [list(r) if isinstance(r, (list, tuple)) else [r] for r in scores]
+    total, n = len(rows), len(tokens)
+    if n == total:
+        return slice(0, total)
+
+    def padding(part: list[list[float]]) -> bool:
+        return all(float(v) == 0.0 for row in part for v in row)
+
+    if n < total:
+        sides = {
+            "right": (slice(0, n), padding(rows[n:])),
+            "left": (slice(total - n, total), padding(rows[: total - n])),
+        }
+        fits = [w for w, ok in sides.values() if ok]
+        if len(fits) == 1 or (fits and padding(rows)):
+            return fits[0]
+    raise ValueError(
+        f"tokens has {n} entries but the scores have {total} positions, and the positions "
+        f"{'left out' if n < total else 'missing'} are not padding on one side alone, so the "
+        "tokens cannot be placed: give one token string per scored position (padding included)."
+    )
 
 
 def _auto_scale(scores: Sequence[float]) -> float:

@@ -19,6 +19,7 @@ from dattri_llm.gradient.store.compact import (
     compact_gradient,
     storage_settings,
 )
+from dattri_llm.utils.names import check_names
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.store import GradientStorageManager
@@ -94,7 +95,9 @@ class OffloadCallback(HookCallback):
             registered), whatever makes the first step follow the last stored one.
         keep_token_factors: ``False`` (default): compact storage (above). ``True``: every
             factorized layer is written with its factors and token axis. A list of layer names:
-            only those.
+            only those, spelt as the store names them (``HookManager.layers``, without a
+            DDP / compile wrapper's prefix); a name the hook manager does not capture is
+            refused when the callback is registered, listing the captured ones.
         storage_dtype: ``None`` (default): floating tensors are stored in the dtype they were
             captured in (float32 for a float32 model). ``"float32"``, ``"bfloat16"`` or
             ``"float16"``: stored in that dtype (bf16 / fp16 halve a float32 store). Reads cast
@@ -180,8 +183,21 @@ class OffloadCallback(HookCallback):
         return step % self.offload_interval == 0
 
     def on_register(self, manager: Any) -> None:
-        """Note the last stored step of each checkpoint label (steps continue after it)."""
+        """Note the last stored step of each checkpoint label (steps continue after it).
+
+        Raises:
+            ValueError: ``keep_token_factors`` names a layer the manager does not capture.
+        """
         super().on_register(manager)
+        if isinstance(self.keep_token_factors, frozenset):
+            # a name that is not a captured layer would keep nothing and make the later
+            # token-level / K-FAC refusal name the option the user already passed
+            check_names(
+                "OffloadCallback(keep_token_factors=)",
+                sorted(self.keep_token_factors),
+                list(manager.layer_parameters()),
+                "the layers the hook manager captures",
+            )
         self.file_manager.refresh()
         self._stored_last = self.file_manager.last_steps()
         self._offsets = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -15,6 +14,7 @@ from torch import nn
 from dattri_llm.gradient.hooks.coverage import uncaptured_warning
 from dattri_llm.gradient.layers import LayerRule, get_rule, rule_for_module
 from dattri_llm.gradient.layers.hf_classes import flat_token_layer_types
+from dattri_llm.utils.names import close_candidates
 
 __all__ = ["REGISTER_ALL", "HookManagerConfig", "LayerSpec", "as_config", "resolve_layers"]
 
@@ -233,12 +233,7 @@ def is_data_parallel(model: nn.Module) -> bool:
 
 
 def _candidates(name: str, names: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
-    return (
-        ", ".join(close)
-        if close
-        else ", ".join(list(names)[:10]) + (" ..." if len(names) > 10 else "")
-    )
+    return ", ".join(close_candidates(name, names))
 
 
 def _trainable(module: nn.Module, include_frozen: bool = False) -> bool:

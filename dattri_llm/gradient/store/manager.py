@@ -59,6 +59,7 @@ from dattri_llm.gradient.store.verified import VerifiedShards, identity
 from dattri_llm.gradient.store.writer import PartitionWriter
 from dattri_llm.utils.distributed import get_rank, get_world_size, is_distributed
 from dattri_llm.utils.hashing import hash_sample
+from dattri_llm.utils.names import close_candidates
 
 __all__ = ["GradientStorageManager", "RecordInfo"]
 
@@ -693,7 +694,9 @@ class GradientStorageManager:
         missing = [n for n in layers if n not in names]
         if missing:
             raise KeyError(
-                f"layers {missing} are not in the store {self.save_dir}; it holds {names}."
+                f"layers {missing} are not in the store {self.save_dir} (exact stored names; "
+                f"closest to {missing[0]!r}: {close_candidates(missing[0], names)}); it holds "
+                f"{names}."
             )
         return layers
 

@@ -105,3 +105,52 @@ def test_report_lists_are_each_querys_top_k(tmp_path: Path, k: int) -> None:
                 float(scores[[i for i, t in enumerate(train) if t == h], q].sum()) for h in want
             ]
             assert [r[1] for r in rows] == [f"{v:+.3e}" for v in totals], (q, kind)
+
+
+# ---- what is shown beside a score is what was scored --------------------------------------------
+def test_texts_sharing_an_identity_are_refused_unless_identical(tmp_path: Path) -> None:
+    """Two rows with one id showed the last row's text beside the sample's score, silently."""
+    import json
+
+    from dattri_llm.attribution.views.report import load_texts
+
+    path = tmp_path / "texts.jsonl"
+    rows = [{"id": "h1", "text": "one"}, {"id": "h2", "text": "two"}, {"id": "h1", "text": "uno"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 3 has the identity 'h1' of line 1 with a diff"):
+        load_texts(path)
+    # a sample that occurs twice in its dataset, written twice: one text, read once
+    rows[2]["text"] = "one"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    assert {h: t.text for h, t in load_texts(path).items()} == {"h1": "one", "h2": "two"}
+
+
+def _spans(html: str) -> list[tuple[str, float]]:
+    """``(token, score)`` of each token span of a report, in order."""
+    import re
+
+    out = []
+    for score, text in re.findall(r'data-score="([^"]+)"[^>]*>([^<]*)</span>', html):
+        out.append((text, float(score)))
+    return out
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_heatmap_pairs_each_token_with_its_own_position(side: str) -> None:
+    """Three tokens scored in a batch padded to five positions: with left padding the old
+    report cut the positions to the first three (two of them padding) and showed the tokens
+    beside the wrong scores."""
+    from dattri_llm.attribution.views.report import html_report
+
+    own = torch.tensor([[1.0], [-2.0], [3.0]], dtype=torch.float64)
+    pad = torch.zeros(2, 1, dtype=torch.float64)
+    tok = torch.cat([own, pad] if side == "right" else [pad, own])
+    score = AttributionScore(own.sum(0, keepdim=True), ["a"], [0], ["q"], token_scores=[tok])
+    texts = {"a": SampleText("x y z", tokens=["x", "y", "z"])}
+    html = html_report(score, texts, k=1, token_k=1)
+    # the one sample is both the proponent and the opponent list: one heatmap in each
+    assert _spans(html) == [("x", 1.0), ("y", -2.0), ("z", 3.0)] * 2
+    # a token list that cannot be placed (longer than the positions) is not cut: a note says why
+    texts = {"a": SampleText("u v w x y z", tokens=list("uvwxyz"))}
+    html = html_report(score, texts, k=1, token_k=1)
+    assert not _spans(html) and "token scores not shown: tokens has 6 entries" in html

@@ -405,3 +405,20 @@ def test_terminal_colours_only_on_a_terminal_without_no_color(monkeypatch):
     assert "\x1b[48;2" in terminal_heatmap(tokens, scores, color=True)  # explicit wins
     monkeypatch.setenv("NO_COLOR", "")  # empty: not set
     assert color_enabled(Tty())
+
+
+def test_token_window_places_a_short_token_list_by_its_padding():
+    from dattri_llm.attribution.views.token_view import token_window
+
+    t = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    assert token_window(["a", "b", "c", "d"], t) == slice(0, 4)
+    # positions 0 and 3 are zero: "left" (1..3) and "right" (0..2) both fit and differ
+    with pytest.raises(ValueError, match="not padding on one side alone"):
+        token_window(["b", "c", "d"], t)
+    assert token_window(["b", "c"], torch.tensor([0.0, 0.0, 1.0, 2.0])) == slice(2, 4)
+    assert token_window(["b", "c"], [1.0, 2.0, 0.0]) == slice(0, 2)
+    assert token_window(["a"], torch.zeros(3)) == slice(0, 1)  # nothing to misplace
+    with pytest.raises(ValueError, match="tokens has 3 entries but the scores have 2"):
+        token_window(["a", "b", "c"], [1.0, 2.0])
+    with pytest.raises(ValueError, match="not padding"):
+        token_window(["a"], [1.0, 0.0, 2.0])

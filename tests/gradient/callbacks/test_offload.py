@@ -186,3 +186,27 @@ def test_bad_offload_arguments():
         OffloadCallback(offload_interval=0, file_manager=fm)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         OffloadCallback(file_manager=fm, gradient_accumulation_steps=0)
+
+
+# ---- keep_token_factors names layers that exist ----------------------------------------------
+def test_keep_token_factors_refuses_a_name_the_manager_does_not_capture(tmp_path):
+    """``keep_token_factors=["model.fc"]`` on a layer called ``fc`` kept nothing, and the later
+    token-level / K-FAC refusal told the user to pass the option they had passed."""
+    from dattri_llm import GradientStorageManager, HookManager, HookManagerConfig
+    from dattri_llm.gradient import Factorized, Materialized
+    from tests.helpers.store import Net, V
+
+    model = Net()
+    bad = OffloadCallback(file_manager=tmp_path / "bad", keep_token_factors=["model.fc", "ln"])
+    with pytest.raises(ValueError, match=r"keep_token_factors=\): \['model.fc'\]") as e:
+        HookManager(model, HookManagerConfig(), callbacks=[bad])
+    assert "Closest to 'model.fc': ['fc'" in str(e.value)  # the stored name, offered first
+    # the name it offers is the fix: that layer keeps its token axis
+    good = OffloadCallback(file_manager=tmp_path / "good", keep_token_factors=["fc"])
+    hm = HookManager(model, HookManagerConfig(), callbacks=[good])
+    with hm.collect():
+        (model(torch.randint(0, V, (2, 12))) ** 2).sum().backward()
+    hm.remove()
+    (block,) = GradientStorageManager(tmp_path / "good").iter_blocks()
+    assert isinstance(block.gradient.layers["fc"], Factorized)
+    assert isinstance(block.gradient.layers["ln"], Materialized)
