@@ -528,7 +528,8 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                 "checkpoint, so its gradients would be preconditioned with one checkpoint's "
                 "inverse for all of them. Capture the test set at every train checkpoint "
                 "(HookManager.checkpoint), or score one train checkpoint at a time: "
-                "attribute_sources(DiskGradientSource(train_store, checkpoints=[c]), test_store)."
+                "attribute_sources(DiskGradientSource(train_store, checkpoints=[c]), "
+                "DiskGradientSource(test_store))."
             )
 
 
