@@ -441,16 +441,63 @@ class GradientIndex:
                 f"the {where} gives {queries.shape[1]} numbers per sample over the indexed "
                 f"layers, the index holds {self.dim}; was it captured with another projection?"
             )
-        queries = _precondition(queries, self._layerwise(preconditioner), self.dim)
+        queries = _precondition(queries, self._layerwise(preconditioner, source), self.dim)
         q = np.ascontiguousarray(queries.to(torch.float32).numpy())
         overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
         top, bottom = self._merged(q, k, overrides)
         return self._result(top, bottom, hashes, k, output_dir)
 
-    def _layerwise(self, p: Any) -> Any:
+    def checkpoint_labels(self) -> list[int]:
+        """The checkpoint labels of the indexed records (each sample's rows summed over them)."""
+        wanted = self.meta.get("checkpoints")
+        return sorted(wanted) if wanted is not None else self.store.available_checkpoints()
+
+    def _fitted(self, p: Any, queries: Any) -> Any:
+        """A fitted Fisher inverse for this index: ``p`` checked, or an attributor's fit.
+
+        The search equals the attributor's ``top_k`` only where every option of both agrees;
+        anything else is refused, naming the option and a remedy.
+        """
+        attributor = callable(getattr(p, "index_preconditioner", None))
+        if not attributor and not callable(getattr(p, "precondition_gradient", None)):
+            return p  # a matrix or a callable: folded in as it is
+        what = f"{type(p).__name__} preconditioner"
+        if self.metric != "dot":
+            raise ValueError(
+                f"the index {self.directory} was built with metric={self.metric!r} (unit train "
+                f"vectors), and a fitted {what} scores raw train gradients: build the index "
+                "with GradientIndex.build(train_store, index_dir, metric='dot')."
+            )
+        labels = self.checkpoint_labels()
+        if len(labels) != 1:
+            raise ValueError(
+                f"the index {self.directory} sums each sample's vectors over checkpoints "
+                f"{labels}, and a fitted {what} has one Fisher per checkpoint: build one index "
+                "per checkpoint (GradientIndex.build(train_store, index_dir, checkpoints=[c])) "
+                "and search each."
+            )
+        (c,) = labels
+        weight = weights_of(self.meta.get("checkpoint_weights"))[0](c)
+        if weight != 1.0:
+            raise ValueError(
+                f"the index {self.directory} was built with checkpoint_weights (weight {weight} "
+                f"at checkpoint {c}), which a fitted {what} does not apply: build the index "
+                "without checkpoint_weights."
+            )
+        if attributor:
+            every = self.layers == list(self.store.layer_names)
+            return p.index_preconditioner(self.store, None if every else self.layers, c, queries)
+        if p.checkpoint is not None and p.checkpoint != c:
+            raise ValueError(
+                f"the preconditioner is the fit of checkpoint {p.checkpoint}, the index "
+                f"{self.directory} covers checkpoint {c}: pass attributor.preconditioner("
+                f"checkpoint={c}) (a fit of checkpoint {c}), or the fitted attributor itself."
+            )
+        return p
+
+    def _layerwise(self, p: Any, queries: Any) -> Any:
         """A fitted per-layer preconditioner as a callable on the joined ``(M, D)`` queries."""
-        if callable(getattr(p, "preconditioner", None)) and hasattr(p, "factors"):
-            p = p.preconditioner()  # a fitted KFACAttributor / EKFACAttributor
+        p = self._fitted(p, queries)
         if not callable(getattr(p, "precondition_gradient", None)):
             return p
         if sorted(p.layer_names) != sorted(self.layers):
@@ -486,8 +533,16 @@ class GradientIndex:
         reading = store_reading(test)
         if reading is None:
             return test, "test source"
-        if reading.layers is None or list(reading.layers) != self.layers:
-            test = DiskGradientSource(reading.store, layers=self.layers, dtype=reading.dtype)
+        given = None if reading.checkpoints is None else sorted(reading.checkpoints)
+        wanted, labels = given, self.checkpoint_labels()
+        held = reading.store.available_checkpoints()
+        if given is None and len(labels) == 1 and len(held) > 1 and labels[0] in held:
+            wanted = labels  # an index of one checkpoint pairs with that checkpoint's queries
+        if reading.layers is None or list(reading.layers) != self.layers or wanted != given:
+            # the selection the caller made (checkpoints, dtype) is kept
+            test = DiskGradientSource(
+                reading.store, layers=self.layers, dtype=reading.dtype, checkpoints=wanted
+            )
         return test, f"test store {reading.store.save_dir}"
 
     def _check_test(self, source: Any) -> None:

@@ -488,6 +488,48 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         p = FisherPreconditioner(fit, damping, relative, checkpoint=checkpoint)
         return self._moment_preconditioner(p, checkpoint)
 
+    def index_preconditioner(
+        self, store: Any, layers: list[str] | None, checkpoint: int, queries: Any
+    ) -> FisherPreconditioner:
+        """The inverse with which an exact index search scores as this attributor does.
+
+        What ``GradientIndex.search(..., preconditioner=attributor)`` folds into its queries:
+        the fit that ``attribute_from_cache(store, queries, layers=layers,
+        checkpoints=[checkpoint], top_k=k)`` makes or reuses (for ``mix > 0``, on these
+        queries), damped as the constructor says.
+
+        Args:
+            store: The index's train store (a ``GradientStorageManager``).
+            layers: The indexed layers (``None``: every stored layer).
+            checkpoint: The one checkpoint label the index covers.
+            queries: The search's query source.
+
+        Raises:
+            ValueError: ``normalized_grad=True``: every train gradient is divided by its
+                ``P``-norm, which an index of raw gradients does not hold.
+        """
+        name = type(self).__name__
+        if self.normalized_grad:
+            raise ValueError(
+                f"{name}(normalized_grad=True) divides every train gradient by its P-norm "
+                "sqrt(g^T P g), which an index of raw gradients does not hold, so "
+                "GradientIndex.search cannot give its scores. Score with "
+                f"{name}(..., normalized_grad=True).attribute_from_cache(train_store, "
+                "test_store, top_k=k), or search with a preconditioner of an attributor built "
+                "with normalized_grad=False."
+            )
+        from dattri_llm.gradient.sources import DiskGradientSource
+
+        labels = store.available_checkpoints()
+        source = DiskGradientSource(
+            store,
+            layers=layers,
+            device=self.device,
+            checkpoints=None if labels == [checkpoint] else [checkpoint],
+        )
+        self.fit(source, query_source=queries if self.mix > 0 else None)
+        return self.preconditioner(checkpoint=checkpoint)
+
     # ---- the call's plan --------------------------------------------------------------------
     call_options = ("damping", "relative")
 

@@ -16,14 +16,11 @@ from dattri_llm import (
     AttributionTask,
     DiskGradientSource,
     EKFACAttributor,
-    GradientStorageManager,
-    HookManager,
     KFACAttributor,
-    OffloadCallback,
     ProjectedFisherAttributor,
 )
 from dattri_llm.gradient.streaming import GradientStreamer
-from tests.helpers.kronecker import CONFIG, dataset, loss_fn, make_model, rel, run_args
+from tests.helpers.kronecker import CONFIG, dataset, loss_fn, make_model, offload, rel, run_args
 
 CLASSES = [KFACAttributor, EKFACAttributor, ProjectedFisherAttributor]
 
@@ -39,19 +36,8 @@ def two_models():
 
 def capture(models, data, path, mode="create", first_label=0):
     """Offload ``data`` at every model of ``models`` (checkpoint labels from ``first_label``)."""
-    fm = GradientStorageManager(path, mode=mode)
     for c, model in enumerate(models, start=first_label):
-        hm = HookManager(
-            model, CONFIG, callbacks=[OffloadCallback(file_manager=fm, keep_token_factors=True)]
-        )
-        hm.checkpoint = c
-        with hm.collect():
-            for i in range(0, len(data), 3):
-                model.zero_grad()
-                ids = torch.stack([d["input_ids"] for d in data[i : i + 3]])
-                loss_fn(model, {"input_ids": ids}).backward()
-        hm.remove()
-    fm.close()
+        offload(model, data, path, checkpoint=c, mode=mode if c == first_label else "append")
     return path
 
 

@@ -296,7 +296,14 @@ def test_index_search_with_the_fitted_inverse_equals_the_attributor_top_k(tmp_pa
     # a fit over other layers than the indexed ones is refused
     sub = GradientIndex.build(tmp_path / "train", tmp_path / "idx2", kind="flat", layers=["fc"])
     with pytest.raises(ValueError, match=r"preconditioner covers layers.*layers=\[\.\.\.\]"):
-        sub.search(tmp_path / "test", k=k, preconditioner=att)
+        sub.search(tmp_path / "test", k=k, preconditioner=att.preconditioner())
+    # the attributor itself fits over the indexed layers, as attribute_from_cache(layers=) does
+    got = sub.search(tmp_path / "test", k=k, preconditioner=att).top_k(k)
+    want = att.attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", layers=["fc"], top_k=k
+    ).top_k(k)
+    assert got.proponent_hashes == want.proponent_hashes
+    assert rel(got.proponent_scores, want.proponent_scores) <= 1e-5
 
 
 # ---- positions without gradient do not enter a projected fit ------------------------------------
