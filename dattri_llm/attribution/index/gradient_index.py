@@ -403,8 +403,10 @@ class GradientIndex:
 
         Args:
             test: The queries: a test gradient store (directory, ``GradientStorageManager``,
-                ``DiskGradientSource``) or any gradient source of the indexed layers, with one
-                checkpoint label.
+                ``DiskGradientSource``, whose ``checkpoints=`` is kept) or any gradient source
+                of the indexed layers, with one checkpoint label. An index over one checkpoint
+                reads only that checkpoint's records of a store holding several. Factorized
+                query layers are materialized.
             k: Proponents and opponents per query.
             nprobe: ``ivf``: lists visited per query (default: the build's).
             ef_search: ``hnsw``: the search's candidate list (default: the build's).
@@ -413,11 +415,17 @@ class GradientIndex:
                 become ``q @ P``; for a symmetric ``P`` the score is ``q^T P g``, e.g. a
                 projected inverse Fisher), a callable mapping the ``(M, D)`` float64
                 queries to ``(M, D)``, or a fitted K-FAC / EK-FAC / projected-Fisher inverse
-                applied layer by layer: ``KFACAttributor.preconditioner(damping=...)`` (a
-                ``FisherPreconditioner``) or the fitted attributor itself (its default
-                damping). With a fit, an exact search over the fitted layers ranks as that
-                attributor's ``attribute_from_cache(..., top_k=k)``. Applied after the
-                Grad-Cos normalization. Default: identity.
+                applied layer by layer: the attributor itself, fitted here as
+                ``attribute_from_cache(train, test, layers=<indexed>, checkpoints=[c],
+                top_k=k)`` would be (its held fit reused only under the same key), so an
+                exact search equals that call for every option of the attributor
+                (``normalized_grad=True`` is refused); or
+                ``attributor.preconditioner(damping=..., checkpoint=c)`` (a
+                ``FisherPreconditioner`` of the indexed layers and checkpoint). A fitted
+                inverse is refused for a ``"cosine"`` index, an index over several
+                checkpoints or one built with ``checkpoint_weights`` (naming the option).
+                A matrix or callable is applied after the Grad-Cos normalization. Default:
+                identity.
             check_compatible: Refuse a test capture incompatible with the train store
                 (layers, projection style / size / seed), as the attributors do.
             output_dir: The result's default ``save`` directory.
