@@ -372,13 +372,24 @@ def test_projected_fisher_attributor_refusals_and_index(tmp_path, model):
     pytest.importorskip("faiss")
     from dattri_llm import GradientIndex
 
-    setup(tmp_path, model, "logra")
+    train, test = setup(tmp_path, model, "logra")
     with pytest.raises(
         ValueError, match=r"layer 'ln' \(nn.LayerNorm\) has 12.*max_dim=8.*projection"
     ):
         ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
             tmp_path / "train", tmp_path / "test"
         )
+    # the refusal's remedies: leave the layer out, or raise max_dim
+    rest = [n for n in LOGRA_LAYERS if n != "ln"]
+    got = ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", layers=rest, damping=1e-3
+    )
+    assert rel(got.scores, exact_fisher_scores(train, test, rest, 1e-3)) <= TOL
+    got = ProjectedFisherAttributor(args(tmp_path), max_dim=12).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", damping=1e-3
+    )
+    names = train[0].gradient.layer_names
+    assert rel(got.scores, exact_fisher_scores(train, test, names, 1e-3)) <= TOL
     with pytest.raises(ValueError, match=r"covariances.*KFACAttributor"):
         ProjectedFisherAttributor(args(tmp_path)).fit(
             tmp_path / "train", covariances=KroneckerCovarianceCallback()
