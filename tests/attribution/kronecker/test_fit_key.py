@@ -50,6 +50,12 @@ def stores(tmp_path):
     return tmp_path, models, train, test
 
 
+def fresh(cls, root, ctor=None, **call):
+    """The scores of a fresh attributor over the stores under ``root``."""
+    att = cls(run_args(root), **(ctor or {}))
+    return att.attribute_from_cache(root / "train", root / "test", **call).scores
+
+
 def counting(att):
     """Count the attributor's fits."""
     calls = []
@@ -65,7 +71,7 @@ def test_other_checkpoints_get_their_own_fit(stores, cls):
     att = cls(run_args(root))
     att.attribute_from_cache(tr, te, checkpoints=[0])
     got = att.attribute_from_cache(tr, te, checkpoints=[1]).scores
-    want = cls(run_args(root)).attribute_from_cache(tr, te, checkpoints=[1]).scores
+    want = fresh(cls, root, checkpoints=[1])
     assert rel(got, want) < 1e-12
     # checkpoint 0's fit on checkpoint 1's gradients (what a stale fit gives) is far off
     stale = cls(run_args(root))
@@ -74,9 +80,7 @@ def test_other_checkpoints_get_their_own_fit(stores, cls):
     assert rel(wrong.scores, want) > 0.5
     # and back: checkpoint 0's fit again, equal to a fresh one
     again = att.attribute_from_cache(tr, te, checkpoints=[0]).scores
-    assert (
-        rel(again, cls(run_args(root)).attribute_from_cache(tr, te, checkpoints=[0]).scores) < 1e-12
-    )
+    assert rel(again, fresh(cls, root, checkpoints=[0])) < 1e-12
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -112,15 +116,13 @@ def test_the_layers_read_and_the_fit_settings_are_part_of_the_key(stores, cls):
     else:
         att.tokens = "all"  # A averages over every position, the last (no gradient) too
         got = att.attribute_from_cache(tr, te, checkpoints=[1]).scores
-        want = cls(run_args(root), tokens="all").attribute_from_cache(tr, te, checkpoints=[1])
-        assert rel(got, want.scores) < 1e-12
-        default = cls(run_args(root)).attribute_from_cache(tr, te, checkpoints=[1]).scores
-        assert rel(default, want.scores) > 1e-6
+        want = fresh(cls, root, {"tokens": "all"}, checkpoints=[1])
+        assert rel(got, want) < 1e-12
+        assert rel(fresh(cls, root, checkpoints=[1]), want) > 1e-6
         att.tokens = "gradient"
     att.attribute_from_cache(tr, te, checkpoints=[1])
     got = att.attribute_from_cache(tr, te, checkpoints=[1], layers=["fc"]).scores
-    want = cls(run_args(root)).attribute_from_cache(tr, te, checkpoints=[1], layers=["fc"])
-    assert rel(got, want.scores) < 1e-12
+    assert rel(got, fresh(cls, root, checkpoints=[1], layers=["fc"])) < 1e-12
 
 
 @pytest.mark.parametrize("cls", CLASSES)
