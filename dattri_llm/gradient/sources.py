@@ -85,6 +85,10 @@ class RecordStore(Protocol):
         """The shard bytes of every record."""
         ...
 
+    def fingerprint(self) -> dict[str, Any]:
+        """A JSON digest of the store's content that changes whenever a record does."""
+        ...
+
     def load_record(
         self,
         index: int,

@@ -179,13 +179,14 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).abs().max() / y.abs().max())
 
 
-def offload(model, ds, path, callbacks=(), batch=3, config=CONFIG):
+def offload(model, ds, path, callbacks=(), batch=3, config=CONFIG, checkpoint=0, mode="create"):
     from dattri_llm import GradientStorageManager, OffloadCallback
 
-    fm = GradientStorageManager(str(path))
+    fm = GradientStorageManager(str(path), mode=mode)
     # K-FAC fits its covariances from the store's factors: keep them (compact storage drops them)
     off = OffloadCallback(file_manager=fm, keep_token_factors=True)
     hm = HookManager(model, config, callbacks=[off, *callbacks])
+    hm.checkpoint = checkpoint
     with hm.collect():
         for i in range(0, len(ds), batch):
             ids = torch.stack([d["input_ids"] for d in ds[i : i + batch]])

@@ -13,12 +13,12 @@ under ``output_dir/scoring_checkpoints/<key>/rank_<r>_of_<w>/``:
   ``progress.json`` names are leftovers of an interrupted write and are removed on resume.
 
 ``<key>`` is a digest of the *fingerprint*: the attributor and its settings, the call's options
-(granularity, ``top_k``, layers, checkpoints), the train records covered (store, record
-identities, rows) and the prepared test gradients (a digest of their values), and the rank and
-world size. Re-running the same call after a kill finds the same key, loads the parts, skips
-the records they cover and scores the rest; any change of those inputs gives another key (a
-fresh run), so a resumed result is the uninterrupted one. The directory is removed when the
-call returns its result. Nothing is pickled.
+(granularity, ``top_k``, layers, checkpoints), the train records covered (store and its content
+fingerprint, record identities, rows) and the prepared test gradients (a digest of their
+values), and the rank and world size. Re-running the same call after a kill finds the same
+key, loads the parts, skips the records they cover and scores the rest; any change of those
+inputs gives another key (a fresh run), so a resumed result is the uninterrupted one. The
+directory is removed when the call returns its result. Nothing is pickled.
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ def row_counts(units: Sequence[Unit]) -> dict[str, int]:
 
 
 def unit_digest(source: RecordSource) -> str:
-    """A digest of the records a source covers (store, record identities, rows, layers)."""
+    """A digest of the records a source covers (store, record identities, rows, layers).
+
+    The store's content fingerprint is part of it, so a store overwritten in place with other
+    gradients of the same shapes gives another digest.
+    """
     import hashlib
     import json
     import os
@@ -148,6 +152,7 @@ def unit_digest(source: RecordSource) -> str:
     h = hashlib.sha256()
     h.update(os.path.realpath(source.store.save_dir).encode())
     h.update(json.dumps(source.layers).encode())
+    h.update(json.dumps(source.store.fingerprint(), sort_keys=True).encode())
     for u in source.units:
         rec = records[u.index]
         key = [rec.rank, rec.seq, rec.step, rec.checkpoint, len(rec.hashes), sizes[u.index], u.rows]

@@ -24,9 +24,7 @@ changes it; shard files themselves are not read.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,14 +70,6 @@ def rerank_file(directory: Path, i: int) -> Path:
     return directory / f"part_{i}.vectors.f32"
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def store_fingerprint(store: Any) -> dict[str, Any]:
     """A JSON digest of a store's indexes that changes whenever a record changes.
 
@@ -87,21 +77,10 @@ def store_fingerprint(store: Any) -> dict[str, Any]:
         store: A ``GradientStorageManager``.
 
     Returns:
-        ``{"records", "rows", "partitions": {relative dir: {file name: [size, sha256]}}}``.
+        ``{"records", "rows", "partitions": {relative dir: {file name: [size, sha256]}}}``
+        (:meth:`~dattri_llm.GradientStorageManager.fingerprint`).
     """
-    from dattri_llm.gradient.store.partition import discover_partitions
-
-    root = Path(store.save_dir)
-    parts: dict[str, dict[str, list]] = {}
-    for part in discover_partitions(root):
-        rel = os.path.relpath(part.directory, root)
-        files = {}
-        for p in sorted(part.directory.iterdir()):
-            if p.name.startswith(".") or not p.is_file():
-                continue
-            files[p.name] = [p.stat().st_size, _digest(p)]
-        parts[rel] = files
-    return {"records": len(store), "rows": store.num_samples, "partitions": parts}
+    return store.fingerprint()
 
 
 def fingerprint_difference(

@@ -408,8 +408,10 @@ class GradientIndex:
 
         Args:
             test: The queries: a test gradient store (directory, ``GradientStorageManager``,
-                ``DiskGradientSource``) or any gradient source of the indexed layers, with one
-                checkpoint label.
+                ``DiskGradientSource``, whose ``checkpoints=`` is kept) or any gradient source
+                of the indexed layers, with one checkpoint label. An index over one checkpoint
+                reads only that checkpoint's records of a store holding several. Factorized
+                query layers are materialized.
             k: Proponents and opponents per query; beyond the indexed samples it is clamped
                 to their number. The index holds only finite vectors (a non-finite train
                 vector is refused at build, a non-finite query here, naming the sample).
@@ -420,11 +422,17 @@ class GradientIndex:
                 become ``q @ P``; for a symmetric ``P`` the score is ``q^T P g``, e.g. a
                 projected inverse Fisher), a callable mapping the ``(M, D)`` float64
                 queries to ``(M, D)``, or a fitted K-FAC / EK-FAC / projected-Fisher inverse
-                applied layer by layer: ``KFACAttributor.preconditioner(damping=...)`` (a
-                ``FisherPreconditioner``) or the fitted attributor itself (its default
-                damping). With a fit, an exact search over the fitted layers ranks as that
-                attributor's ``attribute_from_cache(..., top_k=k)``. Applied after the
-                Grad-Cos normalization. Default: identity.
+                applied layer by layer: the attributor itself, fitted here as
+                ``attribute_from_cache(train, test, layers=<indexed>, checkpoints=[c],
+                top_k=k)`` would be (its held fit reused only under the same key), so an
+                exact search equals that call for every option of the attributor
+                (``normalized_grad=True`` is refused); or
+                ``attributor.preconditioner(damping=..., checkpoint=c)`` (a
+                ``FisherPreconditioner`` of the indexed layers and checkpoint). A fitted
+                inverse is refused for a ``"cosine"`` index, an index over several
+                checkpoints or one built with ``checkpoint_weights`` (naming the option).
+                A matrix or callable is applied after the Grad-Cos normalization. Default:
+                identity.
             check_compatible: Refuse a test capture incompatible with the train store
                 (layers, projection style / size / seed), as the attributors do.
             output_dir: The result's default ``save`` directory.
@@ -447,17 +455,64 @@ class GradientIndex:
                 f"the {where} gives {queries.shape[1]} numbers per sample over the indexed "
                 f"layers, the index holds {self.dim}; was it captured with another projection?"
             )
-        queries = _precondition(queries, self._layerwise(preconditioner), self.dim)
+        queries = _precondition(queries, self._layerwise(preconditioner, source), self.dim)
         q = np.ascontiguousarray(queries.to(torch.float32).numpy())
         check_finite_vectors(q, hashes, "query")
         overrides = {"nprobe": nprobe, "efSearch": ef_search, "rerank": rerank}
         top, bottom = self._merged(q, k, overrides)
         return self._result(top, bottom, hashes, k, output_dir)
 
-    def _layerwise(self, p: Any) -> Any:
+    def checkpoint_labels(self) -> list[int]:
+        """The checkpoint labels of the indexed records (each sample's rows summed over them)."""
+        wanted = self.meta.get("checkpoints")
+        return sorted(wanted) if wanted is not None else self.store.available_checkpoints()
+
+    def _fitted(self, p: Any, queries: Any) -> Any:
+        """A fitted Fisher inverse for this index: ``p`` checked, or an attributor's fit.
+
+        The search equals the attributor's ``top_k`` only where every option of both agrees;
+        anything else is refused, naming the option and a remedy.
+        """
+        attributor = callable(getattr(p, "index_preconditioner", None))
+        if not attributor and not callable(getattr(p, "precondition_gradient", None)):
+            return p  # a matrix or a callable: folded in as it is
+        what = f"{type(p).__name__} preconditioner"
+        if self.metric != "dot":
+            raise ValueError(
+                f"the index {self.directory} was built with metric={self.metric!r} (unit train "
+                f"vectors), and a fitted {what} scores raw train gradients: build the index "
+                "with GradientIndex.build(train_store, index_dir, metric='dot')."
+            )
+        labels = self.checkpoint_labels()
+        if len(labels) != 1:
+            raise ValueError(
+                f"the index {self.directory} sums each sample's vectors over checkpoints "
+                f"{labels}, and a fitted {what} has one Fisher per checkpoint: build one index "
+                "per checkpoint (GradientIndex.build(train_store, index_dir, checkpoints=[c])) "
+                "and search each."
+            )
+        (c,) = labels
+        weight = weights_of(self.meta.get("checkpoint_weights"))[0](c)
+        if weight != 1.0:
+            raise ValueError(
+                f"the index {self.directory} was built with checkpoint_weights (weight {weight} "
+                f"at checkpoint {c}), which a fitted {what} does not apply: build the index "
+                "without checkpoint_weights."
+            )
+        if attributor:
+            every = self.layers == list(self.store.layer_names)
+            return p.index_preconditioner(self.store, None if every else self.layers, c, queries)
+        if p.checkpoint is not None and p.checkpoint != c:
+            raise ValueError(
+                f"the preconditioner is the fit of checkpoint {p.checkpoint}, the index "
+                f"{self.directory} covers checkpoint {c}: pass attributor.preconditioner("
+                f"checkpoint={c}) (a fit of checkpoint {c}), or the fitted attributor itself."
+            )
+        return p
+
+    def _layerwise(self, p: Any, queries: Any) -> Any:
         """A fitted per-layer preconditioner as a callable on the joined ``(M, D)`` queries."""
-        if callable(getattr(p, "preconditioner", None)) and hasattr(p, "factors"):
-            p = p.preconditioner()  # a fitted KFACAttributor / EKFACAttributor
+        p = self._fitted(p, queries)
         if not callable(getattr(p, "precondition_gradient", None)):
             return p
         if sorted(p.layer_names) != sorted(self.layers):
@@ -493,8 +548,16 @@ class GradientIndex:
         reading = store_reading(test)
         if reading is None:
             return test, "test source"
-        if reading.layers is None or list(reading.layers) != self.layers:
-            test = DiskGradientSource(reading.store, layers=self.layers, dtype=reading.dtype)
+        given = None if reading.checkpoints is None else sorted(reading.checkpoints)
+        wanted, labels = given, self.checkpoint_labels()
+        held = reading.store.available_checkpoints()
+        if given is None and len(labels) == 1 and len(held) > 1 and labels[0] in held:
+            wanted = labels  # an index of one checkpoint pairs with that checkpoint's queries
+        if reading.layers is None or list(reading.layers) != self.layers or wanted != given:
+            # the selection the caller made (checkpoints, dtype) is kept
+            test = DiskGradientSource(
+                reading.store, layers=self.layers, dtype=reading.dtype, checkpoints=wanted
+            )
         return test, f"test store {reading.store.save_dir}"
 
     def _check_test(self, source: Any) -> None:

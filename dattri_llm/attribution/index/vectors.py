@@ -49,7 +49,7 @@ def _refusal(name: str, layer_type: str, where: str) -> NotVectorError:
         "whose size varies with the sequence): a GradientIndex needs one fixed-size vector per "
         "sample and layer. Capture with a vector projection (HookManagerConfig(projection="
         "ProjectionConfig('dense' | 'mask' | 'sparse', proj_dim=...))), or with "
-        "capture_style='materialized' (or 'auto') so that each layer is stored as its "
+        "capture_style='materialized' so that each layer is stored as its "
         "(projected) per-sample gradient; or leave the layer out with layers=[...]."
     )
 
@@ -69,11 +69,20 @@ def check_vector_schema(schema: Sequence[Mapping[str, Any]], layers: Sequence[st
                 raise _refusal(spec["name"], site["layer_type"], where)
 
 
-def block_vectors(gradient: Gradient, layers: Sequence[str], where: str) -> torch.Tensor:
+def block_vectors(
+    gradient: Gradient, layers: Sequence[str], where: str, materialize: bool = False
+) -> torch.Tensor:
     """``(B, D)``: the selected layers' per-sample vectors joined in ``layers`` order.
 
+    Args:
+        gradient: The block's gradients.
+        layers: The layers, in vector order.
+        where: How errors name the gradients' origin.
+        materialize: Materialize a factorized layer (the few queries of a search: their
+            per-token factors become the vector the train side stores) instead of refusing it.
+
     Raises:
-        NotVectorError: a selected layer is factorized.
+        NotVectorError: a selected layer is factorized (and ``materialize`` is off).
         KeyError: a selected layer is missing from the gradient.
     """
     parts = []
@@ -85,7 +94,7 @@ def block_vectors(gradient: Gradient, layers: Sequence[str], where: str) -> torc
         lg = gradient.layers[name]
         sites = lg.sites if isinstance(lg, Shared) else [lg]
         for site in sites:
-            if not isinstance(site, Materialized):
+            if not materialize and not isinstance(site, Materialized):
                 raise _refusal(name, site.layer_type, where)
         data = lg.materialize().data
         parts.append(data.reshape(data.shape[0], -1))
@@ -339,6 +348,10 @@ def query_vectors(
 ) -> tuple[list[str], torch.Tensor]:
     """The test side: unique test hashes (first occurrence) and their ``(M, D)`` vectors.
 
+    A factorized query layer (e.g. a compact ``"logra"`` capture of short queries, stored as
+    per-token factors) is materialized into the vector the train side stores, as the
+    attributors' inner products do.
+
     Every block must carry one checkpoint label (a query set captured once): the index holds
     one vector per train sample, summed over its checkpoints, which pairs with one test
     gradient per query (as a single-checkpoint test store pairs with every train checkpoint
@@ -367,7 +380,7 @@ def query_vectors(
                 "(DiskGradientSource(test_store, checkpoints=[c])), or build one index per "
                 "checkpoint (GradientIndex.build(..., checkpoints=[c]))."
             )
-        vec = block_vectors(block.gradient, layers, where)
+        vec = block_vectors(block.gradient, layers, where, materialize=True)
         keep = []
         for r, h in enumerate(block.hashes):
             if h in seen:

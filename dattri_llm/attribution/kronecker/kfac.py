@@ -29,6 +29,7 @@ import torch
 from dattri_llm.attribution.arguments import AttributionArguments
 from dattri_llm.attribution.base import BaseAttributor
 from dattri_llm.attribution.engine.blocks import LiveSource
+from dattri_llm.attribution.kronecker.fit_key import data_key, live_key
 from dattri_llm.attribution.kronecker.mixture import (
     check_mix,
     mixed_covariances,
@@ -53,7 +54,6 @@ from dattri_llm.gradient.kronecker import (
 )
 from dattri_llm.gradient.kronecker.covariances import as_gradient, check_fit_options, fit_progress
 from dattri_llm.gradient.sources import (
-    BlockSource,
     GradientBlock,
     GradientSource,
     InMemoryGradientSource,
@@ -159,8 +159,9 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         self.factors: dict[int, KroneckerFactors] = {}
         self.damping = damping
         self.relative = relative
-        self._fit_key: Any = None
-        self._live_key: Any = None
+        self._fit_key: Any = None  # what self.factors was fitted on (see fit_key)
+        self._live_key: Any = None  # the key of the live call in progress
+        self._unlabelled = False  # one fit given without a checkpoint label: serves every label
 
     # ---- fitting ---------------------------------------------------------------------------
     def fit(
@@ -187,10 +188,14 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             factors: A saved fit (directory written by ``save_dir``/:meth:`save_factors`), a
                 :class:`KroneckerFactors`, or ``{checkpoint: KroneckerFactors}``.
             save_dir: Persist the fit there (safetensors + JSON, one folder per checkpoint).
-            refit: Fit again even when a fit is held. Without it, a held fit is reused when
-                the training data is the same (same store directory, same source or dataset
-                object); a fit given as ``factors`` (or made from covariances alone) is used for
-                every later call.
+            refit: Fit again even when a fit is held. Without it, a held fit is reused only
+                when everything it depends on is unchanged: the training data (a store's
+                directory and content fingerprint, the layers and checkpoint labels read; the
+                same live dataset, hook config and weights; the same in-memory blocks, not
+                modified) and the fit's settings (class, ``non_kronecker``, ``tokens``,
+                ``eigen_dtype``, ``second_moment``, ``max_dim``); any other source is fitted
+                anew (:mod:`dattri_llm.attribution.kronecker.fit_key`). A fit given as
+                ``factors`` (or made from covariances alone) is used for every later call.
             hook_config: Layers to capture when ``train_source`` is a dataset.
             collate_fn: Collate of the live path when ``train_source`` is a dataset.
             query_source: The query gradients (a gradient source or blocks) of a ``mix > 0``
@@ -203,7 +208,7 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         Under an initialised ``torch.distributed`` group the fit is collective: every rank
         calls it on its share of the data and the accumulators are all-reduced.
         """
-        key = self._source_key(train_source, hook_config)
+        key = self._fit_key_of(train_source, hook_config)
         if self.mix > 0 and factors is None:
             if query_source is None:
                 raise ValueError(
@@ -214,14 +219,18 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                 )
             refit = True
         if factors is not None:
-            self.factors, self._fit_key = load_factors(factors), None
-        elif self.factors and not refit and (self._fit_key is None or self._fit_key == key):
+            self.load_factors(factors)
+        elif self.factors and not refit and self._reusable(key):
             pass  # reuse: one fit serves every damping and query on the same training data
         else:
             self.factors = self._tag_fits(
                 self._fit(train_source, covariances, hook_config, collate_fn, query_source)
             )
-            self._fit_key = key if train_source is not None and self.mix == 0 else ("mixed",)
+            # made from covariances alone: the user's fit, for every later call; mixed: this
+            # call's queries, never reused
+            pinned = train_source is None
+            self._fit_key = _PINNED if pinned else key if self.mix == 0 else None
+            self._unlabelled = covariances is not None and not isinstance(covariances, Mapping)
         if save_dir is not None:
             self.save_factors(save_dir)
         return self.factors
@@ -296,23 +305,32 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             }
         return out
 
-    def _source_key(self, source: Any, hook_config: Any = None) -> Any:
-        """Identity of the training data, to reuse a fit only for the same data."""
+    def _fit_settings(self) -> tuple:
+        """The settings a fit depends on (with the training data, its reuse key)."""
+        return (
+            type(self).__qualname__,
+            self.kind,
+            self.non_kronecker,
+            self.tokens,
+            str(self.eigen_dtype),
+            self._moment_key(),
+        )
+
+    def _fit_key_of(self, source: Any, hook_config: Any = None) -> tuple | None:
+        """What a fit from ``source`` depends on (``None``: it cannot be reused)."""
         if source is None:
             return None
-        if isinstance(source, BlockSource):
-            source = source.source  # a user source, as attribute_sources reads it
-        if isinstance(source, (str, os.PathLike)):
-            return ("store", os.path.realpath(source), ())
-        if _looks_like_dataset(source):
-            return ("live", id(source), len(source), id(hook_config))
-        store = getattr(source, "store", source)
-        if _is_store(store):
-            layers = getattr(source, "layers", None)
-            return ("store", os.path.realpath(store.save_dir), tuple(layers or ()))
-        if isinstance(source, LiveSource) and self._live_key is not None:
-            return self._live_key
-        return ("object", id(source))
+        if isinstance(source, LiveSource):
+            data = self._live_key
+        elif _looks_like_dataset(source):
+            data = live_key(source, hook_config, self.task)
+        else:
+            data = data_key(source)
+        return None if data is None else (data, self._fit_settings())
+
+    def _reusable(self, key: tuple | None) -> bool:
+        """Whether the held fit serves a call whose fit key is ``key``."""
+        return self._fit_key is _PINNED or (key is not None and self._fit_key == key)
 
     def _as_source(
         self, train_source: Any, hook_config: Any, collate_fn: Any
@@ -379,23 +397,38 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         for c, f in self.factors.items():
             f.save(os.path.join(path, f"checkpoint_{c}"))
 
-    def load_factors(self, path: str | os.PathLike) -> dict[int, KroneckerFactors]:
-        """Load a fit written by :meth:`save_factors` (validated) and use it from now on."""
+    def load_factors(self, path: Any) -> dict[int, KroneckerFactors]:
+        """Load a fit written by :meth:`save_factors` (validated) and use it from now on.
+
+        Also takes what :func:`load_factors` does. A fit of one checkpoint label (a folder
+        ``checkpoint_<c>/`` or ``{c: fit}``) serves that label; a single fit without a label (a
+        ``KroneckerFactors``, or a folder holding ``kronecker_factors.json``) serves every label.
+        """
         self.factors = load_factors(path)
+        self._fit_key, self._unlabelled = _PINNED, _is_unlabelled(path)
         return self.factors
 
     # ---- scoring hooks ---------------------------------------------------------------------
-    def _fit_for(self, checkpoint: int) -> KroneckerFactors:
+    def _fit_for(self, checkpoint: int, strict: bool = False) -> KroneckerFactors:
+        """The fit of ``checkpoint``.
+
+        In a call, a single fit serves the test side whatever its label (it is the fit of the
+        call's train side, which a single test checkpoint pairs with). ``strict`` (a
+        preconditioner asked for by label): only a fit of that label, or one given without any.
+        """
         if not self.factors:
             raise RuntimeError(f"{type(self).__name__} has no fit: call fit(...) first.")
+        lenient = not strict or self._unlabelled
         if checkpoint in self.factors:
             fit = self.factors[checkpoint]
-        elif len(self.factors) == 1:
+        elif len(self.factors) == 1 and lenient:
             fit = next(iter(self.factors.values()))
         else:
             raise ValueError(
-                f"no Kronecker fit for checkpoint {checkpoint}; fitted checkpoints: "
-                f"{sorted(self.factors)}."
+                f"{type(self).__name__} has no Kronecker fit for checkpoint {checkpoint}; "
+                f"fitted checkpoints: {sorted(self.factors)}. Fit it on that checkpoint's "
+                f"training gradients: fit(DiskGradientSource(train_store, checkpoints="
+                f"[{checkpoint}]), refit=True)."
             )
         if fit.kind != self.kind:
             raise ValueError(
@@ -441,14 +474,61 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                 ``0.1 ×`` each layer's mean eigenvalue; never a call's).
             relative: Scale ``damping`` by each layer's mean eigenvalue (``None``: the
                 constructor's).
-            checkpoint: The fit's checkpoint label (a single fit serves every label).
+            checkpoint: The checkpoint label of the fit (only a fit of that label, or a single
+                fit given without a label, e.g. a ``KroneckerFactors``, serves it).
+
+        Raises:
+            ValueError: no fit of ``checkpoint``, naming the fitted labels and how to fit it.
         """
         damping, relative = resolve_damping(
             self.damping if damping is None else damping,
             self.relative if relative is None else relative,
         )
-        fit = FisherPreconditioner(self._fit_for(checkpoint), damping, relative)
-        return self._moment_preconditioner(fit, checkpoint)
+        fit = self._fit_for(checkpoint, strict=True)
+        p = FisherPreconditioner(fit, damping, relative, checkpoint=checkpoint)
+        return self._moment_preconditioner(p, checkpoint)
+
+    def index_preconditioner(
+        self, store: Any, layers: list[str] | None, checkpoint: int, queries: Any
+    ) -> FisherPreconditioner:
+        """The inverse with which an exact index search scores as this attributor does.
+
+        What ``GradientIndex.search(..., preconditioner=attributor)`` folds into its queries:
+        the fit that ``attribute_from_cache(store, queries, layers=layers,
+        checkpoints=[checkpoint], top_k=k)`` makes or reuses (for ``mix > 0``, on these
+        queries), damped as the constructor says.
+
+        Args:
+            store: The index's train store (a ``GradientStorageManager``).
+            layers: The indexed layers (``None``: every stored layer).
+            checkpoint: The one checkpoint label the index covers.
+            queries: The search's query source.
+
+        Raises:
+            ValueError: ``normalized_grad=True``: every train gradient is divided by its
+                ``P``-norm, which an index of raw gradients does not hold.
+        """
+        name = type(self).__name__
+        if self.normalized_grad:
+            raise ValueError(
+                f"{name}(normalized_grad=True) divides every train gradient by its P-norm "
+                "sqrt(g^T P g), which an index of raw gradients does not hold, so "
+                "GradientIndex.search cannot give its scores. Score with "
+                f"{name}(..., normalized_grad=True).attribute_from_cache(train_store, "
+                "test_store, top_k=k), or search with a preconditioner of an attributor built "
+                "with normalized_grad=False."
+            )
+        from dattri_llm.gradient.sources import DiskGradientSource
+
+        labels = store.available_checkpoints()
+        source = DiskGradientSource(
+            store,
+            layers=layers,
+            device=self.device,
+            checkpoints=None if labels == [checkpoint] else [checkpoint],
+        )
+        self.fit(source, query_source=queries if self.mix > 0 else None)
+        return self.preconditioner(checkpoint=checkpoint)
 
     # ---- the call's plan --------------------------------------------------------------------
     call_options = ("damping", "relative")
@@ -468,18 +548,31 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
     def fit_call(self, train: Any, test: Any, sides: Any, fit_options: dict[str, Any]) -> None:
         """Fit for one call; a ``mix > 0`` fit reads the call's test blocks too.
 
-        A live call's fit is reused only for the same dataset and hook config.
+        A live call's fit is reused only for the same dataset, hook config and weights
+        (:func:`~dattri_llm.attribution.kronecker.fit_key.live_key`).
+
+        Raises:
+            ValueError: a fit per train checkpoint but the test gradients at one checkpoint
+                only (it would precondition them with one checkpoint's inverse for all).
         """
+        self._live_key = None
         if sides is not None:
-            self._live_key = (
-                "live",
-                id(sides.train_set),
-                len(sides.train_set) if hasattr(sides.train_set, "__len__") else None,
-                id(sides.hook_config),
-            )
+            self._live_key = live_key(sides.train_set, sides.hook_config, self.task)
         if self.mix > 0 and fit_options.get("factors") is None and test is not None:
             fit_options = {**fit_options, "query_source": test}
         self.fit(train, **fit_options)
+        labels = {self.pairing_key(b) for b in test or ()}
+        if len(labels) == 1 and len(self.factors) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the train gradients have a Fisher fit per checkpoint "
+                f"{sorted(self.factors)}, the test gradients exist at checkpoint "
+                f"{labels.pop()} only; a single test checkpoint pairs with every train "
+                "checkpoint, so its gradients would be preconditioned with one checkpoint's "
+                "inverse for all of them. Capture the test set at every train checkpoint "
+                "(HookManager.checkpoint), or score one train checkpoint at a time: "
+                "attribute_sources(DiskGradientSource(train_store, checkpoints=[c]), "
+                "DiskGradientSource(test_store))."
+            )
 
 
 class EKFACAttributor(KFACAttributor):
@@ -559,6 +652,19 @@ def _one_cov(obj: Any) -> KroneckerCovariances:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+#: The fit key of a fit the user gave (``factors=``, or covariances alone): serves every call.
+_PINNED = ("pinned",)
+
+
+def _is_unlabelled(obj: Any) -> bool:
+    """Whether a fit given to :func:`load_factors` carries no checkpoint label."""
+    if isinstance(obj, KroneckerFactors):
+        return True
+    if isinstance(obj, (str, os.PathLike)):
+        return os.path.exists(os.path.join(os.fspath(obj), _FACTORS_JSON))
+    return False
+
+
 def _ekfac_pass(
     fits: dict[int, KroneckerFactors], source: Iterable, show: bool | None
 ) -> dict[int, KroneckerFactors]:

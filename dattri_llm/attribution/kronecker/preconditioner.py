@@ -28,11 +28,14 @@ class FisherPreconditioner:
         factors: The damping-free fit.
         damping: ``λ`` (absolute, or a factor of each layer's mean eigenvalue).
         relative: Whether ``damping`` is relative.
+        checkpoint: The checkpoint label of the train gradients it was fitted on (``None``:
+            not known). ``GradientIndex.search`` refuses it for an index over another label.
     """
 
     factors: KroneckerFactors
     damping: float
     relative: bool
+    checkpoint: int | None = None
 
     @property
     def layer_names(self) -> list[str]:

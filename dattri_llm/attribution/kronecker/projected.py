@@ -165,6 +165,10 @@ class ProjectedFisherAttributor(KFACAttributor):
             )
         return super()._fit(train_source, None, hook_config, collate_fn)
 
+    def _fit_settings(self) -> tuple:
+        """K-FAC's, and ``max_dim`` (a fit over other layers' views is another fit)."""
+        return (*super()._fit_settings(), self.max_dim)
+
     def _as_source(self, train_source: Any, hook_config: Any, collate_fn: Any) -> Any:
         source = super()._as_source(train_source, hook_config, collate_fn)
         if source is None:
@@ -182,5 +186,5 @@ class ProjectedFisherAttributor(KFACAttributor):
         self, p: FisherPreconditioner, checkpoint: int
     ) -> FisherPreconditioner:
         """The damped inverse (see :meth:`KFACAttributor.preconditioner`), on any layer form."""
-        view = _ViewPreconditioner(p.factors, p.damping, p.relative, self.max_dim)
+        view = _ViewPreconditioner(p.factors, p.damping, p.relative, p.checkpoint, self.max_dim)
         return super()._moment_preconditioner(view, checkpoint)

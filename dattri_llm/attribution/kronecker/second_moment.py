@@ -150,6 +150,13 @@ class SecondMomentFisher:
     def _moment(self, checkpoint: int) -> SecondMoment | None:
         return moment_at(self.second_moment, checkpoint)
 
+    def _moment_key(self) -> Any:
+        """The correction as a fit's reuse key sees it (its fingerprint, per checkpoint)."""
+        value = self.second_moment
+        if isinstance(value, dict):
+            return tuple(sorted((c, m.fingerprint()) for c, m in value.items()))
+        return None if value is None else value.fingerprint()
+
     # ---- fit -------------------------------------------------------------------------------
     def _refuse_kfac(self, names: list[str]) -> None:
         raise ValueError(
@@ -244,4 +251,6 @@ class SecondMomentFisher:
         moment = self._moment(checkpoint)
         if moment is None:
             return p
-        return MomentPreconditioner(p.factors, p.damping, p.relative, inner=p, moment=moment)
+        return MomentPreconditioner(
+            p.factors, p.damping, p.relative, p.checkpoint, inner=p, moment=moment
+        )

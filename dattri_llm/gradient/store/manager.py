@@ -8,6 +8,7 @@ safetensors shards with a JSONL index; under ``torch.distributed`` every rank wr
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -82,6 +83,14 @@ class RecordInfo(NamedTuple):
     checkpoint: int
     hashes: list[str]
     path: Path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _metadata(entry: IndexEntry) -> dict:
@@ -448,6 +457,29 @@ class GradientStorageManager:
         """Ranks of the partitions holding records."""
         held = [(p, src) for p, src in self._sources if len(src)] + self._extra[:1]
         return sorted({p.rank for p, _ in held})
+
+    def fingerprint(self) -> dict[str, Any]:
+        """A JSON digest of the store's content that changes whenever a record does.
+
+        Per partition, the size and SHA-256 of every top-level file (``meta.json`` and the
+        record index; hidden files such as the writer's lock are skipped), plus the record and
+        row counts. A record index line carries its shard's size and CRC-32, so an appended,
+        removed, repaired-differently or overwritten record changes it; the shards themselves
+        are not read. What is derived from a store and kept (a ``GradientIndex``, a K-FAC fit)
+        is keyed by it.
+
+        Returns:
+            ``{"records", "rows", "partitions": {relative dir: {file name: [size, sha256]}}}``.
+        """
+        parts: dict[str, dict[str, list]] = {}
+        for part in discover_partitions(self.save_dir):
+            files = {}
+            for p in sorted(part.directory.iterdir()):
+                if p.name.startswith(".") or not p.is_file():
+                    continue
+                files[p.name] = [p.stat().st_size, _file_digest(p)]
+            parts[os.path.relpath(part.directory, self.save_dir)] = files
+        return {"records": len(self), "rows": self.num_samples, "partitions": parts}
 
     def records(self) -> list[RecordInfo]:
         """Every record's location and identity, in store order."""

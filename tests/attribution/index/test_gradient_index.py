@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dattri_llm import AttributionArguments, GradientStorageManager, TracInAttributor
+from dattri_llm import (
+    AttributionArguments,
+    DiskGradientSource,
+    GradientStorageManager,
+    TracInAttributor,
+)
 from dattri_llm.attribution.index import (
     GradientIndex,
     IndexFormatError,
@@ -303,3 +308,257 @@ def test_huge_k_and_block_rows_are_clamped_to_the_store(stores):
         got.proponent_scores.double(), full.gather(1, order), rtol=1e-5, atol=1e-5
     )
     same_top(scores, index.search(root / "test", k=60), 60)
+
+
+# ---- a fitted Fisher folded into the search ------------------------------------------------------
+def _fisher_stores(tmp_path: Path) -> Path:
+    """A ``"mask"`` capture of a small LM at two checkpoints (weights far apart), train and test."""
+    from tests.helpers.kronecker import dataset, make_model, offload
+
+    first, second = make_model(), make_model()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(3.0)
+    for c, model in enumerate((first, second)):
+        mode = "create" if c == 0 else "append"
+        for name, data in (("train", dataset(10, 1)), ("test", dataset(4, 2))):
+            offload(model, data, tmp_path / name, config=_MASK, checkpoint=c, mode=mode)
+    return tmp_path
+
+
+def _mask_config():
+    from dattri_llm import HookManagerConfig
+    from dattri_llm.gradient.ops import ProjectionConfig
+
+    return HookManagerConfig(
+        linear_io=["fc", "head"], projection=ProjectionConfig("mask", proj_dim=5, seed=4)
+    )
+
+
+_MASK = _mask_config()
+
+
+def _same_top_exact(got, want, k: int) -> None:
+    """Ids equal; scores equal to FAISS's float32 round-off."""
+    a, b = got.top_k(k), want.top_k(k)
+    assert a.test_hashes == b.test_hashes
+    assert a.proponent_hashes == b.proponent_hashes
+    assert a.opponent_hashes == b.opponent_hashes
+    for x, y in ((a.proponent_scores, b.proponent_scores), (a.opponent_scores, b.opponent_scores)):
+        scale = float(y.abs().max())
+        torch.testing.assert_close(x.double(), y.double(), rtol=1e-5, atol=1e-5 * scale)
+
+
+def _moment():
+    from dattri_llm import SecondMoment
+
+    g = gen(11)
+    # one v per captured (masked) coordinate
+    v = {name: torch.rand(5, generator=g, dtype=torch.float64) + 0.1 for name in ("fc", "head")}
+    return SecondMoment(v, eps=1e-3)
+
+
+def _fisher_classes():
+    from dattri_llm import EKFACAttributor, KFACAttributor, ProjectedFisherAttributor
+
+    return [KFACAttributor, EKFACAttributor, ProjectedFisherAttributor]
+
+
+@pytest.mark.parametrize("cls", _fisher_classes())
+@pytest.mark.parametrize("option", ["default", "damping", "second_moment", "mix"])
+def test_search_with_a_fitted_attributor_equals_its_top_k(tmp_path, cls, option):
+    """Every option the attributor takes; the index over checkpoint 1 of a two-checkpoint store,
+    searched after the attributor was fitted on both (its checkpoint-0 fit must not be used)."""
+    from dattri_llm import ProjectedFisherAttributor
+
+    if option == "mix" and cls is ProjectedFisherAttributor:
+        pytest.skip("ProjectedFisherAttributor has no mix option")
+    root = _fisher_stores(tmp_path)
+    kw = {"damping": {"damping": 1e-3}, "second_moment": {"second_moment": _moment()}}
+    kw["mix"] = {"mix": 0.5}
+    att = cls(args(root), **kw.get(option, {}))
+    att.attribute_from_cache(root / "train", root / "test")  # a fit per checkpoint, held
+    k = 4
+    index = GradientIndex.build(root / "train", root / "idx", kind="flat", checkpoints=[1])
+    got = index.search(root / "test", k=k, preconditioner=att)
+    fresh = cls(args(root), **kw.get(option, {}))
+    want = fresh.attribute_from_cache(root / "train", root / "test", checkpoints=[1], top_k=k)
+    _same_top_exact(got, want, k)
+    # a fresh attributor, never fitted, is fitted by the search alike
+    again = index.search(root / "test", k=k, preconditioner=cls(args(root), **kw.get(option, {})))
+    _same_top_exact(again, want, k)
+    if option == "damping" or option == "default":
+        # the fitted inverse of checkpoint 1 with a call's damping
+        pre = att.preconditioner(damping=0.3, relative=True, checkpoint=1)
+        got = index.search(root / "test", k=k, preconditioner=pre)
+        want = fresh.attribute_from_cache(
+            root / "train", root / "test", checkpoints=[1], top_k=k, damping=0.3, relative=True
+        )
+        _same_top_exact(got, want, k)
+
+
+def test_search_refuses_what_a_fitted_attributor_cannot_score_and_its_remedies_work(tmp_path):
+    from dattri_llm import EKFACAttributor
+
+    root = _fisher_stores(tmp_path)
+    k = 3
+    tr, te = root / "train", root / "test"
+    one = GradientIndex.build(tr, root / "one", kind="flat", checkpoints=[1])
+    # normalized_grad: the train side's P-norms are not in the index
+    cos = EKFACAttributor(args(root), normalized_grad=True)
+    with pytest.raises(ValueError, match=r"normalized_grad=True.*attribute_from_cache"):
+        one.search(te, k=k, preconditioner=cos)
+    cos.attribute_from_cache(tr, te, checkpoints=[1], top_k=k)  # the remedy: it scores
+    att = EKFACAttributor(args(root))
+    want = att.attribute_from_cache(tr, te, checkpoints=[1], top_k=k)
+    # a cosine index
+    unit = GradientIndex.build(tr, root / "cos", "cosine", kind="flat", checkpoints=[1])
+    with pytest.raises(ValueError, match=r"metric='cosine'.*metric='dot'"):
+        unit.search(te, k=k, preconditioner=att)
+    # an index summed over both checkpoints, each with its own Fisher
+    both = GradientIndex.build(tr, root / "both", kind="flat")
+    with pytest.raises(ValueError, match=r"checkpoints \[0, 1\].*checkpoints=\[c\]"):
+        both.search(DiskGradientSource(te, checkpoints=[1]), k=k, preconditioner=att)
+    # checkpoint weights the attributor does not apply
+    weighted = GradientIndex.build(
+        tr, root / "w", kind="flat", checkpoints=[1], checkpoint_weights=[1.0, 2.0]
+    )
+    with pytest.raises(ValueError, match="without checkpoint_weights"):
+        weighted.search(te, k=k, preconditioner=att)
+    # the remedies of all three: a dot index of one checkpoint, without weights
+    _same_top_exact(one.search(te, k=k, preconditioner=att), want, k)
+    # a fitted inverse of another checkpoint
+    att.fit(DiskGradientSource(tr, checkpoints=[0]))
+    pre0 = att.preconditioner(checkpoint=0)
+    with pytest.raises(ValueError, match=r"checkpoint 0.*preconditioner\(checkpoint=1\)"):
+        one.search(te, k=k, preconditioner=pre0)
+    att.fit(DiskGradientSource(tr, checkpoints=[1]))
+    _same_top_exact(one.search(te, k=k, preconditioner=att.preconditioner(checkpoint=1)), want, k)
+
+
+# ---- refusals whose remedies work ---------------------------------------------------------------
+def test_a_test_store_of_several_checkpoints_and_both_remedies(tmp_path):
+    vecs = train_vectors(16)
+    with GradientStorageManager(tmp_path / "train") as store:
+        store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)], checkpoint=0))
+        store.write(record(1, vecs[8:], [f"t{i}" for i in range(8)], checkpoint=1))
+    queries = train_vectors(6, seed=2)
+    with GradientStorageManager(tmp_path / "test") as store:
+        store.write(record(0, queries[:3], ["q0", "q1", "q2"], checkpoint=0))
+        store.write(record(1, queries[3:], ["q0", "q1", "q2"], checkpoint=1))
+    index = GradientIndex.build(tmp_path / "train", tmp_path / "idx")
+    with pytest.raises(ValueError, match=r"DiskGradientSource\(test_store, checkpoints=\[c\]\)"):
+        index.search(tmp_path / "test", k=3)
+    tracin = TracInAttributor(args(tmp_path))
+    # remedy 1: one checkpoint's queries (against the vectors summed over both checkpoints)
+    query = DiskGradientSource(tmp_path / "test", checkpoints=[1])
+    got = index.search(query, k=3)
+    want = tracin.attribute_sources(DiskGradientSource(tmp_path / "train"), query, top_k=3)
+    same_top(got, want, 3)
+    # remedy 2: one index per checkpoint, searched with the whole test store
+    for c in (0, 1):
+        one = GradientIndex.build(tmp_path / "train", tmp_path / f"idx{c}", checkpoints=[c])
+        got = one.search(tmp_path / "test", k=3)
+        want = tracin.attribute_from_cache(
+            tmp_path / "train", tmp_path / "test", checkpoints=[c], top_k=3
+        )
+        same_top(got, want, 3)
+
+
+def _logra_store(model, path, lengths, seed: int, **config) -> None:
+    from dattri_llm import HookManager, HookManagerConfig, OffloadCallback
+    from dattri_llm.gradient.ops import ProjectionConfig
+    from tests.helpers.store import V
+
+    p = ProjectionConfig("logra", proj_dim_in=4, proj_dim_out=4, seed=3)
+    cfg = HookManagerConfig(projection=p, linear_io=["fc", "out"], **config)
+    g = gen(seed)
+    fm = GradientStorageManager(path)
+    hm = HookManager(model, cfg, callbacks=[OffloadCallback(file_manager=fm)])
+    with hm.collect(deregister_on_exit=True):
+        for t in lengths:
+            model.zero_grad(set_to_none=True)
+            (model(torch.randint(0, V, (3, t), generator=g)) ** 2).sum().backward()
+    fm.close()
+
+
+@pytest.fixture
+def net():
+    from tests.helpers.store import Net
+
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def test_a_compact_logra_query_store_of_short_queries_is_searched(tmp_path, net):
+    """Short queries are stored as per-token factors (smaller than k x d): they are
+    materialized for the search, as TracIn's inner products do."""
+    _logra_store(net, tmp_path / "train", (12, 12, 12), seed=0)
+    _logra_store(net, tmp_path / "test", (1,), seed=1)
+    block = next(iter(DiskGradientSource(tmp_path / "test")))
+    assert all(type(lg).__name__ == "Factorized" for lg in block.gradient.layers.values())
+    got = GradientIndex.build(tmp_path / "train", tmp_path / "idx").search(tmp_path / "test", k=3)
+    want = TracInAttributor(args(tmp_path)).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", top_k=3
+    )
+    same_top(got, want, 3)
+
+
+def test_a_factorized_train_store_and_both_remedies(tmp_path, net):
+    _logra_store(net, tmp_path / "short", (2, 2, 2), seed=0)  # factors: smaller than k x d
+    _logra_store(net, tmp_path / "test", (6,), seed=1)
+    with pytest.raises(NotVectorError, match="capture_style='materialized'.*layers="):
+        GradientIndex.build(tmp_path / "short", tmp_path / "idx")
+    tracin = TracInAttributor(args(tmp_path))
+    # remedy 1: capture the train store materialized
+    _logra_store(net, tmp_path / "dense", (2, 2, 2), seed=0, capture_style="materialized")
+    got = GradientIndex.build(tmp_path / "dense", tmp_path / "idx").search(tmp_path / "test", k=3)
+    same_top(got, tracin.attribute_from_cache(tmp_path / "dense", tmp_path / "test", top_k=3), 3)
+    # remedy 2: leave the factorized layers out (here: index the unprojected LayerNorm alone)
+    from dattri_llm import HookManager, HookManagerConfig, OffloadCallback
+
+    cfg = HookManagerConfig(linear_io=["fc"], param_grad=["ln"])
+    for name, n in (("mixed", 4), ("q", 2)):
+        fm = GradientStorageManager(tmp_path / name)
+        hm = HookManager(net, cfg, callbacks=[OffloadCallback(file_manager=fm)])
+        with hm.collect(deregister_on_exit=True):
+            for i in range(n):
+                net.zero_grad(set_to_none=True)
+                ids = torch.randint(0, 11, (1, 2), generator=gen(i + 10 * n))
+                (net(ids) ** 2).sum().backward()
+        fm.close()
+    with pytest.raises(NotVectorError, match="'fc'"):
+        GradientIndex.build(tmp_path / "mixed", tmp_path / "idx2")
+    index = GradientIndex.build(tmp_path / "mixed", tmp_path / "idx2", layers=["ln"])
+    got = index.search(tmp_path / "q", k=2)
+    want = tracin.attribute_from_cache(tmp_path / "mixed", tmp_path / "q", layers=["ln"], top_k=2)
+    same_top(got, want, 2)
+
+
+def test_a_moved_store_and_a_stale_index_and_their_remedies(stores):
+    root, _, _ = stores
+    GradientIndex.build(root / "train", root / "idx")
+    (root / "train").rename(root / "moved")
+    with pytest.raises(FileNotFoundError, match=r"GradientIndex.open\(index_dir, store=\.\.\.\)"):
+        GradientIndex.open(root / "idx")
+    index = GradientIndex.open(root / "idx", store=root / "moved")
+    want = TracInAttributor(args(root)).attribute_from_cache(root / "moved", root / "test", top_k=3)
+    same_top(index.search(root / "test", k=3), want, 3)
+    with GradientStorageManager(root / "moved", mode="append") as store:
+        store.write(record(99, train_vectors(2, seed=7), ["new0", "new1"]))
+    with pytest.raises(StaleIndexError, match=r"overwrite=True"):
+        GradientIndex.open(root / "idx", store=root / "moved")
+    GradientIndex.build(root / "moved", root / "idx", overwrite=True)
+    want = TracInAttributor(args(root)).attribute_from_cache(root / "moved", root / "test", top_k=3)
+    same_top(GradientIndex.open(root / "idx").search(root / "test", k=3), want, 3)
+
+
+def test_a_callable_preconditioner_as_the_shape_refusal_offers(stores):
+    root, train, test = stores
+    index = GradientIndex.build(root / "train", root / "idx")
+    p = torch.diag(torch.linspace(0.5, 2.0, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"or pass a callable on the \(M, 32\) queries"):
+        index.search(root / "test", k=3, preconditioner=torch.eye(3))
+    got = index.search(root / "test", k=3, preconditioner=lambda q: q @ p).top_k(3)
+    want = (test @ p @ train.T).topk(3, dim=1)
+    assert got.proponent_hashes == [[f"t{i}" for i in r] for r in want.indices.tolist()]

@@ -239,3 +239,49 @@ def test_no_damping_survives_a_call(tmp_path):
     assert rel(fixed.attribute_sources(blocks, queries).scores, damped) < 1e-12
     pre = fixed.preconditioner()
     assert (pre.damping, pre.relative) == (1e3, False)
+
+
+def test_the_mix_refusal_remedy_fit_with_queries_then_factors(tmp_path):
+    """``mix > 0`` without the query side is refused; the message's remedy scores as the call."""
+    model = make_model()
+    blocks = list(GradientStreamer(model, dataset(8, 1), loss_fn, hook_config=CONFIG, batch_size=3))
+    queries = list(
+        GradientStreamer(model, dataset(3, 2), loss_fn, hook_config=CONFIG, batch_size=3)
+    )
+    att = EKFACAttributor(run_args(tmp_path), mix=0.5)
+    with pytest.raises(ValueError, match=r"fit\(train_source, query_source=\.\.\.\).*factors="):
+        att.fit(blocks)
+    fit = att.fit(blocks, query_source=queries)
+    got = EKFACAttributor(run_args(tmp_path), mix=0.5).attribute_sources(
+        blocks, queries, factors=fit, damping=1e-2
+    )
+    want = EKFACAttributor(run_args(tmp_path), mix=0.5).attribute_sources(
+        blocks, queries, damping=1e-2
+    )
+    assert rel(got.scores, want.scores) < 1e-12
+
+
+def test_the_second_moment_refusal_remedy_refit(tmp_path):
+    """A fit of uncorrected gradients given to a corrected attributor is refused; refitting
+    (the message's remedy) scores as a fresh corrected attributor."""
+    from dattri_llm import SecondMoment
+
+    model = make_model()
+    tr = offload(model, dataset(8, 1), tmp_path / "train")
+    te = offload(model, dataset(3, 2), tmp_path / "test")
+    g = torch.Generator().manual_seed(5)
+    sm = SecondMoment(
+        {"fc": torch.rand(30, generator=g) + 0.1, "head": torch.rand(66, generator=g)}
+    )
+    raw = EKFACAttributor(run_args(tmp_path))
+    raw.fit(tr)
+    att = EKFACAttributor(run_args(tmp_path), second_moment=sm)
+    with pytest.raises(ValueError, match=r"uncorrected.*fit\(\.\.\., refit=True\)"):
+        att.attribute_from_cache(tr, te, factors=raw.factors)
+    att.fit(tr, refit=True)
+    got = att.attribute_from_cache(tr, te, damping=1e-2).scores
+    want = EKFACAttributor(run_args(tmp_path), second_moment=sm).attribute_from_cache(
+        tr, te, damping=1e-2
+    )
+    assert rel(got, want.scores) < 1e-12
+    assert rel(raw.attribute_from_cache(tr, te, damping=1e-2).scores, want.scores) > 1e-3

@@ -296,7 +296,14 @@ def test_index_search_with_the_fitted_inverse_equals_the_attributor_top_k(tmp_pa
     # a fit over other layers than the indexed ones is refused
     sub = GradientIndex.build(tmp_path / "train", tmp_path / "idx2", kind="flat", layers=["fc"])
     with pytest.raises(ValueError, match=r"preconditioner covers layers.*layers=\[\.\.\.\]"):
-        sub.search(tmp_path / "test", k=k, preconditioner=att)
+        sub.search(tmp_path / "test", k=k, preconditioner=att.preconditioner())
+    # the attributor itself fits over the indexed layers, as attribute_from_cache(layers=) does
+    got = sub.search(tmp_path / "test", k=k, preconditioner=att).top_k(k)
+    want = att.attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", layers=["fc"], top_k=k
+    ).top_k(k)
+    assert got.proponent_hashes == want.proponent_hashes
+    assert rel(got.proponent_scores, want.proponent_scores) <= 1e-5
 
 
 # ---- positions without gradient do not enter a projected fit ------------------------------------
@@ -365,13 +372,24 @@ def test_projected_fisher_attributor_refusals_and_index(tmp_path, model):
     pytest.importorskip("faiss")
     from dattri_llm import GradientIndex
 
-    setup(tmp_path, model, "logra")
+    train, test = setup(tmp_path, model, "logra")
     with pytest.raises(
         ValueError, match=r"layer 'ln' \(nn.LayerNorm\) has 12.*max_dim=8.*projection"
     ):
         ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
             tmp_path / "train", tmp_path / "test"
         )
+    # the refusal's remedies: leave the layer out, or raise max_dim
+    rest = [n for n in LOGRA_LAYERS if n != "ln"]
+    got = ProjectedFisherAttributor(args(tmp_path), max_dim=8).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", layers=rest, damping=1e-3
+    )
+    assert rel(got.scores, exact_fisher_scores(train, test, rest, 1e-3)) <= TOL
+    got = ProjectedFisherAttributor(args(tmp_path), max_dim=12).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", damping=1e-3
+    )
+    names = train[0].gradient.layer_names
+    assert rel(got.scores, exact_fisher_scores(train, test, names, 1e-3)) <= TOL
     with pytest.raises(ValueError, match=r"covariances.*KFACAttributor"):
         ProjectedFisherAttributor(args(tmp_path)).fit(
             tmp_path / "train", covariances=KroneckerCovarianceCallback()
