@@ -19,6 +19,7 @@ from dattri_llm.gradient.store.compact import (
     compact_gradient,
     storage_settings,
 )
+from dattri_llm.gradient.store.kronecker_stats import statistics_view
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.store import GradientStorageManager
@@ -198,6 +199,17 @@ class OffloadCallback(HookCallback):
         if callable(coverage):
             self.file_manager.configure(coverage=coverage().to_dict())
 
+    def _statistics(self, gradient: Gradient) -> Gradient | None:
+        """What the store's Kronecker statistics read of a record (``None``: nothing).
+
+        Recorded when layers may be written densely (compact storage), from the factors as
+        they would be stored (cast first), so the sums are those a fit over a factor store of
+        the same dtype makes.
+        """
+        if self.keep_token_factors is True:
+            return None
+        return statistics_view(cast_gradient(gradient, self.storage_dtype))
+
     def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict]:
         """The gradient as stored (compact, cast) and its shard-header ``storage`` entry."""
         gradient, layers = compact_gradient(gradient, self.keep_token_factors)
@@ -246,6 +258,7 @@ class OffloadCallback(HookCallback):
                     step, list(record.hashes), gradient, record.checkpoint, self._metadata(record)
                 ),
                 storage=storage,
+                statistics=self._statistics(record.gradient),
             )
             self.num_written += 1
             return
