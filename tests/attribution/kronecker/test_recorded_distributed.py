@@ -80,12 +80,11 @@ def _worker(rank: int, root: str, init_file: str) -> None:
 
 def test_two_ranks_statistics_merge_exactly(tmp_path):
     root = str(tmp_path)
-    model, ids = make()
-    _offload(model, ids[:3], os.path.join(root, "test"))
-    mp.spawn(_worker, args=(root, str(tmp_path / "pg_init")), nprocs=WORLD, join=True)
-    old = torch.get_default_dtype()
+    old = torch.get_default_dtype()  # make() sets float64 as the default: restored at the end
     try:
-        make()  # float64 default, as in the workers
+        model, ids = make()
+        _offload(model, ids[:3], os.path.join(root, "test"))
+        mp.spawn(_worker, args=(root, str(tmp_path / "pg_init")), nprocs=WORLD, join=True)
         compact = GradientStorageManager(tmp_path / "compact")
         assert compact.ranks == [0, 1]
         assert all(
