@@ -28,17 +28,14 @@ import torch
 from torch import nn
 
 from dattri_llm import (
-    CaptureCallback,
     EKFACAttributor,
     GradientStorageManager,
-    HookManager,
     HookManagerConfig,
     KFACAttributor,
-    OffloadCallback,
     ProjectionConfig,
 )
 from tests.helpers.reference import rel_err as rel
-from tests.helpers.store import Net, V, args
+from tests.helpers.store import Net, V, args, capture_to_store
 
 pytestmark = pytest.mark.usefixtures("f64")
 
@@ -52,21 +49,9 @@ def batches(seed: int, lengths, rows: int = 2) -> list[torch.Tensor]:
 
 
 def capture(model, data, path, cfg=None, checkpoint=0, mode="create", **offload) -> list:
-    """Write ``data`` (one backward per batch) to the store at ``path``; return the records."""
-    cap = CaptureCallback(keep_all=True)
+    """Write ``data`` to the store at ``path`` (opened with ``mode``); return the records."""
     store = GradientStorageManager(path, mode=mode)
-    hm = HookManager(
-        model,
-        cfg or HookManagerConfig(),
-        callbacks=[cap, OffloadCallback(file_manager=store, **offload)],
-    )
-    hm.checkpoint = checkpoint
-    with hm.collect():
-        for x in data:
-            model.zero_grad(set_to_none=True)
-            (model(x) ** 2).sum().backward()
-    hm.remove()
-    return cap.records
+    return capture_to_store(model, data, store, cfg, checkpoint, **offload)
 
 
 def layer_kinds(path) -> set[str]:

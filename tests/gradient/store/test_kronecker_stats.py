@@ -20,19 +20,16 @@ import pytest
 import torch
 
 from dattri_llm import (
-    CaptureCallback,
     GradientStorageManager,
-    HookManager,
     HookManagerConfig,
     KFACAttributor,
-    OffloadCallback,
     ProjectionConfig,
 )
 from dattri_llm.gradient.kronecker import KroneckerCovariances
 from dattri_llm.gradient.store import StoreFormatError
 from dattri_llm.gradient.store.kronecker_stats import statistics_view
 from tests.helpers.reference import rel_err as rel
-from tests.helpers.store import Net, V, args
+from tests.helpers.store import Net, V, args, capture_to_store
 
 FILE = "kronecker_statistics.safetensors"
 KRON = ("fc", "conv", "out")
@@ -43,20 +40,7 @@ def batches(seed: int, lengths, rows: int = 2) -> list[torch.Tensor]:
     return [torch.randint(0, V, (rows, t), generator=g) for t in lengths]
 
 
-def capture(model, data, store, cfg=None, checkpoint=0, **offload) -> list:
-    """Write ``data`` through ``store`` (a manager or a path); return the in-memory records."""
-    if not isinstance(store, GradientStorageManager):
-        store = GradientStorageManager(store)
-    cap = CaptureCallback(keep_all=True)
-    off = OffloadCallback(file_manager=store, **offload)
-    hm = HookManager(model, cfg or HookManagerConfig(), callbacks=[cap, off])
-    hm.checkpoint = checkpoint
-    with hm.collect():
-        for x in data:
-            model.zero_grad(set_to_none=True)
-            (model(x) ** 2).sum().backward()
-    hm.remove()
-    return cap.records
+capture = capture_to_store
 
 
 def reference_sums(records, name: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
