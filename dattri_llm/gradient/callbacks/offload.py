@@ -77,7 +77,7 @@ class OffloadCallback(HookCallback):
     8.6 KB per sample instead of 256.7 KB (``docs/benchmarks/store.md``). The scores are the
     same (to round-off) for every attributor. K-FAC / EK-FAC, whose covariances ``A`` and
     ``G`` are made of the token factors, read them from the sums the store records at capture
-    (per layer and checkpoint ``D² + K²`` numbers, whatever the number of samples; see
+    (per layer and checkpoint about ``(D² + K²) / 2`` numbers, whatever the number of samples; see
     ``docs/STORE_FORMAT.md``, "Kronecker statistics"). Token-level attribution
     (``attribution_granularity="token"``) needs the token axis of the train gradients: it is
     refused on a dense layer with an error naming ``keep_token_factors=True``, which keeps

@@ -6,8 +6,9 @@ that K-FAC's covariances ``A`` and ``G`` are made of. So the writer accumulates,
 factors of every record it writes, the running sums of :class:`KroneckerCovariances` (the same
 accumulator a fit over a factor store uses: ``sum a aᵀ``, ``sum g gᵀ``, token and sample
 counts, per layer and checkpoint) and keeps them beside the records, one file per partition:
-``D² + K²`` numbers per layer, not per sample. EK-FAC's eigenvalue correction needs only the
-per-sample gradients, which every form of the store holds.
+``(D² + K²) / 2`` numbers per layer (the triangles of the symmetric sums), not per sample.
+EK-FAC's eigenvalue correction needs only the per-sample gradients, which every form of the
+store holds.
 
 The file, ``kronecker_statistics.safetensors`` in the partition directory, is written whole
 (hidden temporary file, fsync, rename) when the writer flushes or closes, merged with what the
@@ -152,6 +153,7 @@ class StatisticsRecorder:
         meta["checkpoints"] = {}
         for c, (cov, keys) in sorted(old.items()):
             t, m = cov.to_bundle()
+            t = {k: _pack(v) if k.endswith(_SYMMETRIC) else v for k, v in t.items()}
             tensors.update({f"{c}/{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             meta["checkpoints"][str(c)] = {"covariances": m, "records": [list(k) for k in keys]}
         from safetensors.torch import save
@@ -161,6 +163,36 @@ class StatisticsRecorder:
         if fsync:
             fsync_dir(directory)
         self.discard()
+
+
+#: The sums stored as their lower triangle (``A`` and ``G`` sums are symmetric).
+_SYMMETRIC = ("|a_sum", "|g_sum")
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    """The lower triangle ``(..., n (n + 1) / 2)`` of the symmetrised ``(..., n, n)`` sum.
+
+    Half the bytes. The fit symmetrises ``A`` and ``G`` before its eigendecomposition, so
+    keeping ``(M + Mᵀ) / 2`` loses nothing it reads.
+    """
+    n = t.shape[-1]
+    i, j = torch.tril_indices(n, n, device=t.device)
+    return (0.5 * (t + t.mT))[..., i, j]
+
+
+def _unpack(v: torch.Tensor, path: Path, key: str) -> torch.Tensor:
+    """The symmetric ``(..., n, n)`` matrix of a :func:`_pack` ed triangle."""
+    size = v.shape[-1] if v.dim() else -1
+    n = int(round(((8 * size + 1) ** 0.5 - 1) / 2)) if size >= 0 else -1
+    if n < 0 or n * (n + 1) // 2 != size:
+        raise StoreFormatError(
+            f"{path}: tensor {key!r} of shape {tuple(v.shape)} is not a packed triangle."
+        )
+    i, j = torch.tril_indices(n, n)
+    out = v.new_zeros(*v.shape[:-1], n, n)
+    out[..., i, j] = v
+    out[..., j, i] = v
+    return out
 
 
 def _key(entry: Mapping) -> RecordKey:
@@ -188,7 +220,11 @@ def _read_file(path: Path) -> dict[int, tuple[KroneckerCovariances, list[RecordK
     try:
         for c, block in meta["checkpoints"].items():
             prefix = f"{c}/"
-            mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            mine = {
+                k[len(prefix) :]: _unpack(v, path, k) if k.endswith(_SYMMETRIC) else v
+                for k, v in tensors.items()
+                if k.startswith(prefix)
+            }
             cov = KroneckerCovariances.from_bundle(mine, block["covariances"], path)
             out[int(c)] = (cov, [tuple(int(v) for v in k) for k in block["records"]])
     except (KeyError, TypeError, ValueError) as e:

@@ -2,7 +2,8 @@
 
 * The recorded sums are ``sum a aᵀ``, ``sum g gᵀ`` over the counted tokens and the token and
   sample counts, computed here from the captured factors with ``einsum``; the file holds
-  ``D² + K²`` numbers per layer whatever the number of samples; vector layers and
+  the lower triangles of ``A`` and ``G`` (``(D² + K²) / 2`` numbers) per layer, whatever the
+  number of samples; vector layers and
   materialized-at-capture records get none.
 * Several capture contexts, ``mode="append"`` and ``"overwrite"``: the sums and the records
   they cover stay in step.
@@ -81,8 +82,10 @@ def test_recorded_sums_are_those_of_the_captured_factors(tmp_path, model):
         assert layer.a_sum.dtype == torch.float64
         assert rel(layer.a_sum, aa) <= 1e-6 and rel(layer.g_sum, gg) <= 1e-6, name
         assert (layer.num_tokens, layer.num_samples) == (tokens, samples), name
-    # D^2 + K^2 float64 numbers per layer, whatever the number of samples
-    numbers = sum(layer.a_sum.numel() + layer.g_sum.numel() for layer in cov.layers.values())
+    # the lower triangles of A and G: D (D + 1) / 2 + K (K + 1) / 2 float64 numbers per layer,
+    # whatever the number of samples
+    tri = lambda t: t.shape[-1] * (t.shape[-1] + 1) // 2  # noqa: E731
+    numbers = sum(tri(layer.a_sum) + tri(layer.g_sum) for layer in cov.layers.values())
     size = (tmp_path / "s" / FILE).stat().st_size
     assert numbers * 8 <= size <= numbers * 8 + 4096
     capture(model, batches(1, (12,) * 6), tmp_path / "more")
