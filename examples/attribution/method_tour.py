@@ -96,7 +96,8 @@ def capture(
     hm = HookManager(
         model,
         config=HookManagerConfig(linear_io=BLOCKS),
-        # K-FAC / EK-FAC fit their covariances from the train store's factors: keep them
+        # keep the factors (the larger store): K-FAC / EK-FAC could also fit from the sums a
+        # compact store records, but the factors serve every method of the tour alike
         callbacks=[
             OffloadCallback(offload_interval=1, file_manager=store, keep_token_factors=True)
         ],

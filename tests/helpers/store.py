@@ -95,3 +95,25 @@ def write_ranks(root: Path, per_rank: int = 2) -> None:
         for s in range(per_rank):
             w.write(toy_record(s, hashes=[f"r{r}-{s}-{i}" for i in range(3)]))
         w.close()
+
+
+def capture_to_store(model, data, store, cfg=None, checkpoint=0, **offload) -> list:
+    """Write ``data`` (one backward of ``(model(x) ** 2).sum()`` per batch) to ``store``.
+
+    ``store``: a ``GradientStorageManager`` or a path; ``offload``: ``OffloadCallback``
+    options. Returns the captured records (in memory, as the store received them).
+    """
+    from dattri_llm import CaptureCallback, HookManager, HookManagerConfig, OffloadCallback
+
+    if not isinstance(store, GradientStorageManager):
+        store = GradientStorageManager(store)
+    cap = CaptureCallback(keep_all=True)
+    off = OffloadCallback(file_manager=store, **offload)
+    hm = HookManager(model, cfg or HookManagerConfig(), callbacks=[cap, off])
+    hm.checkpoint = checkpoint
+    with hm.collect():
+        for x in data:
+            model.zero_grad(set_to_none=True)
+            (model(x) ** 2).sum().backward()
+    hm.remove()
+    return cap.records

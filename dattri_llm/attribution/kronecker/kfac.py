@@ -40,6 +40,7 @@ from dattri_llm.attribution.kronecker.preconditioner import (
     FisherPreconditioner,
     resolve_damping,
 )
+from dattri_llm.attribution.kronecker.recorded import recorded_pass
 from dattri_llm.attribution.kronecker.second_moment import SecondMomentFisher
 from dattri_llm.attribution.normalization import check_flag, dense_row_dot, unit_rows
 from dattri_llm.gradient.gradient import Gradient, GradientRecord
@@ -264,12 +265,28 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
                     "(train_source) or covariances=... (or factors=...)."
                 )
             covs = {}
-            fit_source = self._fit_blocks(source, "covariances")
-            for block in fit_progress(fit_source, "K-FAC covariances", show):
-                c = int(getattr(block, "checkpoint", 0))
-                if c not in covs:
-                    covs[c] = KroneckerCovariances(self.non_kronecker, self.tokens)
-                covs[c].update(as_gradient(block))
+            # a compact store recorded its K-FAC sums at capture: read only what they lack
+            recorded = recorded_pass(source, self.non_kronecker, self.tokens)
+            passing = source if recorded is None else recorded.blocks
+            fit_source = self._fit_blocks(passing, "covariances")
+            try:
+                for block in fit_progress(fit_source, "K-FAC covariances", show):
+                    c = int(getattr(block, "checkpoint", 0))
+                    if c not in covs:
+                        covs[c] = KroneckerCovariances(self.non_kronecker, self.tokens)
+                    covs[c].update(as_gradient(block))
+            except ValueError as e:
+                if self.tokens == "all" and "factors are gone" in str(e):
+                    raise ValueError(
+                        f"{e} A store written with OffloadCallback's defaults recorded its "
+                        f"covariances counting tokens='gradient'; {type(self).__name__}"
+                        "(tokens='all') needs the factors. Use tokens='gradient' (the default), "
+                        "or capture with KroneckerCovarianceCallback(tokens='all') and pass it "
+                        "as covariances=."
+                    ) from None
+                raise
+            if recorded is not None:
+                recorded.add_to(covs, self.non_kronecker)
             if not covs:
                 raise ValueError("the train source yielded no gradients: nothing to fit.")
         queries = None

@@ -19,6 +19,7 @@ from dattri_llm.gradient.store.compact import (
     compact_gradient,
     storage_settings,
 )
+from dattri_llm.gradient.store.kronecker_stats import statistics_view
 from dattri_llm.utils.names import check_names
 
 if TYPE_CHECKING:
@@ -75,12 +76,14 @@ class OffloadCallback(HookCallback):
     with their token axis, or its dense per-sample gradient (for a ``logra`` projected layer the
     ``k x d`` projected gradient). A 16x16 ``logra`` store of GPT-2 2x128 at 256 tokens is
     8.6 KB per sample instead of 256.7 KB (``docs/benchmarks/store.md``). The scores are the
-    same (to round-off) for every attributor except those that need the token axis of the
-    train gradients: token-level attribution (``attribution_granularity="token"``) and a K-FAC /
-    EK-FAC covariance fit from the store's factors (or pass ``covariances=`` from a
-    ``KroneckerCovarianceCallback``). Those are refused on a dense layer with an error naming
-    ``keep_token_factors=True``, which keeps every layer's factors as captured (today's
-    larger store); a list of layer names keeps only those. The option lives here, not in
+    same (to round-off) for every attributor. K-FAC / EK-FAC, whose covariances ``A`` and
+    ``G`` are made of the token factors, read them from the sums the store records at capture
+    (per layer and checkpoint about ``(D² + K²) / 2`` numbers, whatever the number of samples; see
+    ``docs/STORE_FORMAT.md``, "Kronecker statistics"). Token-level attribution
+    (``attribution_granularity="token"``) needs the token axis of the train gradients: it is
+    refused on a dense layer with an error naming ``keep_token_factors=True``, which keeps
+    every layer's factors as captured (the larger store, with no recorded sums); a list of
+    layer names keeps only those. The option lives here, not in
     ``HookManagerConfig``, because it is a storage choice: the capture, the in-memory records
     and live scoring are the same either way.
 
@@ -217,6 +220,17 @@ class OffloadCallback(HookCallback):
         if callable(coverage):
             self.file_manager.configure(coverage=coverage().to_dict())
 
+    def _statistics(self, gradient: Gradient) -> Gradient | None:
+        """What the store's Kronecker statistics read of a record (``None``: nothing).
+
+        Recorded when layers may be written densely (compact storage), from the factors as
+        they would be stored (cast first), so the sums are those a fit over a factor store of
+        the same dtype makes.
+        """
+        if self.keep_token_factors is True:
+            return None
+        return statistics_view(cast_gradient(gradient, self.storage_dtype))
+
     def _prepare(self, gradient: Gradient) -> tuple[Gradient, dict, Gradient]:
         """The gradient as stored, its ``storage`` header entry, and it before the cast.
 
@@ -270,6 +284,7 @@ class OffloadCallback(HookCallback):
                 ),
                 storage=storage,
                 uncast=uncast,
+                statistics=self._statistics(record.gradient),
             )
             self.num_written += 1
             return

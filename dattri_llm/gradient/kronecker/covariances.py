@@ -96,11 +96,13 @@ def _kronecker_pairs(name: str, lg: LayerGradient) -> list[tuple[torch.Tensor, t
         return [(v.unsqueeze(1), v.new_ones(v.shape[0], 1, 1))]
     if any(isinstance(s, Materialized) for s in layer_sites(lg)):
         raise ValueError(
-            f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC factors are gone. "
-            "Capture with capture_style='factorized' and write the store with "
-            "OffloadCallback(keep_token_factors=True), or accumulate the covariances during "
-            "capture with KroneckerCovarianceCallback and pass them as fit(covariances=...); "
-            "or use ProjectedFisherAttributor (each layer's exact Fisher, from any store form)."
+            f"layer {name!r} ({lg.layer_type}) is materialized, so its K-FAC factors are gone, "
+            "and no covariances recorded at capture cover this record. Capture with "
+            "capture_style='factorized' into a store written by OffloadCallback (its compact "
+            "store records the covariances; OffloadCallback(keep_token_factors=True) keeps the "
+            "factors), or accumulate the covariances during capture with "
+            "KroneckerCovarianceCallback and pass them as fit(covariances=...); or use "
+            "ProjectedFisherAttributor (each layer's exact Fisher, from any store form)."
         )
     return [(s.a, s.g) for s in layer_sites(lg)]
 
@@ -324,9 +326,61 @@ class KroneckerCovariances:
             return dg.sq_sum.device
         return None
 
+    # ---- merging ---------------------------------------------------------------------------
+    def merge(self, other: KroneckerCovariances) -> KroneckerCovariances:
+        """Add ``other``'s sums and counts to this accumulator (in place; returns ``self``).
+
+        Sums over disjoint sets of samples add up exactly to the sums over their union: this is
+        how statistics recorded by several writers (ranks, capture contexts) combine.
+
+        Raises:
+            ValueError: the two hold the same layer with different types or shapes, or were
+                accumulated with different token counting.
+        """
+        if other.tokens != self.tokens:
+            raise ValueError(
+                f"cannot merge covariances counted over tokens={other.tokens!r} into ones "
+                f"counted over tokens={self.tokens!r}."
+            )
+        for name, c in other.layers.items():
+            mine = self.layers.get(name)
+            if mine is None:
+                self.layers[name] = LayerCovariance(
+                    c.layer_type,
+                    dict(c.module_kwargs),
+                    c.a_sum.to(self.dtype).clone(),
+                    c.g_sum.to(self.dtype).clone(),
+                    c.num_tokens,
+                    c.num_samples,
+                    None if c.block_tokens is None else c.block_tokens.clone(),
+                )
+                continue
+            _check_same_layer(name, mine, c)
+            mine.a_sum += c.a_sum.to(mine.a_sum)
+            mine.g_sum += c.g_sum.to(mine.g_sum)
+            if mine.block_tokens is not None:
+                mine.block_tokens += c.block_tokens.to(mine.block_tokens)
+            mine.num_tokens += c.num_tokens
+            mine.num_samples += c.num_samples
+        for name, d in other.diagonal.items():
+            mine_d = self.diagonal.get(name)
+            if mine_d is None:
+                self.diagonal[name] = DiagonalFisher(
+                    d.layer_type,
+                    dict(d.module_kwargs),
+                    d.sq_sum.to(self.dtype).clone(),
+                    d.num_samples,
+                )
+                continue
+            _check_same_layer(name, mine_d, d)
+            mine_d.sq_sum += d.sq_sum.to(mine_d.sq_sum)
+            mine_d.num_samples += d.num_samples
+        self.skipped.update(other.skipped)
+        return self
+
     # ---- files -----------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        """Write ``kronecker_covariances.{safetensors,json}`` into the directory ``path``."""
+    def to_bundle(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """``(tensors, metadata)`` as :meth:`save` writes them (tensors ``"<layer>|<field>"``)."""
         tensors: dict[str, torch.Tensor] = {}
         meta = {
             "non_kronecker": self.non_kronecker,
@@ -336,12 +390,16 @@ class KroneckerCovariances:
             "diagonal": put_layers(self.diagonal, tensors),
             "skipped": self.skipped,
         }
-        write_bundle(path, "kronecker_covariances", tensors, meta)
+        return tensors, meta
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> KroneckerCovariances:
-        """Read what :meth:`save` wrote, checking the format, version and shapes."""
-        tensors, meta = read_bundle(path, "kronecker_covariances")
+    def from_bundle(
+        cls, tensors: dict[str, torch.Tensor], meta: dict, path: object
+    ) -> KroneckerCovariances:
+        """Rebuild what :meth:`to_bundle` gave, checking every tensor's presence and shape.
+
+        ``path`` names the files in errors.
+        """
         out = cls(meta["non_kronecker"], meta["tokens"])
         out.reduced, out.skipped = bool(meta["reduced"]), dict(meta["skipped"])
         for name, m in meta["layers"].items():
@@ -356,6 +414,28 @@ class KroneckerCovariances:
             )
         out.diagonal.update(get_diagonal(tensors, meta, path))
         return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``kronecker_covariances.{safetensors,json}`` into the directory ``path``."""
+        write_bundle(path, "kronecker_covariances", *self.to_bundle())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> KroneckerCovariances:
+        """Read what :meth:`save` wrote, checking the format, version and shapes."""
+        return cls.from_bundle(*read_bundle(path, "kronecker_covariances"), path)
+
+
+def _check_same_layer(name: str, a: Any, b: Any) -> None:
+    """Refuse to add up the sums of two different layers stored under one name."""
+    same_kw = json.dumps(a.module_kwargs, sort_keys=True, default=str) == json.dumps(
+        b.module_kwargs, sort_keys=True, default=str
+    )  # a tuple read back from JSON is a list
+    if a.layer_type != b.layer_type or not same_kw:
+        raise ValueError(
+            f"cannot merge the statistics of layer {name!r}: one side is {a.layer_type} "
+            f"{a.module_kwargs}, the other {b.layer_type} {b.module_kwargs} (captured from "
+            "different models or projections)."
+        )
 
 
 # ---- the files of the Kronecker family ---------------------------------------------------------

@@ -38,6 +38,7 @@ __all__ = [
     "INDEX_FILE",
     "SHARD_DIR",
     "SHARD_METADATA_KEY",
+    "KRONECKER_FILE",
     "StoreFormatError",
     "read_meta",
     "write_meta",
@@ -61,6 +62,8 @@ META_FILE = "meta.json"
 INDEX_FILE = "index.jsonl"
 SHARD_DIR = "shards"
 SHARD_METADATA_KEY = "dattri_llm"
+#: A partition's Kronecker statistics (``kronecker_stats.py``), beside its index.
+KRONECKER_FILE = "kronecker_statistics.safetensors"
 
 
 class StoreFormatError(ValueError):

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from dattri_llm.gradient.store.binary_index import RECORDS_FILE, SAMPLES_FILE
-from dattri_llm.gradient.store.format import INDEX_FILE, SHARD_DIR, write_meta
+from dattri_llm.gradient.store.format import INDEX_FILE, KRONECKER_FILE, SHARD_DIR, write_meta
 from dattri_llm.gradient.store.index import parse_index
 from dattri_llm.gradient.store.partition import Partition, discover_partitions, shard_files
 from dattri_llm.gradient.store.writer import live_writer, lock_partition
@@ -82,7 +82,7 @@ def clear_partition(part: Partition, root: Path) -> None:
         writer.close()
     lock = lock_partition(part.directory)
     try:
-        for name in (RECORDS_FILE, SAMPLES_FILE):  # the binary index first: it is derived
+        for name in (RECORDS_FILE, SAMPLES_FILE, KRONECKER_FILE):  # derived from the records
             (part.directory / name).unlink(missing_ok=True)
         index = part.directory / INDEX_FILE
         if index.exists():

@@ -40,6 +40,11 @@ from dattri_llm.gradient.store.format import (
     read_meta,
 )
 from dattri_llm.gradient.store.index import IndexEntry, check_sequence, parse_index
+from dattri_llm.gradient.store.kronecker_stats import (
+    StatisticsRecorder,
+    StoreStatistics,
+    read_statistics,
+)
 from dattri_llm.gradient.store.lifecycle import MODES, prepare_store
 from dattri_llm.gradient.store.lookup import SampleLocation, SampleLocator
 from dattri_llm.gradient.store.partition import Partition as _Partition
@@ -207,6 +212,7 @@ class GradientStorageManager:
         self.shard_checks = VerifiedShards()
         # what a writer puts into a new partition's ``meta.json`` (see ``configure``)
         self._partition_meta: dict[str, Any] = {}
+        self._statistics = StatisticsRecorder()  # sums of our records not yet saved
         self.refresh()
 
     def configure(
@@ -350,6 +356,7 @@ class GradientStorageManager:
         extra: Mapping[str, Any] | None = None,
         storage: Mapping[str, Any] | None = None,
         *,
+        statistics: Gradient | None = None,
         uncast: Gradient | None = None,
     ) -> None:
         """Append one record.
@@ -365,6 +372,11 @@ class GradientStorageManager:
                 compact choices and the storage / capture dtypes), kept in the shard header;
                 a reader casts a record stored in a narrower dtype back to
                 ``storage["capture_dtype"]``.
+            statistics: The record's layers with their token factors
+                (:func:`~dattri_llm.gradient.store.kronecker_stats.statistics_view`), whose
+                K-FAC sums the store records beside the records (``OffloadCallback`` passes
+                them when it writes a layer densely): a K-FAC / EK-FAC fit then needs no
+                factors. Saved when the store flushes or closes.
             uncast: The gradient before its cast to the storage dtype (``OffloadCallback``
                 passes it): read only to word the refusal of a non-finite record (an overflow
                 of the cast, or a value non-finite before it).
@@ -385,28 +397,67 @@ class GradientStorageManager:
                     UserWarning,
                     stacklevel=2,
                 )
-        writer.write(
+        seq = writer.write(
             record,
             dict(extra) if extra is not None else None,
             dict(storage) if storage is not None else None,
         )
+        if statistics is not None:
+            self._statistics.add(seq, record.checkpoint, statistics)
+
+    def _save_statistics(self) -> None:
+        """Merge the pending Kronecker sums into the partition's file (records durable)."""
+        writer = self._writer
+        if writer is None or not self._statistics.pending:
+            return
+        if writer.closed or writer.taken_over:  # the partition is another writer's now
+            self._statistics.discard()
+            return
+        # ``_own`` holds the partition's durable entries from seq 0 (line i is seq i)
+        self._statistics.save(writer.directory, self._own, fsync=self.fsync)
 
     def flush(self) -> None:
-        """Block until every written record is durable."""
+        """Block until every written record (and its Kronecker statistics) is durable."""
         if self._writer is not None:
             self._writer.flush()
+            self._save_statistics()
 
     def close(self) -> None:
         """Flush and release the writer (the store stays readable; a later write reopens it)."""
         if self._writer is not None:
             try:
-                self._writer.close()
+                try:
+                    self._writer.flush()
+                    self._save_statistics()
+                finally:
+                    self._writer.close()
             finally:
                 if not self._writer.taken_over:  # stay refused: another manager writes now
                     index = self._writer.directory / INDEX_FILE
                     size = index.stat().st_size if index.exists() else 0
                     self._known = (self._writer.directory, (list(self._own), size))
                     self._writer = None
+
+    def kronecker_statistics(
+        self, layers: Sequence[str] | None = None, checkpoints: Sequence[int] | None = None
+    ) -> StoreStatistics:
+        """The K-FAC sums the store recorded at capture, and which records they cover.
+
+        A compact store (``OffloadCallback`` defaults) records, per partition and checkpoint,
+        the covariance sums of the layers it may write densely; the partitions' sums are
+        merged here. A K-FAC / EK-FAC fit uses them for the covered records and reads every
+        other record's factors (see ``docs/STORE_FORMAT.md``, "Kronecker statistics").
+
+        Args:
+            layers: Only these layers (default: all).
+            checkpoints: Only these checkpoint labels (default: all).
+        """
+        layers = self.check_layers(layers)
+        wanted = self.check_checkpoints(checkpoints)
+        parts: dict[Path, list[tuple[int, IndexEntry]]] = {}
+        for pos, (part, e) in enumerate(self.index_entries()):
+            parts.setdefault(part.directory, []).append((pos, e))
+        return read_statistics(list(parts.items()), layers, wanted)
 
     @classmethod
     def repair(cls, save_dir: str | os.PathLike) -> list[RepairReport]:

@@ -39,6 +39,7 @@ from dattri_llm.gradient.store.binary_index import (
 )
 from dattri_llm.gradient.store.format import (
     INDEX_FILE,
+    KRONECKER_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
     encode_record,
@@ -221,6 +222,7 @@ class PartitionWriter:
             self.shard_dir.mkdir(exist_ok=True)
             if clear:
                 entries, valid = [], 0
+                (directory / KRONECKER_FILE).unlink(missing_ok=True)  # of the deleted records
                 IndexAppender(directory / INDEX_FILE, 0, fsync=fsync).close()  # truncate first
             elif known is not None and _size(directory / INDEX_FILE) == known[1]:
                 entries, valid = list(known[0]), known[1]  # nobody appended since we closed
@@ -298,11 +300,14 @@ class PartitionWriter:
     # ---- writing ------------------------------------------------------------------------------
     def write(
         self, record: GradientRecord, extra: dict | None = None, storage: dict | None = None
-    ) -> None:
+    ) -> int:
         """Persist one record (blocks while ``max_pending`` records are in flight).
 
         ``storage`` (JSON) goes into the shard header only: how the record was stored
         (``docs/STORE_FORMAT.md``, "Compact storage").
+
+        Returns:
+            The record's ``seq`` in the partition.
         """
         self._raise_pending()
         if self._taken_over:
@@ -323,13 +328,14 @@ class PartitionWriter:
         self._seq += 1
         if not self._async:
             self._write_now(seq, tensors, header)
-            return
+            return seq
         self._slots.acquire()
         self._raise_pending()
         with self._cv:
             self._queue.append((seq, tensors, header))
             self._pending += 1
             self._cv.notify_all()
+        return seq
 
     def _write_now(self, seq: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
         meta = {SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)}

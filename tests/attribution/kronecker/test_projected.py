@@ -7,8 +7,8 @@
 * ``"logra"`` factors: K-FAC in the projected space (``A`` / ``G`` of the projected factors,
   ``F̂ = G ⊗ A`` inverted with ``torch.linalg.inv``), EK-FAC with the explicit eigenbasis
   ``Q_G ⊗ Q_A`` and empirical eigenvalues; from a factor-keeping store, and from covariances
-  captured under the same projection scoring a compact store; a compact store alone is refused
-  naming ``keep_token_factors``.
+  captured under the same projection scoring a compact store; a compact store without the
+  covariances it records at capture is refused naming ``keep_token_factors``.
 * TracIn / Grad-Cos on every projected store equal the inner products of the stored vectors.
 * ``GradientIndex.search(preconditioner=...)`` with the fitted inverse gives the attributor's
   ``top_k``.
@@ -232,8 +232,11 @@ def test_logra_factor_store_is_kfac_in_the_projected_space(tmp_path, model, cls)
     assert rel(got.scores, logra_scores(train, test, cls.kind, 1e-3, False)) <= TOL
 
 
-def test_compact_logra_store_alone_is_refused_naming_the_fix(tmp_path, model):
+def test_compact_logra_store_without_covariances_is_refused_naming_the_fix(tmp_path, model):
+    """A compact store scores from the covariances it recorded (``test_recorded.py``); one
+    that holds none (written before they were recorded) is refused."""
     setup(tmp_path, model, "logra")
+    (tmp_path / "train" / "kronecker_statistics.safetensors").unlink()
     for cls in (KFACAttributor, EKFACAttributor):
         with pytest.raises(
             ValueError,

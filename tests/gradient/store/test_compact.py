@@ -4,8 +4,8 @@
   (sizes computed here from the captured tensors, independently of the library's choice).
 * Its TracIn / Grad-Cos scores equal those of a store that keeps every factor (float64,
   ``<= 1e-12``), on a model with Embedding, Linear, LayerNorm and Conv1d layers.
-* Token granularity and K-FAC fits on a compact store are refused naming the option; with
-  ``keep_token_factors=True`` they work.
+* Token granularity (and a K-FAC fit on a compact store without recorded covariances) is
+  refused naming the option; with ``keep_token_factors=True`` it works.
 * ``storage_dtype="bfloat16"`` halves the tensor bytes, reads back as float32, is recorded in
   ``meta.json`` / the shard headers / ``dattri-llm inspect``, and ranks like float32.
 * A store without the new header fields (what earlier versions wrote) still reads.
@@ -173,7 +173,9 @@ def test_token_level_needs_keep_token_factors(tmp_path, f64):
     )
     sample = att.attribute_from_cache(tmp_path / "compact", tmp_path / "test")
     assert rel(tok.scores, sample.scores) <= 1e-10  # token scores summed = sample scores
-    # a K-FAC covariance fit from a compact store is refused naming the option too
+    # a K-FAC fit from a compact store that recorded no covariances (written before the store
+    # recorded them: its statistics file removed here) is refused naming the option too
+    (tmp_path / "compact" / "kronecker_statistics.safetensors").unlink()
     with pytest.raises(ValueError, match=r"keep_token_factors=True"):
         KFACAttributor(args(tmp_path)).attribute_from_cache(tmp_path / "compact", tmp_path / "test")
 
