@@ -580,15 +580,16 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         self.fit(train, **fit_options)
         labels = {self.pairing_key(b) for b in test or ()}
         if len(labels) == 1 and len(self.factors) > 1:
+            label = labels.pop()
             raise ValueError(
                 f"{type(self).__name__}: the train gradients have a Fisher fit per checkpoint "
-                f"{sorted(self.factors)}, the test gradients exist at checkpoint "
-                f"{labels.pop()} only; a single test checkpoint pairs with every train "
-                "checkpoint, so its gradients would be preconditioned with one checkpoint's "
-                "inverse for all of them. Capture the test set at every train checkpoint "
-                "(HookManager.checkpoint), or score one train checkpoint at a time: "
-                "attribute_sources(DiskGradientSource(train_store, checkpoints=[c]), "
-                "DiskGradientSource(test_store))."
+                f"{sorted(self.factors)}, the test gradients exist at checkpoint {label} "
+                "only; a single test checkpoint pairs with every train checkpoint, so its "
+                "gradients would be preconditioned with one checkpoint's inverse for all of "
+                "them. Capture the test set at every train checkpoint "
+                "(HookManager.checkpoint), or score the train checkpoint the test set was "
+                "captured at: attribute_sources(DiskGradientSource(train_store, "
+                f"checkpoints=[{label}]), DiskGradientSource(test_store))."
             )
 
 
