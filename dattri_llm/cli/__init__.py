@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from dattri_llm.cli import attribute, demo, index, inspect_store, report, top
+from dattri_llm.cli import attribute, capture, demo, index, inspect_store, report, top
 from dattri_llm.cli._common import (
     EXIT_CODES,
     EXIT_ERROR,
@@ -29,7 +29,7 @@ from dattri_llm.cli._common import (
 
 __all__ = ["main", "build_parser", "version"]
 
-_COMMANDS = (inspect_store, attribute, top, report, index, demo)
+_COMMANDS = (capture, inspect_store, attribute, top, report, index, demo)
 
 WORKFLOW = """workflow:
   1. capture: wrap your training loop in a HookManager with an OffloadCallback (Python; see
