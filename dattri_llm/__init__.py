@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "LiveRunArguments": "dattri_llm.attribution",
     "SecondMoment": "dattri_llm.attribution",
     "GradientIndex": "dattri_llm.attribution",
+    "Explorer": "dattri_llm.attribution.explorer",
     # sample identity
     "hash_sample": "dattri_llm.utils.hashing",
     "hash_batch": "dattri_llm.utils.hashing",

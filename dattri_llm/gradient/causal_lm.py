@@ -54,6 +54,7 @@ __all__ = [
     "CaptureMismatchError",
     "parse_projection",
     "projection_spec",
+    "encode_prompt",
     "encode_sample",
     "pad_batch",
     "summed_loss",
@@ -112,6 +113,27 @@ def projection_spec(projection: ProjectionConfig | None) -> dict | None:
     return None if projection is None else projection.to_dict()
 
 
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[int]:
+    """A prompt's token ids: with the tokenizer's special tokens, or as a chat user turn.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        prompt: The prompt.
+        chat: Format it as a user turn of the tokenizer's chat template, with the generation
+            prompt added.
+    """
+    if chat:
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
 def encode_sample(
     tokenizer: Any,
     prompt: str,
@@ -129,17 +151,7 @@ def encode_sample(
         chat: Format the prompt as a user turn of the tokenizer's chat template.
         max_length: Keep at most this many tokens (from the start).
     """
-    if chat:
-        prompt_ids = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-    else:
-        prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
     completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
     ids = prompt_ids + completion_ids
     labels = [IGNORE_INDEX] * len(prompt_ids) + completion_ids
@@ -234,7 +246,9 @@ class CaptureSettings:
     model_path: str = ""
 
     #: compared on resume (a query may differ in chat formatting and length)
-    RESUME_KEYS = ("model", "tokenizer", "projection", "layers", "chat", "max_length", "dtype")
+    RESUME_KEYS = (
+        "model", "tokenizer", "projection", "layers", "chat", "max_length", "dtype", "checkpoint"
+    )  # fmt: skip
     #: compared between a store and a live query against it
     QUERY_KEYS = ("model", "tokenizer", "projection", "layers", "dtype")
 
