@@ -200,15 +200,27 @@ class Explorer:
             raise ValueError("prompt: it has no token (give a prompt or a completion).")
         pad = self.tokenizer.pad_token_id
         eos = self.tokenizer.eos_token_id
+        room = self._positions() - x.shape[1]
+        if room < 1:
+            raise ValueError(f"prompt: {x.shape[1]} tokens leave no room to generate.")
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=x,
                 attention_mask=torch.ones_like(x),
-                max_new_tokens=self.max_new_tokens,
+                max_new_tokens=min(self.max_new_tokens, room),
                 do_sample=False,
                 pad_token_id=pad if pad is not None else eos,
             )
         return self.tokenizer.decode(out[0, x.shape[1] :], skip_special_tokens=True)
+
+    def _positions(self) -> int:
+        """The longest sequence the model takes (a large number when its config says none)."""
+        config = getattr(self.model, "config", None)
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
+        return 1 << 30
 
     def _device(self) -> torch.device | str:
         if self.device is not None:
@@ -231,6 +243,11 @@ class Explorer:
             raise ValueError(
                 "completion: it has no token to predict after the prompt (give a non-empty "
                 "completion, or None to generate one)."
+            )
+        if len(item["input_ids"]) > self._positions():
+            raise ValueError(
+                f"completion: the prompt and completion are {len(item['input_ids'])} tokens, "
+                f"more than the model's {self._positions()} positions."
             )
         pad = self.tokenizer.pad_token_id
         streamer = GradientStreamer(

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 INJECTIONS = (
-    "<script>document.body.setAttribute('data-pwned','1')</script>",
-    "\"><img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">",
+    "cat <script>document.body.setAttribute('data-pwned','1')</script> purr",
+    "ship \"><img src=x onerror=\"document.body.setAttribute('data-pwned','2')\"> sail",
 )
 
 TOPICS = {
