@@ -70,6 +70,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def build_parser_defaults(**values: Any) -> argparse.Namespace:
+    """The command's options with their defaults, updated with ``values`` (``demo --serve``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    args = parser.parse_args(["serve", "--model", "", "--train", ""])
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
