@@ -13,34 +13,18 @@ import pytest
 import torch
 
 from dattri_llm import AttributionArguments, Explorer, TracInAttributor
-from dattri_llm.cli import main
 from dattri_llm.gradient.causal_lm import CaptureMismatchError
 from dattri_llm.gradient.sources import DiskGradientSource
-from tests.helpers.tiny_lm import corpus, save_tiny_lm, write_jsonl
+from tests.helpers.tiny_lm import QUERIES, captured_stores, corpus, save_tiny_lm
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
-
-QUERIES = [
-    {"prompt": "cat kitten", "completion": "purr meow fur"},
-    {"prompt": "", "completion": "ship sail harbor deck"},
-    {"prompt": "number prime", "completion": "proof zero"},
-]
 
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory) -> tuple[Path, Path, Path]:
     """``(model dir, train store, query store)``, captured with the command line."""
-    root = tmp_path_factory.mktemp("explorer")
-    model_dir = save_tiny_lm(root / "model")
-    data = write_jsonl(root / "train.jsonl", [{"text": t} for t in corpus(n_per_topic=5)])
-    queries = write_jsonl(root / "queries.jsonl", QUERIES)
-    common = ["--projection", "sparse:256", "--no-progress"]
-    assert main(["capture", str(model_dir), str(data), "--out", str(root / "train"), *common]) == 0
-    assert main(["capture", str(model_dir), str(queries), "--out", str(root / "query"),
-                 "--prompt-field", "prompt", "--completion-field", "completion",
-                 "--batch-size", "1", *common]) == 0  # fmt: skip
-    return model_dir, root / "train", root / "query"
+    return captured_stores(tmp_path_factory.mktemp("explorer"), corpus(n_per_topic=5))
 
 
 def _load(model_dir: Path, dtype=torch.float32):

@@ -18,19 +18,13 @@ import pytest
 import torch
 
 from dattri_llm.cli import main
-from tests.helpers.tiny_lm import INJECTIONS, corpus, save_tiny_lm, write_jsonl
+from tests.helpers.tiny_lm import INJECTIONS, QUERIES, captured_stores, corpus
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
-
-QUERIES = [
-    {"prompt": "cat kitten", "completion": "purr meow fur"},
-    {"prompt": "", "completion": "ship sail harbor deck"},
-    {"prompt": "number prime", "completion": "proof zero"},
-]
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +35,10 @@ def served(tmp_path_factory):
     from dattri_llm import Explorer
     from dattri_llm.cli.serve import build_app
 
-    root = tmp_path_factory.mktemp("serve")
-    model_dir = save_tiny_lm(root / "model")
     docs = corpus(n_per_topic=4) + list(INJECTIONS)  # markup in the corpus must stay text
-    data = write_jsonl(root / "train.jsonl", [{"text": t} for t in docs])
-    queries = write_jsonl(root / "queries.jsonl", QUERIES)
-    common = ["--projection", "sparse:256", "--no-progress"]
-    assert main(["capture", str(model_dir), str(data), "--out", str(root / "train"), *common]) == 0
-    assert main(["capture", str(model_dir), str(queries), "--out", str(root / "query"),
-                 "--prompt-field", "prompt", "--completion-field", "completion",
-                 "--batch-size", "1", *common]) == 0  # fmt: skip
+    model_dir, train, query = captured_stores(tmp_path_factory.mktemp("serve"), docs)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    explorer = Explorer(model, AutoTokenizer.from_pretrained(model_dir), root / "train")
+    explorer = Explorer(model, AutoTokenizer.from_pretrained(model_dir), train)
     server = uvicorn.Server(
         uvicorn.Config(build_app(explorer, max_k=50), host="127.0.0.1", port=0, log_level="error")
     )
@@ -63,7 +49,7 @@ def served(tmp_path_factory):
             break
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", explorer, root / "train", root / "query"
+    yield f"http://127.0.0.1:{port}", explorer, train, query
     server.should_exit = True
     thread.join(timeout=10)
 
@@ -141,7 +127,7 @@ def test_oversized_and_invalid_requests_are_refused_naming_the_field(served) -> 
 
 def test_concurrent_clients_get_the_sequential_answers(served) -> None:
     url = served[0]
-    asks = [{**q, "k": 5} for q in QUERIES] * 2
+    asks = [{**q, "k": 5} for q in QUERIES] * 4
 
     def ask(body: dict) -> list:
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -153,10 +139,11 @@ def test_concurrent_clients_get_the_sequential_answers(served) -> None:
     out: dict[int, list] = {}
 
     def worker(offset: int) -> None:
-        for i in range(offset, len(asks), 2):
+        for i in range(offset, len(asks), 3):
             out[i] = ask(asks[i])
 
-    threads = [threading.Thread(target=worker, args=(o,)) for o in (0, 1)]
+    # three clients at once (without the explorer's lock their hooks mix and this fails)
+    threads = [threading.Thread(target=worker, args=(o,)) for o in (0, 1, 2)]
     for t in threads:
         t.start()
     for t in threads:

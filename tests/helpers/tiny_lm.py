@@ -69,3 +69,27 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+#: Prompts and completions the explorer tests ask (also captured as a query store).
+QUERIES = [
+    {"prompt": "cat kitten", "completion": "purr meow fur"},
+    {"prompt": "", "completion": "ship sail harbor deck"},
+    {"prompt": "number prime", "completion": "proof zero"},
+]
+
+
+def captured_stores(root: Path, docs: list[str]) -> tuple[Path, Path, Path]:
+    """``(model dir, train store, query store)`` written by ``dattri-llm capture``: ``docs`` as
+    the corpus, :data:`QUERIES` (one per batch) as the queries, ``sparse:256``."""
+    from dattri_llm.cli import main
+
+    model_dir = save_tiny_lm(root / "model")
+    data = write_jsonl(root / "train.jsonl", [{"text": t} for t in docs])
+    queries = write_jsonl(root / "queries.jsonl", QUERIES)
+    common = ["--projection", "sparse:256", "--no-progress"]
+    assert main(["capture", str(model_dir), str(data), "--out", str(root / "train"), *common]) == 0
+    assert main(["capture", str(model_dir), str(queries), "--out", str(root / "query"),
+                 "--prompt-field", "prompt", "--completion-field", "completion",
+                 "--batch-size", "1", *common]) == 0  # fmt: skip
+    return model_dir, root / "train", root / "query"
