@@ -209,3 +209,35 @@ def test_top_and_report_show_the_captured_texts_without_a_texts_flag(
     page = tmp_path / "r.html"
     assert main(["report", str(tmp_path / "scores"), "-o", str(page)]) == 0
     assert item["proponents"][0]["text"] in page.read_text(encoding="utf-8")
+
+
+def test_a_chat_template_formats_the_prompt_and_the_loss_stays_on_the_completion(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from dattri_llm import hash_sample
+    from dattri_llm.gradient.causal_lm import read_settings
+
+    model_dir = save_tiny_lm(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}[BOS] {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}[BOS]{% endif %}"
+    )
+    tok.save_pretrained(model_dir)
+    rows = [{"prompt": "cat kitten", "completion": "purr meow"}]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    store = tmp_path / "store"
+    assert _capture(model_dir, data, "--out", store, "--prompt-field", "prompt",
+                    "--completion-field", "completion") == 0  # fmt: skip
+    assert read_settings(store).chat
+    # the template's ids written out here: [BOS] cat kitten [BOS], then the completion
+    vocab = tok.get_vocab()
+    prompt = [vocab[w] for w in ("[BOS]", "cat", "kitten", "[BOS]")]
+    completion = [vocab["purr"], vocab["meow"]]
+    item = {
+        "input_ids": torch.tensor(prompt + completion),
+        "labels": torch.tensor([-100] * len(prompt) + completion),
+    }
+    assert _store_vectors(store).keys() == {hash_sample(item, keys=["input_ids", "labels"])}
