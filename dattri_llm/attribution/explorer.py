@@ -254,7 +254,7 @@ class Explorer:
             self.model,
             [item],
             summed_loss,
-            hook_config=hook_config(self.settings.layers, self.settings.projection),
+            hook_config=hook_config(self.settings.layers, self.settings.projection, self.model),
             batch_size=1,
             checkpoint=self.settings.checkpoint,
             collate_fn=pad_batch(pad if pad is not None else 0),

@@ -31,6 +31,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -308,13 +309,55 @@ def read_texts(store_dir: str | os.PathLike) -> dict[str, str]:
 
 
 def hook_config(
-    layers: Sequence[str] | None, projection: ProjectionConfig | dict | None
+    layers: Sequence[str] | None,
+    projection: ProjectionConfig | dict | None,
+    model: nn.Module | None = None,
 ) -> HookManagerConfig:
-    """The hook config of a capture: ``layers`` (shell globs of module names) or every layer."""
+    """The hook config of a capture: ``layers`` (shell globs of module names) or every layer.
+
+    With ``model``, a layer that does not accept the projection's style (a norm under
+    ``logra``) is kept exact, and each glob selects the model's capturable layers it matches
+    (a layer rule's module with trainable parameters of its own: ``"transformer.h.*"`` selects
+    the blocks' linears and norms, not the blocks); a glob that matches none is refused.
+
+    Raises:
+        ValueError: ``layers: ...`` naming a glob that matches no capturable layer.
+    """
     if isinstance(projection, Mapping):
         projection = ProjectionConfig(**projection)
+    names: list[str] = []
+    if model is not None:
+        from dattri_llm.gradient.layers import rule_for_module
+
+        rules = {
+            n: rule_for_module(m)
+            for n, m in model.named_modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        }
+        rules = {n: r for n, r in rules.items() if r is not None}
+        names = list(rules)
+    if layers is None:
+        selector: Any = REGISTER_ALL
+    elif model is None:
+        selector = [fnmatch.translate(g) for g in layers]
+    else:
+        chosen: set[str] = set()
+        for glob in layers:
+            hits = fnmatch.filter(names, glob)
+            if not hits:
+                raise ValueError(
+                    f"layers: {glob!r} matches no capturable layer of the model; its layers are "
+                    f"{names[:6]}{' ...' if len(names) > 6 else ''}."
+                )
+            chosen.update(hits)
+        selector = [re.escape(n) for n in names if n in chosen]
+        names = [n for n in names if n in chosen]
+    if isinstance(projection, ProjectionConfig) and model is not None:
+        exact = [n for n in names if projection.style not in rules[n].projection_styles]
+        if exact:  # e.g. norms under logra: kept exact (they are small), the rest projected
+            projection = {**{re.escape(n): None for n in exact}, ".*": projection}
     return HookManagerConfig(
-        linear_io=REGISTER_ALL if layers is None else [fnmatch.translate(g) for g in layers],
+        linear_io=selector,
         capture_style="auto",  # whichever of factors / dense gradient is smaller, per layer
         projection=projection,
         hash_keys=list(HASH_KEYS),
@@ -355,7 +398,7 @@ def capture_samples(
     Returns:
         ``{"captured", "already", "repeated", "empty"}`` counts.
     """
-    config = hook_config(settings.layers, settings.projection)
+    config = hook_config(settings.layers, settings.projection, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     in_store = set(store.sample_hashes()) if len(store) else set()
     seen = set(in_store)

@@ -241,3 +241,32 @@ def test_a_chat_template_formats_the_prompt_and_the_loss_stays_on_the_completion
         "labels": torch.tensor([-100] * len(prompt) + completion),
     }
     assert _store_vectors(store).keys() == {hash_sample(item, keys=["input_ids", "labels"])}
+
+
+def test_layer_globs_select_layers_and_logra_keeps_norms_exact(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("dattri")  # logra's random matrices
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dattri_llm import AttributionArguments, Explorer, GradientStorageManager, TracInAttributor
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(n_per_topic=3)])
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "cat", "completion": "purr meow"}])
+    opts = ["--projection", "logra:4x4", "--layers", "transformer.h.1.*"]
+    assert _capture(model_dir, data, "--out", tmp_path / "train", *opts) == 0
+    pair = ["--prompt-field", "prompt", "--completion-field", "completion"]
+    assert _capture(model_dir, queries, "--out", tmp_path / "query", *opts, *pair) == 0
+    types = GradientStorageManager(tmp_path / "train").layer_types
+    block = ["ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"]
+    assert list(types) == [f"transformer.h.1.{n}" for n in block]  # the glob, not the block
+    for name, kind in types.items():
+        assert kind == ("nn.LayerNorm" if ".ln_" in name else "projected.logra"), name
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    got = Explorer(model, AutoTokenizer.from_pretrained(model_dir), tmp_path / "train")
+    got = got.attribute("cat", "purr meow", k=4)
+    args = AttributionArguments(output_dir=str(tmp_path / "s"), show_progress=False)
+    ref = TracInAttributor(args, normalized_grad=True).attribute_from_cache(
+        str(tmp_path / "train"), str(tmp_path / "query"), top_k=4
+    )
+    assert [r.id for r in got.results] == ref.top_k(4).proponent_hashes[0]
