@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "LiveRunArguments": "dattri_llm.attribution",
     "SecondMoment": "dattri_llm.attribution",
     "GradientIndex": "dattri_llm.attribution",
+    "Explorer": "dattri_llm.attribution.explorer",
     # training frameworks (imported on first access; need their extras)
     "AttributionCallback": "dattri_llm.integrations.hf_trainer",
     "capture_queries": "dattri_llm.integrations.hf_trainer",

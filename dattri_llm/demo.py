@@ -91,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="then open the attribution explorer (dattri-llm serve) on the tiny model and its "
+        "training paragraphs, at http://127.0.0.1:PORT/ (needs the serve extra)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="the explorer's port (--serve)")
+    parser.add_argument(
         "--layers",
         choices=("all", "blocks"),
         default="all",
@@ -315,7 +322,47 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict:
             f"  dattri-llm report {w / 'scores'} --train-texts {w / 'train_texts.jsonl'} "
             f"--test-texts {w / 'query_texts.jsonl'} -o {w / 'report.html'}"
         )
-    return {"topic_share": share, "chance": chance, "seconds": elapsed, "workdir": str(workdir)}
+    summary = {"topic_share": share, "chance": chance, "seconds": elapsed, "workdir": str(workdir)}
+    if getattr(args, "serve", False):
+        summary.update(_explorer_files(model, tok, train, workdir, args.seq_len))
+    return summary
+
+
+def _explorer_files(model, tok, train: list[tuple[str, str]], workdir: Path, seq_len: int) -> dict:
+    """Save the model and its tokenizer; capture the paragraphs as ``dattri-llm capture`` would.
+
+    That is what ``dattri-llm serve`` reads (``demo --serve``).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from dattri_llm.gradient.causal_lm import (
+        DEFAULT_PROJECTION,
+        CaptureSettings,
+        capture_samples,
+        model_digest,
+        parse_projection,
+        projection_spec,
+        tokenizer_digest,
+    )
+    from dattri_llm.gradient.store import GradientStorageManager
+
+    model_dir, store_dir = workdir / "model", workdir / "explorer_train"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    settings = CaptureSettings(
+        model=model_digest(model),
+        tokenizer=tokenizer_digest(tokenizer),
+        projection=projection_spec(parse_projection(DEFAULT_PROJECTION)),
+        layers=None,
+        max_length=seq_len,
+        model_path=str(model_dir),
+    )
+    store = GradientStorageManager(store_dir, mode="overwrite")
+    rows = [(text, "", text) for _, text in train]
+    counts = capture_samples(model, tokenizer, rows, store, settings, show_progress=_terminal())
+    print(f"explorer: {counts['captured']} paragraphs captured into {store_dir}")
+    return {"model_dir": str(model_dir), "explorer_store": str(store_dir)}
 
 
 def _write_texts(path: Path, items: list[dict], texts: list[tuple[str, str]], hash_fn) -> None:

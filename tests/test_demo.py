@@ -58,3 +58,35 @@ def test_demo_first_output_is_clean_and_leaves_nothing(tmp_path, monkeypatch, ca
     assert "scoring" not in err and "\r" not in err  # no progress bar when not a terminal
     assert summary["workdir"].startswith(str(tmp))
     assert list(tmp.iterdir()) == []  # the temporary gradients are gone
+
+
+def test_demo_serve_opens_the_explorer_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> None:
+    """``demo --serve`` saves the model, captures the paragraphs and serves them (uvicorn.run is
+    replaced by a client that queries the app it was given)."""
+    pytest.importorskip("starlette")
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from dattri_llm.cli import main as cli_main
+
+    seen: dict = {}
+
+    def fake_run(app, host, port, **kw):
+        client = TestClient(app)
+        seen["host"], seen["port"] = host, port
+        seen["health"] = client.get("/api/health").json()
+        seen["answer"] = client.post(
+            "/api/attribute", json={"prompt": "The import statement", "completion": None, "k": 3}
+        ).json()
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    argv = ["demo", "--serve", "--port", "8123", "--per-topic", "3", "--queries-per-topic", "1",
+            "--epochs", "1", "--show", "0", "--workdir", str(tmp_path)]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
+    assert seen["health"]["train_samples"] > 0
+    results = seen["answer"]["results"]
+    assert [r["rank"] for r in results] == [1, 2, 3]
+    assert all(isinstance(r["text"], str) and r["text"] for r in results)
+    assert (tmp_path / "explorer_train" / "capture.json").exists()

@@ -4,8 +4,9 @@ One module per command, each with ``add_parser(subparsers)``; every command work
 library's public API only. Commands: ``inspect`` (what a gradient store holds), ``attribute``
 (scores from two stores; the methods are the registry in :mod:`dattri_llm.cli.attribute`),
 ``top`` (the most influential training samples of each query), ``report`` (a self-contained
-HTML page), ``index`` (build / search a nearest-neighbour index over a projected store) and
-``demo``. Exit codes are in :mod:`dattri_llm.cli._common`.
+HTML page), ``index`` (build / search a nearest-neighbour index over a projected store),
+``capture`` (a saved model and a corpus file to a store), ``serve`` (an attribution explorer
+over HTTP) and ``demo``. Exit codes are in :mod:`dattri_llm.cli._common`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from dattri_llm.cli import attribute, demo, index, inspect_store, report, top
+from dattri_llm.cli import attribute, capture, demo, index, inspect_store, report, serve, top
 from dattri_llm.cli._common import (
     EXIT_CODES,
     EXIT_ERROR,
@@ -29,9 +30,11 @@ from dattri_llm.cli._common import (
 
 __all__ = ["main", "build_parser", "version"]
 
-_COMMANDS = (inspect_store, attribute, top, report, index, demo)
+_COMMANDS = (capture, inspect_store, attribute, top, report, index, serve, demo)
 
 WORKFLOW = """workflow:
+  0. no code: dattri-llm capture MODEL train.jsonl --out train_grads (and the queries), then
+     dattri-llm serve --model MODEL --train train_grads, or the steps below
   1. capture: wrap your training loop in a HookManager with an OffloadCallback (Python; see
      README "1. Attribution from disk offloading"), for the training set and the queries
   2. dattri-llm inspect train_grads --verify

@@ -26,8 +26,12 @@ __all__ = [
     "load_scores",
     "load_texts_arg",
     "select_layers",
+    "RUN_FILE",
     "snippet",
 ]
+
+#: Written beside the scores by ``attribute``: the method and settings of the run.
+RUN_FILE = "attribution_run.json"
 
 #: Success.
 EXIT_OK = 0
@@ -150,11 +154,26 @@ def load_scores(path: str, argument: str) -> Any:
         raise UsageError(argument, str(e)) from None
 
 
-def load_texts_arg(path: str | None, argument: str) -> dict:
-    """Read a texts JSONL (``dattri_llm.attribution.views.report.load_texts``); ``{}`` if None."""
-    if path is None:
-        return {}
+def load_texts_arg(
+    path: str | None, argument: str, scores: str | None = None, side: str = "train store"
+) -> dict:
+    """Read a texts JSONL (``dattri_llm.attribution.views.report.load_texts``).
+
+    Without ``path``, the texts that ``dattri-llm capture`` kept in the store of the run's
+    ``side`` (``"train store"`` or ``"test store"``, read from the ``scores`` directory's run
+    file) are used when there are; else ``{}``.
+    """
     from dattri_llm.attribution.views.report import load_texts
+
+    if path is None:
+        store = _run_settings(scores).get(side) if scores is not None else None
+        if not isinstance(store, str):
+            return {}
+        from dattri_llm.gradient.causal_lm import TEXTS_FILE
+
+        path = os.path.join(store, TEXTS_FILE)
+        if not os.path.isfile(path):
+            return {}
 
     if not os.path.isfile(path):
         raise UsageError(argument, f"{path!r} is not a file (expected JSON Lines of texts).")
@@ -190,6 +209,18 @@ def select_layers(patterns: list[str], names: list[str], store: str) -> list[str
             )
         chosen |= hits
     return [n for n in names if n in chosen]
+
+
+def _run_settings(scores: str) -> dict:
+    """The run file of a scores directory (``{}`` when missing or unreadable)."""
+    import json
+
+    try:
+        with open(os.path.join(scores, RUN_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def snippet(text: str, width: int) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dattri_llm.cli._common import (
+    RUN_FILE,
     HelpFormatter,
     UsageError,
     add_progress_flag,
@@ -31,8 +32,6 @@ from dattri_llm.cli._common import (
 
 __all__ = ["Method", "METHODS", "attributor", "RUN_FILE"]
 
-#: Written beside the scores: the method and settings of the run (read by ``report``).
-RUN_FILE = "attribution_run.json"
 
 Factory = Callable[[argparse.Namespace, Any], Any]
 

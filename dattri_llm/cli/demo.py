@@ -25,5 +25,19 @@ def add_parser(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from dattri_llm.demo import run
 
-    run(args)
-    return 0
+    if not args.serve:
+        run(args)
+        return 0
+    import tempfile
+
+    from dattri_llm.cli import serve
+
+    with tempfile.TemporaryDirectory(prefix="dattri_llm_demo_") as tmp:
+        if args.workdir is None:
+            args.workdir = tmp
+        summary = run(args)
+        ns = serve.build_parser_defaults(
+            model=summary["model_dir"], train=summary["explorer_store"]
+        )
+        ns.port = args.port
+        return serve.run(ns)

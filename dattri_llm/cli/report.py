@@ -17,7 +17,8 @@ scores (attribute --granularity token) and a "tokens" list in the training texts
 shown sample also gets a per-token heatmap. Every text is escaped.
 
 Texts: JSON Lines, one object per sample, {"id": SAMPLE_HASH, "text": ...} or
-{"input_ids": [...], "text": ...} (see dattri-llm top --help)."""
+{"input_ids": [...], "text": ...} (see dattri-llm top --help); stores written by dattri-llm
+capture keep their texts, used when these flags are not given."""
 
 
 def add_parser(sub: Any) -> None:
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.output):
         raise UsageError("--output", f"{args.output!r} is a directory; give a file name.")
     score = load_scores(args.scores, "SCORES")
-    train = load_texts_arg(args.train_texts, "--train-texts")
-    test = load_texts_arg(args.test_texts, "--test-texts")
+    train = load_texts_arg(args.train_texts, "--train-texts", args.scores, "train store")
+    test = load_texts_arg(args.test_texts, "--test-texts", args.scores, "test store")
     queries = select_queries(score, args.query, "--query")
     settings: dict = {"scores": os.path.abspath(args.scores)}
     run_file = os.path.join(args.scores, "attribution_run.json")

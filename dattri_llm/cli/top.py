@@ -21,7 +21,8 @@ query most) and opponents (smallest scores) of each query of an AttributionScore
 
 Texts come from JSON Lines files, one object per sample: {"id": SAMPLE_HASH, "text": ...} (the
 hash as dattri_llm.hash_sample gives it), or {"input_ids": [...], "text": ...} (matched by content
-hash). Other scalar fields (e.g. "topic") are shown as labels."""
+hash). Other scalar fields (e.g. "topic") are shown as labels. Stores written by dattri-llm
+capture keep their texts: without --texts / --test-texts they are used."""
 
 
 def add_parser(sub: Any) -> None:
@@ -139,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if args.k < 1:
         raise UsageError("--k", f"must be >= 1, got {args.k}.")
     score = load_scores(args.scores, "SCORES")
-    texts = load_texts_arg(args.texts, "--texts")
-    test_texts = load_texts_arg(args.test_texts, "--test-texts")
+    texts = load_texts_arg(args.texts, "--texts", args.scores, "train store")
+    test_texts = load_texts_arg(args.test_texts, "--test-texts", args.scores, "test store")
     queries = select_queries(score, args.query, "--query")
     if args.json:
         print(json.dumps(collect(score, args.k, texts, queries, test_texts), indent=1))

@@ -169,7 +169,9 @@ def test_version_help_and_usage_errors() -> None:
     assert r.returncode == 2 and "COMMAND" in r.stderr
 
 
-@pytest.mark.parametrize("command", ["inspect", "attribute", "top", "report", "demo"])
+@pytest.mark.parametrize(
+    "command", ["inspect", "attribute", "top", "report", "demo", "capture", "serve"]
+)
 def test_every_command_has_help_with_defaults(command: str, capsys) -> None:
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
