@@ -145,7 +145,14 @@ class StatisticsRecorder:
                 keys.append(_key(entries[s]))
             if c in old:
                 prev, prev_keys = old[c]
-                cov = prev.merge(cov)
+                try:
+                    cov = prev.merge(cov)
+                except ValueError:
+                    # other layers under one label: a store mixing captures, which the
+                    # reader's compatibility check refuses by name; no sums are kept for it
+                    # (its records read as uncovered), so nothing here hides that refusal
+                    del old[c]
+                    continue
                 keys = prev_keys + keys
             old[c] = (cov, keys)
         tensors: dict[str, torch.Tensor] = {}
@@ -255,7 +262,8 @@ def read_statistics(
             records they cover.
     """
     merged: dict[int, KroneckerCovariances] = {}
-    covered: set[int] = set()
+    covered: dict[int, set[int]] = {}
+    mixed: set[int] = set()  # labels whose partitions hold other layers under one name
     for directory, records in partitions:
         path = directory / KRONECKER_FILE
         if not path.exists():
@@ -280,11 +288,21 @@ def read_statistics(
             if layers is not None:
                 cov.layers = {n: v for n, v in cov.layers.items() if n in layers}
                 cov.skipped = {n: v for n, v in cov.skipped.items() if n in layers}
-            merged.setdefault(c, KroneckerCovariances(tokens=STATISTICS_TOKENS)).merge(cov)
-            covered.update(found)
+            if c in mixed:
+                continue
+            try:
+                merged.setdefault(c, KroneckerCovariances(tokens=STATISTICS_TOKENS)).merge(cov)
+            except ValueError:
+                # a store mixing captures: the compatibility check names it when the records
+                # are read, so these sums are dropped rather than refused here
+                mixed.add(c)
+                merged.pop(c, None)
+                covered.pop(c, None)
+                continue
+            covered.setdefault(c, set()).update(found)
     for cov in merged.values():
         cov.reduced = True
-    return StoreStatistics(merged, frozenset(covered))
+    return StoreStatistics(merged, frozenset().union(*covered.values()))
 
 
 def _locate(

@@ -217,3 +217,23 @@ def test_merge_refuses_sums_that_do_not_add_up(model):
     twice = KroneckerCovariances().merge(one).merge(one)
     assert torch.equal(twice.layers["x"].a_sum, 2 * one.layers["x"].a_sum)
     assert twice.layers["x"].num_tokens == 2 * one.layers["x"].num_tokens == 4
+
+
+def test_a_store_mixing_captures_is_refused_by_name_not_by_its_statistics(tmp_path):
+    """Two models with another width under one layer name, appended to one store: the sums
+    cannot be merged, and the store's own check (which names the shards) refuses it."""
+    from dattri_llm import EKFACAttributor
+    from dattri_llm.gradient.compat import IncompatibleGradientsError
+
+    def mlp(width: int) -> torch.nn.Module:
+        torch.manual_seed(width)
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2)
+        )
+
+    x = [torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    capture_to_store(mlp(8), x[:1], tmp_path / "train")
+    capture_to_store(mlp(5), x[1:], GradientStorageManager(tmp_path / "train", mode="append"))
+    capture_to_store(mlp(8), x[:1], tmp_path / "test")
+    with pytest.raises(IncompatibleGradientsError, match="mixes incompatible captures"):
+        EKFACAttributor(args(tmp_path)).attribute_from_cache(tmp_path / "train", tmp_path / "test")
