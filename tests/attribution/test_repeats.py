@@ -120,6 +120,14 @@ def check_full(score, ref) -> None:
         assert torch.allclose(m[i], ref[h], rtol=1e-12, atol=1e-12), h
 
 
+def check_full_and_top(att, stores, ref, match: str) -> None:
+    """The full matrix and the streamed top-2 of ``att`` over the repeated store equal ``ref``."""
+    with pytest.warns(UserWarning, match=match):
+        check_full(att.attribute_from_cache(stores["train"], stores["test"]), ref)
+    with pytest.warns(UserWarning):
+        check_top(att.attribute_from_cache(stores["train"], stores["test"], top_k=2), ref, 2)
+
+
 def check_top(score, ref, k: int) -> None:
     """The kept scores equal the formula, and the kept sets are the formula's extremes."""
     assert score.top_k_kept == k
@@ -178,12 +186,7 @@ def test_tracin_default_rule_every_path(stores, tmp_path, cosine):
 def test_tracin_rule_is_an_option(stores, tmp_path):
     ref = brute(tracin_rows(cosine=True), "sum")
     att = TracInAttributor(args(tmp_path), normalized_grad=True, repeats="sum")
-    with pytest.warns(UserWarning, match="repeats='sum'"):
-        s = att.attribute_from_cache(stores["train"], stores["test"])
-    check_full(s, ref)
-    with pytest.warns(UserWarning):
-        top = att.attribute_from_cache(stores["train"], stores["test"], top_k=2)
-    check_top(top, ref, 2)
+    check_full_and_top(att, stores, ref, "repeats='sum'")
     # per call, normalized_grad decides the default rule of that call
     plain = TracInAttributor(args(tmp_path))
     with pytest.warns(UserWarning):
@@ -204,13 +207,7 @@ def test_fisher_rule_against_per_occurrence_scores(stores, tmp_path, normalized)
         (h.split("@")[0], c, each.scores[i])
         for i, (h, c) in enumerate(zip(each.train_hashes, each.train_checkpoints))
     ]
-    ref = brute(rows, rule)
-    with pytest.warns(UserWarning, match="several times under one checkpoint label"):
-        s = att.attribute_from_cache(stores["train"], stores["test"])
-    check_full(s, ref)
-    with pytest.warns(UserWarning):
-        top = att.attribute_from_cache(stores["train"], stores["test"], top_k=2)
-    check_top(top, ref, 2)
+    check_full_and_top(att, stores, brute(rows, rule), "several times under one checkpoint label")
 
 
 def test_less_sums_and_trajectory_methods_refuse_mean(stores, tmp_path):
