@@ -163,6 +163,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             warm-up (measured on GPT-2: 2 and 4 level, 16 worse; docs/benchmarks/quality.md).
         live_run: The run the live ``attribute`` trains and records (a
             :class:`~dattri_llm.LiveRunArguments`; default: AdamW, its default settings).
+        repeats: ``"sum"`` only (see :class:`~dattri_llm.TrajectoryAttributor`).
 
     Example:
         >>> rec = OptimizerStateCallback(model, opt)
@@ -185,6 +186,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         push: str = "linear",
         exact_steps: int = 0,
         live_run: Any = None,
+        repeats: str | None = None,
     ) -> None:
         if push not in ("linear", "exact"):
             raise ValueError(
@@ -209,6 +211,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
             live_run=live_run,
+            repeats=repeats,
             curvature=curvature,
         )
         self.dynamics = dynamics

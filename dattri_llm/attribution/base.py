@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,12 +40,12 @@ from dattri_llm.attribution.engine.distributed import row_keys
 from dattri_llm.attribution.engine.prepared import PreparedTest, densify_test
 from dattri_llm.attribution.engine.resume import ScoreCheckpoint, checkpoint_for
 from dattri_llm.attribution.engine.scoring import ScoreLoop, final_result, progress_bar
-from dattri_llm.attribution.engine.sinks import FullSink, TopKSink
+from dattri_llm.attribution.engine.sinks import FullSink, TopKSink, label_counts_of
 from dattri_llm.attribution.engine.units import row_counts, units_of
 from dattri_llm.attribution.engine.vector_scan import run_vector_scan, vector_units
 from dattri_llm.attribution.normalization import refuse_double_correction
 from dattri_llm.attribution.ranking import check_top_k, clamp_top_k
-from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.score import AttributionScore, check_repeats
 from dattri_llm.attribution.task import AttributionTask
 from dattri_llm.gradient import ops
 from dattri_llm.gradient.compat import (
@@ -157,6 +158,9 @@ class BaseAttributor:
       for ``"token"`` (rows summed over ``T`` are the instance scores, so the per-token split
       is only meaningful when the score is linear in the train gradient). Default:
       ``ops.cross_dot`` / ``ops.cross_dot_per_token`` routed with ``self.mode``.
+    * ``default_repeats() -> str`` — how a sample's rows under one checkpoint label combine
+      when ``repeats=`` is not given (``"mean"`` for a cosine, ``"sum"`` otherwise);
+      ``warn_repeats(labels)`` — the warning when a sample occurs several times under a label.
 
     Args:
         args: Run options (batch sizes, device, ``score_block_size``, ``output_dir``, ...).
@@ -164,6 +168,14 @@ class BaseAttributor:
             :meth:`attribute`, not by :meth:`attribute_from_cache`.
         mode: Routing of the inner products: ``"auto"`` (cost model), ``"factorized"`` or
             ``"materialized"``; every mode is exact.
+        repeats: How the rows of one train sample under one checkpoint label combine (a loop
+            captured over several epochs under one label, or a duplicated item): ``"sum"``
+            (each occurrence adds its score) or ``"mean"`` (their mean). ``None``: the
+            method's :meth:`default_repeats` — ``"mean"`` for a cosine (``normalized_grad``),
+            so a cosine stays in ``[-1, 1]``, ``"sum"`` for the dot-product and influence
+            scores. Checkpoint labels are always summed. The result records the rule
+            (:attr:`AttributionScore.repeats`) and how often each sample occurs
+            (:meth:`AttributionScore.occurrence_counts`).
     """
 
     #: What the train / test compatibility check does not compare (see
@@ -187,7 +199,11 @@ class BaseAttributor:
     call_state: dict[str, Any]
 
     def __init__(
-        self, args: AttributionArguments | None = None, task: Any = None, mode: str = "auto"
+        self,
+        args: AttributionArguments | None = None,
+        task: Any = None,
+        mode: str = "auto",
+        repeats: str | None = None,
     ) -> None:
         if args is not None and not isinstance(args, AttributionArguments):
             raise TypeError(f"args must be an AttributionArguments, got {type(args).__name__}.")
@@ -196,6 +212,9 @@ class BaseAttributor:
         self.args = args if args is not None else AttributionArguments()
         self.task = AttributionTask.coerce(task)
         self.mode = mode
+        self.repeats = (
+            None if repeats is None else check_repeats(repeats, f"{type(self).__name__}(repeats=)")
+        )
         self.call_state = {}
 
     @property
@@ -204,6 +223,20 @@ class BaseAttributor:
         return self.args.device
 
     # ---- extension points ------------------------------------------------------------------
+    def default_repeats(self) -> str:
+        """The ``repeats`` rule when none is given: ``"mean"`` for a cosine, else ``"sum"``.
+
+        A cosine (``normalized_grad=True``: Grad-Cos, TracIn-Cos per checkpoint, TrackStar)
+        averages a sample's occurrences under one label, so it stays a cosine; a dot product
+        or an influence adds them (each occurrence is a step the sample trained at). LESS
+        and the trajectory methods sum (their scores are sums over the steps).
+        """
+        return "mean" if getattr(self, "normalized_grad", False) else "sum"
+
+    def repeats_rule(self) -> str:
+        """The ``repeats`` rule of the call in progress (the constructor's, or the default)."""
+        return self.repeats if self.repeats is not None else self.default_repeats()
+
     def fit(self, train_source: GradientSource, **kwargs: Any) -> None:
         """Pre-pass over the train gradients before scoring (default: nothing to fit)."""
         if kwargs:
@@ -307,16 +340,28 @@ class BaseAttributor:
         top_k: int | None,
         options: dict[str, Any],
     ) -> AttributionScore:
-        """The one road: validate the call, open its plan, score the two sides."""
+        """The one road: validate the call, open its plan, score the two sides.
+
+        The warnings the call gives are recorded in the result (``score.warnings``, saved
+        with it) and given as usual.
+        """
         check_granularity(granularity)
         k = check_top_k(top_k)
-        with self._plan(options, where) as rest:
-            live = isinstance(sides, LiveSides)
-            self.check_call(granularity, live)
-            plan = CallPlan(where, granularity, k, rest)
-            if live:
-                return self.score_live(sides, plan)
-            return self.score(sides.train, sides.test, plan)
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught, self._plan(options, where) as rest:
+                live = isinstance(sides, LiveSides)
+                self.check_call(granularity, live)
+                plan = CallPlan(where, granularity, k, rest)
+                if live:
+                    score = self.score_live(sides, plan)
+                else:
+                    score = self.score(sides.train, sides.test, plan)
+        finally:
+            for w in caught:  # given again outside the recorder, to the caller's filters
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        score.warnings = [*score.warnings, *(str(w.message) for w in caught)]
+        return score
 
     # ---- entry points ----------------------------------------------------------------------
     def attribute(
@@ -517,14 +562,16 @@ class BaseAttributor:
             torch.manual_seed(args.seed)
             live = LiveSource(train_source, int(args.live_cache_gb * 2**30))
             self.fit_call(live, None, sides, plan.fit_options)
-            counts = None
+            counts = labels = None
             if k is not None:
                 from dattri_llm.gradient.streaming import sample_id
 
-                counts = {}
+                counts, labels = {}, {}
                 for i in range(len(train_set)):
                     h = sample_id(train_set[i], hook_config)
                     counts[h] = counts.get(h, 0) + task.num_checkpoints
+                    for c in range(task.num_checkpoints):
+                        labels[(h, c)] = labels.get((h, c), 0) + 1
             columns: dict[str, int] = {}
             acc: Accumulator | None = None
             for c in range(task.num_checkpoints):
@@ -546,7 +593,7 @@ class BaseAttributor:
                     acc = Accumulator(
                         granularity,
                         "the live train set",
-                        self._sink(k, granularity, counts, len(columns)),
+                        self._sink(k, granularity, counts, len(columns), labels),
                     )
                 train = live.cached(c)  # blocks fit already streamed, if they were kept
                 if train is None:
@@ -636,12 +683,18 @@ class BaseAttributor:
             for c, blocks in sorted(by_ckpt.items())
         }
         del by_ckpt, test_blocks
-        counts = row_counts(units.units) if units is not None else None
+        counts = labels = None
+        if units is not None:
+            counts = row_counts(units.units)
+            labels = label_counts_of(
+                [h for u in units.units for h in u.hashes],
+                [u.checkpoint for u in units.units for _ in u.hashes],
+            )
         if k is not None and counts is not None:
             # before the sink allocates its (M, k) lists: beyond the train samples means every
             # one (the samples of every rank, so that the ranks' lists merge)
             k = clamp_top_k(k, len(row_counts(full.units)) if split else len(counts))
-        sink = self._sink(k, granularity, counts, len(columns))
+        sink = self._sink(k, granularity, counts, len(columns), labels)
         acc = Accumulator(granularity, names[0], sink)
         acc.weights = WeightsWatch("train", intervals)
         if self.args.check_weights and type(self).pairing_key is BaseAttributor.pairing_key:
@@ -702,21 +755,54 @@ class BaseAttributor:
         return collate_fn
 
     # ---- sinks, checkpoints, merge ------------------------------------------------------------
-    def _sink(self, k: int | None, granularity: str, counts: Any, num_cols: int) -> Any:
+    def _sink(
+        self, k: int | None, granularity: str, counts: Any, num_cols: int, labels: Any = None
+    ) -> Any:
         if k is None or counts is None:
-            return FullSink(granularity)
+            return FullSink(granularity, self.repeats_rule())
         if granularity == "token":
             raise ValueError(
                 "top_k keeps whole-sample scores; attribution_granularity='token' needs the "
                 "full per-token scores (drop top_k, or use granularity 'sample')."
             )
-        return TopKSink(k, num_cols, counts)
+        return TopKSink(k, num_cols, counts, repeats=self.repeats_rule(), label_counts=labels)
 
     def _result(
         self, sink: Any, columns: list[str], k: int | None, keys: Any, split: bool
     ) -> AttributionScore:
-        """The sink's result; merged over ranks when scoring is split; top-k reduced."""
+        """The sink's result; merged over ranks when scoring is split; top-k reduced.
+
+        Warns when a train sample occurs several times under one checkpoint label, naming
+        the ``repeats`` rule that combined its rows.
+        """
+        self.warn_repeats(sink.label_counts())
         return final_result(sink, columns, k, keys, self.args.output_dir, split)
+
+    def warn_repeats(self, labels: dict[tuple[str, int], int] | None) -> None:
+        """Warn once when a train sample occurs several times under one checkpoint label.
+
+        Args:
+            labels: ``{(train hash, checkpoint): rows}`` of the call (``None``: unknown).
+        """
+        many = {key: n for key, n in (labels or {}).items() if n > 1}
+        if not many:
+            return
+        (h, c), n = max(many.items(), key=lambda kv: kv[1])
+        samples = len({h for h, _ in many})
+        rule = self.repeats_rule()
+        how = "the mean of their scores" if rule == "mean" else "the sum of their scores"
+        name = type(self).__name__
+        warnings.warn(
+            f"{samples} train sample(s) occur several times under one checkpoint label (e.g. "
+            f"{h!r}: {n} times under checkpoint {c}): several epochs captured under one label, "
+            f"or duplicated items. {name} combines a sample's rows under one label by "
+            f"repeats={rule!r} ({how}). To score each epoch at its own weights, label it "
+            "(HookManager.checkpoint = epoch) and the labels are summed as TracIn "
+            f"checkpoints; to choose the rule, pass {name}(repeats='sum' or 'mean'). "
+            "AttributionScore.occurrences(hash) lists where a sample occurs.",
+            UserWarning,
+            stacklevel=6,  # the caller of attribute*
+        )
 
     def _checkpoint(
         self, units: Any, tests: dict, granularity: str, k: int | None, columns: dict

@@ -256,6 +256,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             sampled-label gradients.
         live_run: The run the live ``attribute`` trains and records (a
             :class:`~dattri_llm.LiveRunArguments`; default: SGD, its default settings).
+        repeats: ``"sum"`` only (see :class:`~dattri_llm.TrajectoryAttributor`).
 
     ``learning_rate=``, ``dynamics=`` and ``curvature_source=`` may also be passed to a call
     (:meth:`attribute_from_cache`, :meth:`embed`, ...): they hold for that call alone.
@@ -282,6 +283,7 @@ class DVEmbAttributor(TrajectoryAttributor):
         dynamics: Any = None,
         curvature_source: Any = None,
         live_run: Any = None,
+        repeats: str | None = None,
     ) -> None:
         if method == "auto":
             method = "forward" if normalized_grad is True else "adjoint"
@@ -293,6 +295,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             method=method,
             normalized_grad=normalized_grad,
             live_run=live_run,
+            repeats=repeats,
             curvature=curvature,
         )
         self.learning_rate = learning_rate

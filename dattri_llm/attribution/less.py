@@ -76,6 +76,9 @@ class LESSAttributor(TracInAttributor):
             rates recorded at capture. A call may pass its own (for that call only).
         pair_by: ``"checkpoint"`` (a train block pairs with the queries of its checkpoint
             label) or ``"step"`` (queries captured at every step). A call may pass its own.
+        repeats: How a train sample's rows under one checkpoint label combine: ``None`` or
+            ``"sum"`` (LESS's sum over the steps a sample trained at, weighted by their
+            learning rates), or ``"mean"`` (their mean; not with ``pair_by="step"``).
 
     Example:
         >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
@@ -94,8 +97,9 @@ class LESSAttributor(TracInAttributor):
         mode: str = "auto",
         learning_rates: LearningRates | None = None,
         pair_by: str = "checkpoint",
+        repeats: str | None = None,
     ) -> None:
-        super().__init__(args, task, normalized_grad=True, mode=mode)
+        super().__init__(args, task, normalized_grad=True, mode=mode, repeats=repeats)
         self.checkpoint_weights = None  # TracIn's weighting is replaced by block_weight
         self._frozen_weights = (
             None
@@ -133,9 +137,26 @@ class LESSAttributor(TracInAttributor):
             )
         return None if value is None else as_schedule(value, "learning_rates")
 
+    def default_repeats(self) -> str:
+        """``"sum"``: LESS sums a sample's weighted cosines over the steps it trained at.
+
+        In the trajectory form those steps share a checkpoint label; weighted by their
+        learning rates, their sum is the method.
+        """
+        return "sum"
+
+    def warn_repeats(self, labels: dict[tuple[str, int], int] | None) -> None:
+        """No warning: a sample at several steps under one label is LESS's trajectory form."""
+
     def check_call(self, granularity: str, live: bool) -> None:
         """The live (frozen) form needs one optimizer state per checkpoint."""
         super().check_call(granularity, live)
+        if self.pair_by == "step" and self.repeats == "mean":
+            raise ValueError(
+                "LESSAttributor(repeats='mean') averages a sample's rows under one checkpoint "
+                "label, but pair_by='step' scores each step at its own weights and sums the "
+                "steps: pass repeats='sum' (or leave it out) with pair_by='step'."
+            )
         if not live:
             return
         if self.optimizers is None:

@@ -11,7 +11,18 @@ per-sample views (:meth:`AttributionScore.agnostic_matrix`, ``step_matrix``, ``q
 ``top_k``) then follow ``duplicates=``: ``"warn"`` (default: sum the occurrences — the
 influence of every copy together — and warn naming them), ``"sum"`` (the same, silently),
 ``"separate"`` (one row per occurrence) or ``"error"``. A sample seen at *different* steps
-(epochs, checkpoints) is not a duplicate: summing over steps is what the agnostic view means.
+(epochs, checkpoints) is not a duplicate.
+
+Repeats. A sample can occur several times under one checkpoint label: at several steps (a loop
+captured over several epochs without relabelling) or twice at one step (a duplicate).
+:meth:`AttributionScore.occurrences` says where, :meth:`AttributionScore.occurrence_counts`
+how often. ``repeats`` says how the rows of one sample under one checkpoint label combine in
+the per-sample views: ``"sum"`` (each occurrence adds its score: the dot-product and influence
+methods, whose scores add over steps) or ``"mean"`` (the mean of the occurrences' scores: a
+cosine stays a cosine, in ``[-1, 1]``). Rows of different checkpoint labels are always summed
+(TracIn's sum over checkpoints). An attributor records the rule it used
+(``BaseAttributor(repeats=...)``); a full score can be viewed under the other one
+(``agnostic_matrix(repeats=...)``).
 """
 
 from __future__ import annotations
@@ -27,13 +38,25 @@ import torch
 from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
 
-__all__ = ["AttributionScore", "TopK", "SCORE_FORMAT_VERSION"]
+__all__ = ["AttributionScore", "TopK", "SCORE_FORMAT_VERSION", "REPEATS", "check_repeats"]
 
 #: Version of the on-disk layout written by :meth:`AttributionScore.save`.
 SCORE_FORMAT_VERSION = 1
 _TENSORS = "scores.safetensors"
 _META = "scores.json"
 _DUPLICATES = ("warn", "sum", "separate", "error")
+#: How the rows of one sample under one checkpoint label combine (see the module docstring).
+REPEATS = ("sum", "mean")
+
+
+def check_repeats(value: Any, where: str) -> str:
+    """Validate a ``repeats=`` value (``"sum"`` or ``"mean"``)."""
+    if value not in REPEATS:
+        raise ValueError(
+            f"{where} must be one of {REPEATS} (how the rows of one sample under one checkpoint "
+            f"label combine), got {value!r}."
+        )
+    return str(value)
 
 
 class TopK(NamedTuple):
@@ -105,6 +128,12 @@ class AttributionScore:
             sample, summed over its steps; step ``-1`` when it occurred at several), and
             ``NaN`` for every score not kept. :meth:`top_k` then takes ``k' <= k``.
         num_train: With ``top_k_kept``: how many train samples were ranked.
+        repeats: How the rows of one sample under one checkpoint label combine in the views:
+            ``"sum"`` (default) or ``"mean"`` (see the module docstring).
+        occurrences: ``{train hash: [(checkpoint, step), ...]}`` for the samples whose rows
+            were combined before they reached the score (a top-k result); every other
+            sample's occurrences are its rows.
+        warnings: The messages of the warnings the scoring run gave (saved with the score).
     """
 
     def __init__(
@@ -118,8 +147,16 @@ class AttributionScore:
         train_checkpoints: Sequence[int] | None = None,
         top_k_kept: int | None = None,
         num_train: int | None = None,
+        repeats: str = "sum",
+        occurrences: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        warnings: Sequence[str] | None = None,
     ) -> None:
         self.scores = scores
+        self.repeats = check_repeats(repeats, "AttributionScore(repeats=)")
+        self.warnings = [str(w) for w in warnings or ()]
+        self._occ = {
+            str(h): [(int(c), int(s)) for c, s in occ] for h, occ in (occurrences or {}).items()
+        }
         self.top_k_kept = top_k_kept
         self.num_train = num_train
         self.train_hashes = [str(h) for h in train_hashes]
@@ -188,26 +225,88 @@ class AttributionScore:
             counts[key] = counts.get(key, 0) + 1
         return {k: c for k, c in counts.items() if c > 1}
 
-    def _sum_rows(self, rows: Sequence[int], duplicates: str) -> tuple[list[str], torch.Tensor]:
-        if duplicates not in _DUPLICATES:
-            raise ValueError(f"duplicates must be one of {_DUPLICATES}, got {duplicates!r}.")
+    def occurrences(self, train_hash: Any) -> dict[int, list[int]]:
+        """Where one train sample occurs: ``{checkpoint: [step of each occurrence]}``.
+
+        A step is listed once per occurrence (twice for a duplicate at one step), sorted. A
+        top-k result's row with step ``-1`` stands for the occurrences it combined, which it
+        lists.
+
+        Raises:
+            KeyError: the sample is not in the scores.
+        """
+        h = _as_hash(train_hash)
+        pairs = self._occ.get(h)
+        if pairs is None:
+            pairs = [
+                (c, s)
+                for rh, s, c in zip(self.train_hashes, self.train_steps, self.train_checkpoints)
+                if rh == h
+            ]
+        if not pairs:
+            raise KeyError(f"train hash {h!r} is not in the scores.")
+        out: dict[int, list[int]] = {}
+        for c, s in sorted(pairs):
+            out.setdefault(c, []).append(s)
+        return out
+
+    def occurrence_counts(self) -> dict[str, int]:
+        """How many times each train sample occurs under one checkpoint label.
+
+        Returns:
+            ``{train hash: count}`` in order of first appearance, the count being the largest
+            over the sample's checkpoint labels (1: once per label, the usual case; 4: e.g.
+            four epochs captured under one label).
+        """
+        per_label: dict[tuple[str, int], int] = {}
+        for h, c in zip(self.train_hashes, self.train_checkpoints):
+            per_label[(h, c)] = per_label.get((h, c), 0) + 1
+        for h, occ in self._occ.items():
+            for key in {(h, c) for c, _ in occ}:
+                per_label[key] = sum(1 for c, _ in occ if c == key[1])
+        out: dict[str, int] = {}
+        for (h, _), n in per_label.items():
+            out[h] = max(out.get(h, 0), n)
+        return out
+
+    def _row_keys(self, duplicates: str) -> tuple[list[tuple[str, int]], dict]:
+        """Each row's output key ``(hash, occurrence)`` and the duplicates at one step."""
         seen: dict[tuple[str, int, int], int] = {}
         keys: list[tuple[str, int]] = []
-        for i in rows:
-            at = (self.train_hashes[i], self.train_steps[i], self.train_checkpoints[i])
+        for at in zip(self.train_hashes, self.train_steps, self.train_checkpoints):
             k = seen.get(at, 0)
             seen[at] = k + 1
             keys.append((at[0], k if duplicates == "separate" else 0))
-        dups = {at: c for at, c in seen.items() if c > 1}
+        return keys, seen
+
+    def _sum_rows(
+        self, rows: Sequence[int], duplicates: str, repeats: str | None = None
+    ) -> tuple[list[str], torch.Tensor]:
+        if duplicates not in _DUPLICATES:
+            raise ValueError(f"duplicates must be one of {_DUPLICATES}, got {duplicates!r}.")
+        rule = self.repeats if repeats is None else check_repeats(repeats, "repeats")
+        if rule != self.repeats and self.top_k_kept is not None:
+            raise ValueError(
+                f"these top-k scores combined each sample's repeats by {self.repeats!r} before "
+                f"ranking; repeats={rule!r} needs the full scores (attribute without top_k) or "
+                f"an attributor built with repeats={rule!r}."
+            )
+        all_keys, seen = self._row_keys(duplicates)
+        rows = list(rows)
+        chosen = {
+            (self.train_hashes[i], self.train_steps[i], self.train_checkpoints[i]) for i in rows
+        }
+        dups = {at: c for at, c in seen.items() if c > 1 and at in chosen}
         if dups and duplicates in ("warn", "error"):
             (h, step, _), c = next(iter(dups.items()))
             more = f" (and {len(dups) - 1} more)" if len(dups) > 1 else ""
+            combined = "summed" if rule == "sum" else "averaged (repeats='mean')"
             message = (
                 f"train sample {h!r} occurs {c} times at step {step}{more}: identical samples "
-                "share one id, so their rows are summed into one (the influence of all the "
-                "copies together; N rows in, fewer samples out). Deduplicate the train set, or "
-                "pass duplicates='separate' for one row per occurrence, or duplicates='sum' to "
-                "sum them without this message (AttributionScore.duplicates() lists them)."
+                f"share one id, so their rows are {combined} into one (N rows in, fewer "
+                "samples out). Deduplicate the train set, or pass duplicates='separate' for one "
+                "row per occurrence, or duplicates='sum' to combine them without this message "
+                "(AttributionScore.duplicates() lists them)."
             )
             if duplicates == "error":
                 raise ValueError(message)
@@ -215,7 +314,8 @@ class AttributionScore:
         ids: list[str] = []
         where: dict[tuple[str, int], int] = {}
         target = []
-        for key in keys:
+        for i in rows:
+            key = all_keys[i]
             if key not in where:
                 where[key] = len(ids)
                 ids.append(key[0])
@@ -223,39 +323,65 @@ class AttributionScore:
         out = self.scores.new_zeros(len(ids), self.num_test)
         if rows:
             idx = torch.as_tensor(target, dtype=torch.long)
-            out.index_add_(0, idx, self.scores[torch.as_tensor(list(rows), dtype=torch.long)])
+            picked = self.scores[torch.as_tensor(rows, dtype=torch.long)]
+            if rule == "mean":  # each row weighs 1 / (its sample's rows under its label)
+                group: dict[tuple[tuple[str, int], int], int] = {}
+                for key, c in zip(all_keys, self.train_checkpoints):
+                    group[(key, c)] = group.get((key, c), 0) + 1
+                n = [group[(all_keys[i], self.train_checkpoints[i])] for i in rows]
+                if max(n) > 1:
+                    w = 1.0 / torch.as_tensor(n, dtype=torch.float64)
+                    picked = picked * w.to(picked.dtype).unsqueeze(1)
+            out.index_add_(0, idx, picked)
         return ids, out
 
-    def agnostic_matrix(self, duplicates: str = "warn") -> tuple[list[str], torch.Tensor]:
-        """Scores summed over steps per unique train sample.
+    def agnostic_matrix(
+        self, duplicates: str = "warn", repeats: str | None = None
+    ) -> tuple[list[str], torch.Tensor]:
+        """Scores per unique train sample, combined over its steps and checkpoints.
+
+        A sample's rows under one checkpoint label combine by ``repeats``; checkpoint labels
+        are summed.
 
         Args:
             duplicates: What to do with a sample that occurs several times at one step (see
                 the module docstring): ``"warn"``, ``"sum"``, ``"separate"`` or ``"error"``.
+            repeats: ``"sum"`` or ``"mean"`` over a sample's rows under one checkpoint label;
+                default the score's own :attr:`repeats` (the rule its attributor used).
 
         Returns:
             ``(train_ids, matrix)``: unique train hashes in order of first appearance (with
             ``"separate"``, a duplicated hash once per occurrence) and the
             ``(num_train, num_test)`` matrix.
         """
-        return self._sum_rows(range(len(self.train_hashes)), duplicates)
+        return self._sum_rows(range(len(self.train_hashes)), duplicates, repeats)
 
-    def step_matrix(self, step: int, duplicates: str = "warn") -> tuple[list[str], torch.Tensor]:
+    def step_matrix(
+        self, step: int, duplicates: str = "warn", repeats: str | None = None
+    ) -> tuple[list[str], torch.Tensor]:
         """``(train_ids, (num_train_at_step, num_test))`` of one step.
 
-        ``duplicates`` as in :meth:`agnostic_matrix`.
+        ``duplicates`` and ``repeats`` as in :meth:`agnostic_matrix`; under ``"mean"`` a row
+        weighs ``1 / (its sample's rows under its checkpoint label)``, so the step matrices
+        add up to the agnostic matrix.
         """
         rows = [i for i, s in enumerate(self.train_steps) if s == step]
         if not rows:
             raise KeyError(f"step {step} not in the scores; available steps: {self.steps}.")
-        return self._sum_rows(rows, duplicates)
+        return self._sum_rows(rows, duplicates, repeats)
 
-    def step_matrices(self, duplicates: str = "warn") -> dict[int, tuple[list[str], torch.Tensor]]:
+    def step_matrices(
+        self, duplicates: str = "warn", repeats: str | None = None
+    ) -> dict[int, tuple[list[str], torch.Tensor]]:
         """``{step: step_matrix(step)}`` for every step."""
-        return {s: self.step_matrix(s, duplicates) for s in self.steps}
+        return {s: self.step_matrix(s, duplicates, repeats) for s in self.steps}
 
     def query(
-        self, train: Sequence[Any], test: Sequence[Any] | None = None, duplicates: str = "warn"
+        self,
+        train: Sequence[Any],
+        test: Sequence[Any] | None = None,
+        duplicates: str = "warn",
+        repeats: str | None = None,
     ) -> torch.Tensor:
         """Agnostic scores realigned to the given samples (by identity, not position).
 
@@ -265,6 +391,7 @@ class AttributionScore:
             test: Test hashes or samples; default every column in order.
             duplicates: As in :meth:`agnostic_matrix`, but ``"separate"`` is refused (a
                 sample's id would name several rows).
+            repeats: As in :meth:`agnostic_matrix`.
 
         Returns:
             ``(len(train), len(test))``; with ``top_k_kept``, ``NaN`` where a score was not
@@ -278,7 +405,7 @@ class AttributionScore:
                 "query(..., duplicates='separate') is ambiguous: a duplicated sample's id names "
                 "several rows. Use agnostic_matrix(duplicates='separate')."
             )
-        ids, matrix = self.agnostic_matrix(duplicates)
+        ids, matrix = self.agnostic_matrix(duplicates, repeats)
         where = {h: i for i, h in enumerate(ids)}
         tr = [_as_hash(x) for x in train]
         te = self.test_hashes if test is None else [_as_hash(x) for x in test]
@@ -301,15 +428,16 @@ class AttributionScore:
         ci = torch.as_tensor([self._test_index[h] for h in te], dtype=torch.long)
         return matrix[ri][:, ci]
 
-    def top_k(self, k: int, duplicates: str = "warn") -> TopK:
+    def top_k(self, k: int, duplicates: str = "warn", repeats: str | None = None) -> TopK:
         """Top proponents and opponents of every test sample.
 
         The ``k`` train samples with the most positive (proponents) and the most negative
-        (opponents) scores, over :meth:`agnostic_matrix` (``duplicates`` as there). A ``k``
-        beyond the number of train samples is clamped to it (every sample, ranked). A ``NaN``
-        score ranks after every other score on both lists (it is no influence, large or
-        small: :mod:`dattri_llm.attribution.ranking`), with a warning naming it; so a list
-        holds a ``NaN`` only where a test sample has fewer than ``k`` other scores.
+        (opponents) scores, over :meth:`agnostic_matrix` (``duplicates`` and ``repeats`` as
+        there). A ``k`` beyond the number of train samples is clamped to it (every sample,
+        ranked). A ``NaN`` score ranks after every other score on both lists (it is no
+        influence, large or small: :mod:`dattri_llm.attribution.ranking`), with a warning
+        naming it; so a list holds a ``NaN`` only where a test sample has fewer than ``k``
+        other scores.
 
         Raises:
             ValueError: ``k`` is not a positive int, or exceeds the ``top_k`` these scores
@@ -320,7 +448,7 @@ class AttributionScore:
         k = check_top_k(k, "k")
         if k is None:
             raise ValueError("k must be a positive int, got None.")
-        ids, matrix = self.agnostic_matrix(duplicates)
+        ids, matrix = self.agnostic_matrix(duplicates, repeats)
         k = clamp_top_k(k, self.num_train if self.num_train is not None else len(ids))
         cols = matrix.T  # (M, N)
         nan = None
@@ -419,7 +547,11 @@ class AttributionScore:
             "train_checkpoints": self.train_checkpoints,
             "test_hashes": self.test_hashes,
             "token_scores": self._token_scores is not None,
+            "repeats": self.repeats,
+            "warnings": self.warnings,
         }
+        if self._occ:
+            meta["occurrences"] = {h: [list(x) for x in occ] for h, occ in self._occ.items()}
         if self.top_k_kept is not None:
             meta["top_k_kept"] = self.top_k_kept
             meta["num_train"] = self.num_train
@@ -477,4 +609,7 @@ class AttributionScore:
             train_checkpoints=meta.get("train_checkpoints"),
             top_k_kept=meta.get("top_k_kept"),
             num_train=meta.get("num_train"),
+            repeats=meta.get("repeats", "sum"),  # written before the option: summed
+            occurrences=meta.get("occurrences"),
+            warnings=meta.get("warnings"),
         )

@@ -66,6 +66,10 @@ class TracInAttributor(BaseAttributor):
             both sides by ``1/√(v + ε)`` per coordinate (``None``: raw gradients); or one per
             checkpoint (a list indexed by checkpoint label, or ``{checkpoint: SecondMoment}``),
             each checkpoint's gradients corrected by its own optimizer state.
+        repeats: How a train sample's rows under one checkpoint label combine (several
+            epochs under one label, duplicates): ``"sum"`` or ``"mean"``; ``None``: ``"mean"``
+            with ``normalized_grad`` (a cosine stays in ``[-1, 1]``), else ``"sum"``. See
+            :meth:`~dattri_llm.attribution.base.BaseAttributor.default_repeats`.
     """
 
     vector_scan = True
@@ -81,8 +85,9 @@ class TracInAttributor(BaseAttributor):
         | Sequence[SecondMoment]
         | Mapping[int, SecondMoment]
         | None = None,
+        repeats: str | None = None,
     ) -> None:
-        super().__init__(args, task, mode=mode)
+        super().__init__(args, task, mode=mode, repeats=repeats)
         self.normalized_grad = check_flag(normalized_grad, "TracInAttributor(normalized_grad=)")
         self.second_moment = check_second_moment(second_moment, "TracInAttributor(second_moment=)")
         if checkpoint_weights is not None:

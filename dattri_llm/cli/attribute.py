@@ -37,12 +37,15 @@ Factory = Callable[[argparse.Namespace, Any], Any]
 
 
 def attributor(name: str, **kwargs: Any) -> Factory:
-    """A factory of ``dattri_llm.<name>(args, **kwargs)``, imported when the command runs."""
+    """A factory of ``dattri_llm.<name>(args, **kwargs)``, imported when the command runs.
+
+    ``--repeats`` is passed as ``repeats=`` (``None``: the method's default).
+    """
 
     def build(ns: argparse.Namespace, args: Any) -> Any:
         import dattri_llm
 
-        return getattr(dattri_llm, name)(args, **kwargs)
+        return getattr(dattri_llm, name)(args, repeats=ns.repeats, **kwargs)
 
     return build
 
@@ -60,6 +63,8 @@ class Method:
         damping: Takes ``--damping`` / ``--relative-damping`` (passed to the call).
         non_kronecker: Takes ``--non-kronecker`` (its factory reads it).
         call_kwargs: Extra keyword arguments of ``attribute_from_cache`` from the namespace.
+        sums_repeats: Takes ``--repeats sum`` only (a trajectory method: a sample's rows are
+            the parts of one removal's effect).
     """
 
     name: str
@@ -69,6 +74,7 @@ class Method:
     damping: bool = False
     non_kronecker: bool = False
     call_kwargs: Callable[[argparse.Namespace], dict] | None = None
+    sums_repeats: bool = False
 
 
 def _registry(*methods: Method) -> dict[str, Method]:
@@ -125,6 +131,7 @@ METHODS: dict[str, Method] = _registry(
         "AdamW-influence: unrolled through the recorded Adam/AdamW run (needs --dynamics)",
         lambda ns, args: _trajectory("AdamWInfluenceAttributor", ns, args),
         call_kwargs=lambda ns: {"dynamics": _need(ns.dynamics, "--dynamics")},
+        sums_repeats=True,
     ),
     Method(
         "dvemb",
@@ -136,6 +143,7 @@ METHODS: dict[str, Method] = _registry(
             if ns.learning_rate is None
             else ns.dynamics,
         },
+        sums_repeats=True,
     ),
 )
 
@@ -143,13 +151,15 @@ METHODS: dict[str, Method] = _registry(
 def _kronecker(name: str, ns: argparse.Namespace, args: Any) -> Any:
     import dattri_llm
 
-    return getattr(dattri_llm, name)(args, non_kronecker=ns.non_kronecker or "skip")
+    return getattr(dattri_llm, name)(
+        args, non_kronecker=ns.non_kronecker or "skip", repeats=ns.repeats
+    )
 
 
 def _trajectory(name: str, ns: argparse.Namespace, args: Any) -> Any:
     import dattri_llm
 
-    return getattr(dattri_llm, name)(args, loss_reduction=ns.loss_reduction)
+    return getattr(dattri_llm, name)(args, loss_reduction=ns.loss_reduction, repeats=ns.repeats)
 
 
 def _need(value: Any, flag: str) -> Any:
@@ -160,8 +170,11 @@ def _need(value: Any, flag: str) -> Any:
 
 DESCRIPTION = """Score every (training sample, query) pair from two gradient stores (no model
 needed) and write an AttributionScore to --out (scores.safetensors + scores.json, plus
-attribution_run.json with the settings). A positive score means the training sample helped
-the query (training on it lowered the query's loss).
+attribution_run.json with the settings and the run's warnings). A positive score means the
+training sample helped the query (training on it lowered the query's loss). A training sample
+stored several times under one checkpoint label (epochs captured under one label, duplicates)
+has its rows combined by the method's repeats rule: the mean for grad-cos (a cosine stays a
+cosine), the sum for the others (--repeats chooses).
 
 methods:
 """
@@ -266,6 +279,13 @@ def add_parser(sub: Any) -> None:
         default="checkpoint",
         help="less: pair train and query gradients by checkpoint label or by step",
     )
+    p.add_argument(
+        "--repeats",
+        choices=("sum", "mean"),
+        default=None,
+        help="how a training sample's rows under one checkpoint label combine (default: the "
+        "method's: mean for grad-cos, sum for the others; adamw-influence and dvemb: sum only)",
+    )
     p.add_argument("--cpu", action="store_true", help="compute on the CPU even with a GPU")
     p.add_argument(
         "--block-size", type=int, default=1024, help="train rows and queries scored per block"
@@ -305,6 +325,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--relative-damping", "needs --damping (the factor).")
     if args.top_k < 0:
         raise UsageError("--top-k", f"must be >= 0, got {args.top_k}.")
+    if args.repeats == "mean" and method.sums_repeats:
+        raise UsageError(
+            "--repeats",
+            f"--method {method.name} sums a sample's rows (one per step it trained at: the "
+            "parts of one removal's effect); pass --repeats sum or leave it out.",
+        )
     if args.block_size < 1:
         raise UsageError("--block-size", f"must be >= 1, got {args.block_size}.")
     _check_out(args.out)
@@ -366,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
         # the names actually scored, never the patterns: a report shows what was scored
         "layers": layers if layers is not None else list(train.layer_names),
         "granularity": args.granularity,
+        "repeats": score.repeats,
         "seconds": round(seconds, 3),
         "dattri_llm": __version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -378,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
             if args.damping is None
             else f"{args.damping:g}" + (" x mean eigenvalue" if args.relative_damping else "")
         )
+    settings["warnings"] = score.warnings
     with open(os.path.join(args.out, RUN_FILE), "w", encoding="utf-8") as f:
         json.dump(settings, f, indent=1)
     ids, _ = score.agnostic_matrix()

@@ -59,10 +59,9 @@ def _layer_rows(gradient: Any) -> list[dict]:
         return "factorized" if isinstance(lg, Factorized) else "materialized"
 
     def projection(lg: Any) -> str:
-        kw = lg.module_kwargs or {}
-        if "proj_dim" not in kw:
-            return "none"
-        return f"dim {kw['proj_dim']}, seed {kw.get('seed')}"
+        if isinstance(lg, Shared):
+            return " + ".join(dict.fromkeys(projection(s) for s in lg.sites))
+        return describe_projection(lg.layer_type, lg.module_kwargs or {})
 
     b = max(gradient.batch_size, 1)
     return [
@@ -76,6 +75,34 @@ def _layer_rows(gradient: Any) -> list[dict]:
         }
         for name, lg in gradient.layers.items()
     ]
+
+
+def describe_projection(layer_type: str, kw: dict) -> str:
+    """One layer's capture-time projection: style, dimensions, seed, options and source.
+
+    E.g. ``"logra 8x8 (output side x input side) = 64, seed 0, normal; of nn.Linear 6x5"``,
+    ``"sparse dim 64, nnz 2, seed 3; of nn.Linear 6x5"``; ``"none"`` for a raw layer.
+    """
+    if not layer_type.startswith("projected."):
+        return "none"
+    style = layer_type.split(".", 1)[1]
+    if "proj_dim_out" in kw and "proj_dim_in" in kw:
+        k, d = int(kw["proj_dim_out"]), int(kw["proj_dim_in"])
+        parts = [f"{style} {k}x{d} (output side x input side) = {k * d}"]
+    else:
+        parts = [f"{style} dim {kw.get('proj_dim', kw.get('_d', '?'))}"]
+    if "nnz" in kw:
+        parts.append(f"nnz {kw['nnz']}")
+    parts.append(f"seed {kw.get('seed')}")
+    if "proj_type" in kw:
+        parts.append(str(kw["proj_type"]))
+    text = ", ".join(parts)
+    source = kw.get("source_layer_type")
+    if source:
+        skw = kw.get("source_module_kwargs") or {}
+        shape = f" {skw['_k']}x{skw['_d']}" if "_k" in skw and "_d" in skw else ""
+        text += f"; of {source}{shape}"
+    return text
 
 
 def _settings(store: Any) -> dict:
@@ -156,7 +183,7 @@ def _print(d: dict) -> None:
         ("size", f"{_size(d['bytes on disk'])} on disk, {_size(per_sample)} per sample"),
     ]
     projected = [x for x in layers if x["projection"] != "none"]
-    kinds = sorted({f"{x['type']} ({x['projection']})" for x in projected})
+    kinds = sorted({x["projection"].split("; of ")[0] for x in projected})  # source apart
     lines.append(
         ("projection", f"{', '.join(kinds)} on {len(projected)}/{len(layers)} layers")
         if projected

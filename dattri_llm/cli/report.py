@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from dattri_llm.cli._common import HelpFormatter, UsageError, load_scores, load_texts_arg
@@ -12,9 +13,11 @@ from dattri_llm.cli.top import select_queries
 
 DESCRIPTION = """Write one self-contained HTML file (no scripts, no network): a summary (method,
 stores, settings, a histogram of the scores), then for each query its text and its top-k
-proponents and opponents with their scores and texts; long texts are folded. With token-level
-scores (attribute --granularity token) and a "tokens" list in the training texts' rows, each
-shown sample also gets a per-token heatmap. Every text is escaped.
+proponents and opponents with their scores and texts, how often each repeated under one
+checkpoint label, a flag on a training sample identical to the query, and the scoring run's
+warnings; long texts are folded. With token-level scores (attribute --granularity token) and a
+"tokens" list in the training texts' rows, each shown sample also gets a per-token heatmap.
+Every text is escaped. Texts files that match none of the ids are warned about.
 
 Texts: JSON Lines, one object per sample, {"id": SAMPLE_HASH, "text": ...} or
 {"input_ids": [...], "text": ...} (see dattri-llm top --help); stores written by dattri-llm
@@ -63,6 +66,15 @@ def run(args: argparse.Namespace) -> int:
     train = load_texts_arg(args.train_texts, "--train-texts", args.scores, "train store")
     test = load_texts_arg(args.test_texts, "--test-texts", args.scores, "test store")
     queries = select_queries(score, args.query, "--query")
+    from dattri_llm.attribution.views.notes import unmatched_texts
+
+    for texts, hashes, what, flag in (
+        (train, score.train_hashes, "training samples", f"--train-texts {args.train_texts}"),
+        (test, score.test_hashes, "queries", f"--test-texts {args.test_texts}"),
+    ):
+        line = unmatched_texts(texts, hashes, what, flag)
+        if line:
+            print(f"dattri-llm report: warning: {line}", file=sys.stderr)
     settings: dict = {"scores": os.path.abspath(args.scores)}
     run_file = os.path.join(args.scores, "attribution_run.json")
     if os.path.isfile(run_file):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,13 @@ query most) and opponents (smallest scores) of each query of an AttributionScore
 Texts come from JSON Lines files, one object per sample: {"id": SAMPLE_HASH, "text": ...} (the
 hash as dattri_llm.hash_sample gives it), or {"input_ids": [...], "text": ...} (matched by content
 hash). Other scalar fields (e.g. "topic") are shown as labels. Stores written by dattri-llm
-capture keep their texts: without --texts / --test-texts they are used."""
+capture keep their texts: without --texts / --test-texts they are used.
+
+Each shown sample says how often it occurred under one checkpoint label when more than once
+("x4": its rows were combined by the scores' repeats rule; --json lists the steps), and LEAK
+marks a training sample identical to the query (same hash, or same text when both texts are
+given). The scoring run's warnings are printed first (on standard error with --json), and a
+texts file that matches none of the ids is warned about."""
 
 
 def add_parser(sub: Any) -> None:
@@ -69,16 +76,27 @@ def select_queries(score: Any, wanted: Sequence[str] | None, argument: str) -> l
     return out
 
 
-def _entries(hashes: list[str], values: Any, texts: Mapping[str, Any]) -> list[dict]:
+def _entries(
+    hashes: list[str],
+    values: Any,
+    texts: Mapping[str, Any],
+    notes: Mapping[str, Any],
+    query: tuple[str, Any],
+) -> list[dict]:
+    from dattri_llm.attribution.views.notes import leak
+
     out = []
     for h, v in zip(hashes, values.tolist()):
         sample = texts.get(h)
+        occ = notes.get(h)
         out.append(
             {
                 "hash": h,
                 "score": v,
                 "text": None if sample is None else sample.text,
                 "labels": {} if sample is None else sample.labels,
+                "occurrences": None if occ is None else occ.as_json(),
+                "leak": leak(h, query[0], sample, query[1]),
             }
         )
     return out
@@ -91,11 +109,21 @@ def collect(
     queries: list[int] | None,
     test_texts: Mapping[str, Any] | None = None,
 ) -> list[dict]:
-    """The top-k of each selected query, as JSON-ready dicts."""
+    """The top-k of each selected query, as JSON-ready dicts.
+
+    Each entry holds its ``occurrences`` (``{"count": n, "steps": {checkpoint: [steps]}}``)
+    and ``leak`` (identical to the query).
+    """
+    from dattri_llm.attribution.views.notes import occurrence_notes
+
     top = score.top_k(k)
     test_texts = test_texts or {}
+    cols = list(range(score.num_test)) if queries is None else queries
+    notes = occurrence_notes(
+        score, {h for j in cols for h in top.proponent_hashes[j] + top.opponent_hashes[j]}
+    )
     out = []
-    for j in range(score.num_test) if queries is None else queries:
+    for j in cols:
         h = score.test_hashes[j]
         q = test_texts.get(h)
         out.append(
@@ -103,8 +131,13 @@ def collect(
                 "query": j,
                 "hash": h,
                 "text": None if q is None else q.text,
-                "proponents": _entries(top.proponent_hashes[j], top.proponent_scores[j], texts),
-                "opponents": _entries(top.opponent_hashes[j], top.opponent_scores[j], texts),
+                "repeats": score.repeats,
+                "proponents": _entries(
+                    top.proponent_hashes[j], top.proponent_scores[j], texts, notes, (h, q)
+                ),
+                "opponents": _entries(
+                    top.opponent_hashes[j], top.opponent_scores[j], texts, notes, (h, q)
+                ),
             }
         )
     return out
@@ -128,6 +161,11 @@ def print_top(
             print(f"  {kind}:")
             for r, e in enumerate(item[kind], 1):
                 left = f"  {r:>3}  {e['score']:+.4e}  {e['hash'][:12]}"
+                occ = e["occurrences"]
+                if occ is not None and occ["count"] > 1:
+                    left += f"  x{occ['count']}"
+                if e["leak"]:
+                    left += "  LEAK"
                 labels = " ".join(f"[{k}={v}]" for k, v in e["labels"].items())
                 text = "" if e["text"] is None else f"{labels} {e['text']}".strip()
                 room = max(width - len(left) - 2, 20)
@@ -143,8 +181,37 @@ def run(args: argparse.Namespace) -> int:
     texts = load_texts_arg(args.texts, "--texts", args.scores, "train store")
     test_texts = load_texts_arg(args.test_texts, "--test-texts", args.scores, "test store")
     queries = select_queries(score, args.query, "--query")
+    notices = _notices(score, texts, test_texts, args)
+    for line in notices:
+        print(f"dattri-llm top: warning: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(collect(score, args.k, texts, queries, test_texts), indent=1))
     else:
+        print_run_warnings(score)
         print_top(score, args.k, texts, queries, test_texts)
     return 0
+
+
+def _notices(score: Any, texts: Mapping, test_texts: Mapping, args: Any) -> list[str]:
+    """Warnings about the command's inputs: texts files that match no id."""
+    from dattri_llm.attribution.views.notes import unmatched_texts
+
+    out = [
+        unmatched_texts(texts, score.train_hashes, "training samples", f"--texts {args.texts}"),
+        unmatched_texts(
+            test_texts, score.test_hashes, "queries", f"--test-texts {args.test_texts}"
+        ),
+    ]
+    if args.json:  # the table prints them first; JSON keeps standard output parseable
+        out += [f"the scoring run warned: {w}" for w in score.warnings]
+    return [line for line in out if line]
+
+
+def print_run_warnings(score: Any) -> None:
+    """The scoring run's warnings (kept in the scores), before the tables."""
+    if not score.warnings:
+        return
+    print(f"warnings of the scoring run ({len(score.warnings)}):")
+    for w in score.warnings:
+        print(f"  - {' '.join(w.split())}")
+    print()

@@ -211,3 +211,114 @@ def test_constructor_checks():
         AttributionScore(torch.zeros(1, 2), ["a"], [0], ["x", "x"])
     with pytest.raises(ValueError, match="token_scores has 0 rows"):
         AttributionScore(torch.zeros(1, 1), ["a"], [0], ["x"], token_scores=[])
+
+
+# ---- repeats: a sample seen several times under one checkpoint label ---------------------------
+def epochs_score(repeats="sum"):
+    """Three epochs under checkpoint 0 (steps 0..2); "p" also at step 1 twice; "a" at ckpt 1."""
+    g = torch.Generator().manual_seed(3)
+    hashes = ["a", "p", "b", "a", "p", "p", "b", "a", "p", "b", "a"]
+    steps = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 7]
+    ckpts = [0] * 10 + [1]
+    scores = torch.randn(len(hashes), 2, generator=g, dtype=torch.float64)
+    return AttributionScore(
+        scores, hashes, steps, ["x", "y"], train_checkpoints=ckpts, repeats=repeats
+    )
+
+
+def brute(s: AttributionScore, rule: str) -> dict[str, torch.Tensor]:
+    """Per sample: sum over checkpoints of the sum / mean of its rows under that checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for h in dict.fromkeys(s.train_hashes):
+        total = torch.zeros(s.num_test, dtype=s.scores.dtype)
+        for c in set(s.train_checkpoints):
+            rows = [
+                s.scores[i]
+                for i in range(len(s.train_hashes))
+                if s.train_hashes[i] == h and s.train_checkpoints[i] == c
+            ]
+            if rows:
+                part = torch.stack(rows).sum(0)
+                total += part / len(rows) if rule == "mean" else part
+        out[h] = total
+    return out
+
+
+def test_occurrences_and_counts():
+    s = epochs_score()
+    assert s.occurrences("p") == {0: [0, 1, 1, 2]}
+    assert s.occurrences("a") == {0: [0, 1, 2], 1: [7]}
+    assert s.occurrence_counts() == {"a": 3, "p": 4, "b": 3}
+    with pytest.raises(KeyError, match="'zz'"):
+        s.occurrences("zz")
+
+
+@pytest.mark.parametrize("rule", ["sum", "mean"])
+def test_repeats_rule_equals_brute_force(rule):
+    s = epochs_score(rule)
+    ref = brute(s, rule)
+    with pytest.warns(UserWarning, match="occurs 2 times at step 1"):
+        ids, m = s.agnostic_matrix()
+    assert ids == ["a", "p", "b"]
+    for i, h in enumerate(ids):
+        assert torch.allclose(m[i], ref[h], rtol=0, atol=1e-14)
+    # the other rule, asked of the view, is the other formula
+    other = "sum" if rule == "mean" else "mean"
+    _, m2 = s.agnostic_matrix(duplicates="sum", repeats=other)
+    assert torch.allclose(m2, torch.stack([brute(s, other)[h] for h in ids]), atol=1e-14)
+    # step matrices are each step's share: they add up to the agnostic matrix
+    total = torch.zeros_like(m)
+    for _, (sids, sm) in s.step_matrices(duplicates="sum").items():
+        for j, h in enumerate(sids):
+            total[ids.index(h)] += sm[j]
+    assert torch.allclose(total, m, atol=1e-14)
+    q = s.query(["p", "b"], duplicates="sum")
+    assert torch.allclose(q, torch.stack([ref["p"], ref["b"]]), atol=1e-14)
+    top = s.top_k(1, duplicates="sum")
+    best = max(ids, key=lambda h: float(ref[h][0]))
+    assert top.proponent_hashes[0] == [best]
+
+
+def test_mean_keeps_a_cosine_a_cosine():
+    """Rows that are cosines of one sample over four epochs: the mean is a cosine, the sum not."""
+    cos = torch.tensor([[0.9], [0.8], [0.95], [0.85], [0.9]], dtype=torch.float64)
+    s = AttributionScore(cos, ["rep"] * 4 + ["best"], [0, 1, 2, 3, 0], ["q"], repeats="mean")
+    ids, m = s.agnostic_matrix()
+    assert m.max() <= 1.0 and torch.isclose(m[0, 0], cos[:4].mean())
+    assert s.top_k(1).proponent_hashes == [["best"]]  # 0.9 over the repeated 0.875
+    assert s.agnostic_matrix(repeats="sum")[1][0, 0] > 1.0  # what summing did
+    assert s.top_k(1, repeats="sum").proponent_hashes == [["rep"]]
+
+
+def test_repeats_warnings_and_occurrences_round_trip(tmp_path):
+    s = epochs_score("mean")
+    s.warnings = ["a warning of the run"]
+    back = AttributionScore.load(s.save(tmp_path / "s"))
+    assert back.repeats == "mean" and back.warnings == ["a warning of the run"]
+    assert back.occurrences("p") == s.occurrences("p")
+    assert torch.equal(back.agnostic_matrix("sum")[1], s.agnostic_matrix("sum")[1])
+    # a top-k result lists the occurrences its combined rows came from, and keeps them
+    kept = AttributionScore(
+        torch.tensor([[1.0], [0.5]]),
+        ["p", "b"],
+        [-1, 3],
+        ["q"],
+        top_k_kept=1,
+        num_train=2,
+        repeats="mean",
+        occurrences={"p": [(0, 0), (0, 1), (0, 1)]},
+    )
+    back = AttributionScore.load(kept.save(tmp_path / "k"))
+    assert back.occurrences("p") == {0: [0, 1, 1]} and back.occurrences("b") == {0: [3]}
+    assert back.occurrence_counts() == {"p": 3, "b": 1}
+    with pytest.raises(ValueError, match="repeats='sum' needs the full scores"):
+        back.agnostic_matrix(repeats="sum")
+    # scores written before the option were summed: they load as "sum"
+    meta = json.loads((tmp_path / "s" / "scores.json").read_text())
+    for key in ("repeats", "warnings"):
+        del meta[key]
+    (tmp_path / "s" / "scores.json").write_text(json.dumps(meta))
+    old = AttributionScore.load(tmp_path / "s")
+    assert old.repeats == "sum" and old.warnings == []
+    with pytest.raises(ValueError, match=r"repeats=\) must be one of"):
+        AttributionScore(torch.zeros(1, 1), ["a"], [0], ["q"], repeats="max")

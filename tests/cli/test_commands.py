@@ -447,3 +447,140 @@ def test_a_huge_k_on_the_command_line_is_every_sample(tmp_path: Path, capsys) ->
     assert got.top_k_kept == 8 and got.top_k(8).proponent_hashes == [
         [f"t{i}" for i in row] for row in order
     ]
+
+
+# ---- repeats, leaks, warnings, projections ------------------------------------------------------
+def _epochs_under_one_label(w: Path) -> tuple[list[str], list[str]]:
+    """Three epochs captured under checkpoint 0 while training; a query leaked into training."""
+    leaked = QUERY_TEXTS[0].replace(" ", "  ", 1)  # the query's text, another hash
+    train_texts = [*TRAIN_TEXTS[:3], leaked, QUERY_TEXTS[2]]  # and one query as it is
+    torch.manual_seed(1)
+    model = TinyLM().double()
+    store = GradientStorageManager(w / "train")
+    config = HookManagerConfig(linear_io=[r"fc", r"head"])
+    hm = HookManager(model, config=config, callbacks=[OffloadCallback(file_manager=store)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.stack([encode(t) for t in train_texts])
+    with hm.collect(deregister_on_exit=True):  # no relabelling: every epoch is checkpoint 0
+        for _ in range(3):
+            for i in range(0, len(ids), 3):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model, ids[i : i + 3]).backward()
+                opt.step()
+    store.close()
+    qstore = GradientStorageManager(w / "query")
+    hm = HookManager(model, config=config, callbacks=[OffloadCallback(file_manager=qstore)])
+    with hm.collect(deregister_on_exit=True):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, torch.stack([encode(t) for t in QUERY_TEXTS])).backward()
+    qstore.close()
+    write_texts(w / "train.jsonl", train_texts)
+    write_texts(w / "queries.jsonl", QUERY_TEXTS)
+    return train_texts, [leaked, QUERY_TEXTS[2]]
+
+
+def test_repeats_leaks_and_the_runs_warnings_are_shown(tmp_path: Path, capsys) -> None:
+    texts, leaks = _epochs_under_one_label(tmp_path)
+    out = tmp_path / "cos"
+    assert main(["attribute", "--method", "grad-cos", "--train", str(tmp_path / "train"),
+                 "--test", str(tmp_path / "query"), "--out", str(out)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "several times under one checkpoint label" in err and "repeats='mean'" in err
+    run = json.loads((out / "attribution_run.json").read_text())
+    assert run["repeats"] == "mean"
+    assert any("several times under one checkpoint label" in w for w in run["warnings"])
+    score = AttributionScore.load(out)
+    assert score.repeats == "mean" and score.warnings == run["warnings"]
+    ref = TracInAttributor(normalized_grad=True).attribute_from_cache(
+        tmp_path / "train", tmp_path / "query"
+    )
+    ids, matrix = score.agnostic_matrix()
+    assert torch.allclose(matrix, ref.agnostic_matrix()[1]) and matrix.abs().max() <= 1.0
+    assert set(score.occurrence_counts().values()) == {3}  # three epochs, one label
+
+    # top: the run's warnings first, each sample's count, the leaks flagged
+    assert main(["top", str(out), "--texts", str(tmp_path / "train.jsonl"), "--test-texts",
+                 str(tmp_path / "queries.jsonl"), "--k", "5"]) == 0  # fmt: skip
+    shown = capsys.readouterr().out
+    assert shown.startswith("warnings of the scoring run (")
+    assert "x3" in shown
+    for j, leak in ((0, leaks[0]), (2, leaks[1])):
+        block = shown.split(f"query {j} ")[1].split("\nquery ")[0]
+        lines = [ln for ln in block.splitlines() if "LEAK" in ln]
+        assert lines and all(" ".join(leak.split())[:10] in ln for ln in lines), (j, block)
+    block1 = shown.split("query 1 ")[1].split("\nquery ")[0]
+    assert "LEAK" not in block1
+    # --json: the same facts per entry; the warnings on standard error
+    assert main(["top", str(out), "--texts", str(tmp_path / "train.jsonl"), "--test-texts",
+                 str(tmp_path / "queries.jsonl"), "--k", "5", "--json"]) == 0  # fmt: skip
+    cap = capsys.readouterr()
+    data = json.loads(cap.out)
+    assert "the scoring run warned" in cap.err
+    entries = [e for q in data for e in q["proponents"] + q["opponents"]]
+    assert all(e["occurrences"]["count"] == 3 for e in entries)
+    assert all(len(e["occurrences"]["steps"]["0"]) == 3 for e in entries)
+    assert {e["text"] for q in data for e in q["proponents"] if e["leak"]} == set(leaks)
+    assert all(q["repeats"] == "mean" for q in data)
+
+    # texts that match no id are warned about (texts of samples that were not trained on)
+    other = tmp_path / "other.jsonl"
+    write_texts(other, TRAIN_TEXTS[3:])
+    assert main(["top", str(out), "--texts", str(other), "--k", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "--texts" in err and "none of its 3 texts matches the ids of the 5 training" in err
+    assert main(["report", str(out), "--train-texts", str(other), "-o",
+                 str(tmp_path / "r.html")]) == 0  # fmt: skip
+    assert "none of its 3 texts matches" in capsys.readouterr().err
+
+    # report: counts, leaks and warnings on the page
+    page = tmp_path / "report.html"
+    texts_args = ["--train-texts", str(tmp_path / "train.jsonl"), "--test-texts",
+                  str(tmp_path / "queries.jsonl")]  # fmt: skip
+    assert main(["report", str(out), *texts_args, "-o", str(page)]) == 0
+    html = page.read_text(encoding="utf-8")
+    assert "seen 3x under checkpoint 0" in html and "leak: identical to the query" in html
+    assert "Warnings of the scoring run (" in html
+
+    # the rule is a choice; a method that sums only says so, naming the flag
+    summed = tmp_path / "sum"
+    assert main(["attribute", "--method", "grad-cos", "--repeats", "sum", "--train",
+                 str(tmp_path / "train"), "--test", str(tmp_path / "query"),
+                 "--out", str(summed)]) == 0  # fmt: skip
+    capsys.readouterr()
+    got = AttributionScore.load(summed)
+    assert got.repeats == "sum"
+    assert torch.allclose(got.agnostic_matrix()[1], score.agnostic_matrix(repeats="sum")[1])
+    code = main(["attribute", "--method", "dvemb", "--repeats", "mean", "--learning-rate",
+                 "0.05", "--train", str(tmp_path / "train"), "--test", str(tmp_path / "query"),
+                 "--out", str(tmp_path / "d")])  # fmt: skip
+    assert code == 2 and "argument --repeats" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("style", "options", "summary"),
+    [
+        ("logra", {"proj_dim": 4}, "logra 2x2 (output side x input side) = 4, seed 7, normal"),
+        ("sparse", {"proj_dim": 5, "nnz": 2}, "sparse dim 5, nnz 2, seed 7"),
+        ("dense", {"proj_dim": 5, "proj_type": "rademacher"}, "dense dim 5, seed 7, rademacher"),
+    ],
+)
+def test_inspect_describes_the_projection(tmp_path: Path, capsys, style, options, summary):
+    from dattri_llm.gradient.ops.projection import ProjectionConfig
+
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    store = GradientStorageManager(tmp_path / "s")
+    config = HookManagerConfig(
+        linear_io=[r"fc"], projection=ProjectionConfig(style, seed=7, **options)
+    )
+    hm = HookManager(model, config=config, callbacks=[OffloadCallback(file_manager=store)])
+    with hm.collect(deregister_on_exit=True):
+        loss_fn(model, torch.stack([encode(t) for t in TRAIN_TEXTS[:2]])).backward()
+    store.close()
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert f"projection   {summary} on 1/1 layers" in out
+    assert f"{summary}; of nn.Linear 16x9" in out  # the source layer's matrix form
+    assert main(["inspect", str(tmp_path / "s"), "--json"]) == 0
+    layer = json.loads(capsys.readouterr().out)["layers"][0]
+    assert layer["projection"] == f"{summary}; of nn.Linear 16x9"

@@ -333,5 +333,6 @@ def final_result(
         columns,
         output_dir=output_dir,
         train_checkpoints=meta["checkpoints"],
+        repeats=sink.repeats,
     )
     return score if k is None else top_k_of(score, k)

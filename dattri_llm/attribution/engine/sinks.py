@@ -13,6 +13,11 @@ safetensors, the rest JSON) and be merged across ranks (``merge``); the result i
 :class:`~dattri_llm.attribution.score.AttributionScore` either way. A top-k result holds one row
 per kept sample and ``NaN`` where a (sample, query) score was not among that query's kept ones
 (``score.top_k_kept`` is ``k``): ``top_k(k' <= k)`` and ``query`` of kept entries are exact.
+
+Both follow the attributor's ``repeats`` rule: the full matrix records it (its views apply it),
+the top-k sink applies it while it sums (under ``"mean"`` a row weighs ``1 / (its sample's rows
+under its checkpoint label)``, counted in advance like the rows) and records, for each kept
+sample with several rows, where they were (``AttributionScore.occurrences``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,17 @@ import torch
 from dattri_llm.attribution.ranking import check_top_k, clamp_top_k, rank
 from dattri_llm.attribution.score import AttributionScore
 
-__all__ = ["FullSink", "TopKSink", "check_top_k", "merge_top_k", "top_k_of"]
+__all__ = ["FullSink", "TopKSink", "check_top_k", "merge_top_k", "top_k_of", "label_counts_of"]
+
+
+def label_counts_of(
+    hashes: Sequence[str], checkpoints: Sequence[int]
+) -> dict[tuple[str, int], int]:
+    """``{(train hash, checkpoint): rows}``: how often each sample occurs under each label."""
+    counts: dict[tuple[str, int], int] = {}
+    for key in zip(hashes, checkpoints):
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -53,10 +68,16 @@ def _keep_extremes(
 
 
 class FullSink:
-    """Every score row, in the order the train rows were scored."""
+    """Every score row, in the order the train rows were scored.
 
-    def __init__(self, granularity: str = "sample") -> None:
+    Args:
+        granularity: ``"sample"`` or ``"token"``.
+        repeats: The attributor's rule, recorded in the result (its views apply it).
+    """
+
+    def __init__(self, granularity: str = "sample", repeats: str = "sum") -> None:
         self.granularity = granularity
+        self.repeats = repeats
         self.rows: list[torch.Tensor] = []
         self.hashes: list[str] = []
         self.steps: list[int] = []
@@ -68,6 +89,10 @@ class FullSink:
     def num_rows(self) -> int:
         """Rows added so far."""
         return len(self.hashes)
+
+    def label_counts(self) -> dict[tuple[str, int], int]:
+        """``{(train hash, checkpoint): rows}`` of the rows added so far."""
+        return label_counts_of(self.hashes, self.checkpoints)
 
     def add(
         self,
@@ -115,6 +140,7 @@ class FullSink:
             token_scores=tokens,
             output_dir=output_dir,
             train_checkpoints=self.checkpoints,
+            repeats=self.repeats,
         )
 
     # ---- checkpoints ----
@@ -169,9 +195,13 @@ class TopKSink:
             and checkpoints, and duplicated items); a sample's score enters the top-k once its
             rows are all in. A row of a sample not in ``counts`` (or beyond its count) is an
             error: its earlier rows may already have been ranked alone.
-        duplicates: As ``AttributionScore.agnostic_matrix``'s: ``"warn"`` / ``"sum"`` sum the
-            rows of a sample seen twice at one step (warning with ``"warn"``); ``"error"``
+        duplicates: As ``AttributionScore.agnostic_matrix``'s: ``"warn"`` / ``"sum"`` combine
+            the rows of a sample seen twice at one step (warning with ``"warn"``); ``"error"``
             refuses them. (``"separate"`` has no top-k meaning and is refused.)
+        repeats: ``"sum"`` or ``"mean"``: how a sample's rows under one checkpoint label
+            combine (labels are summed).
+        label_counts: ``{(train hash, checkpoint): rows}``, needed by ``"mean"`` (each row
+            weighs ``1 / rows``) and reported by :meth:`label_counts`.
     """
 
     def __init__(
@@ -180,6 +210,8 @@ class TopKSink:
         num_cols: int,
         counts: Mapping[str, int],
         duplicates: str = "warn",
+        repeats: str = "sum",
+        label_counts: Mapping[tuple[str, int], int] | None = None,
     ) -> None:
         if duplicates not in ("warn", "sum", "error"):
             raise ValueError(
@@ -189,6 +221,12 @@ class TopKSink:
         self.num_cols = int(num_cols)
         self.counts = counts
         self.duplicates = duplicates
+        self.repeats = repeats
+        if repeats == "mean" and label_counts is None:
+            raise ValueError("TopKSink(repeats='mean') needs label_counts (rows per label).")
+        self._label_counts = label_counts
+        # under "mean", the rows to reweigh: those of a sample seen several times under a label
+        self._weigh = repeats == "mean" and any(n > 1 for n in label_counts.values())
         self.num_train = 0  # samples whose score is complete
         self.top_vals: torch.Tensor | None = None  # (M, k)
         self.top_ids = torch.full((self.num_cols, self.k), -1, dtype=torch.long)
@@ -197,6 +235,7 @@ class TopKSink:
         self.ids: list[str] = []  # id -> train hash of the samples that can still be kept
         self.row_step: list[int] = []  # id -> its step (-1: several)
         self.row_ckpt: list[int] = []
+        self.row_occ: dict[int, list[tuple[int, int]]] = {}  # id -> (ckpt, step) of its rows
         # hash -> [partial (M,), rows left, step, ckpt, (step, ckpt) seen]
         self.pending: dict[str, list[Any]] = {}
         self._dup_warned = False
@@ -212,8 +251,12 @@ class TopKSink:
         checkpoints: Sequence[int],
         tokens: Any = None,
     ) -> None:
-        """Rank score rows ``(b, M)``; a sample's rows are summed before it is ranked."""
+        """Rank score rows ``(b, M)``; a sample's rows are combined before it is ranked."""
         scores = scores.detach().to("cpu")
+        if self._weigh:
+            n = [self._label_counts.get((str(h), int(c)), 1) for h, c in zip(hashes, checkpoints)]
+            w = 1.0 / torch.as_tensor(n, dtype=torch.float64)
+            scores = scores * w.to(scores.dtype).unsqueeze(1)
         if self._single and not self.pending and self.counts.keys() >= set(hashes):
             # every sample has one row (one checkpoint, one epoch): rank the rows as they are,
             # with no Python work per row
@@ -259,7 +302,7 @@ class TopKSink:
                     entry[3] = -1
             if entry[1] == 0:
                 del self.pending[h]
-                done.append((h, entry[0], entry[2], entry[3]))
+                done.append((h, entry[0], entry[2], entry[3], entry[4]))
         rows, ids = [], []
         if direct:
             idx = torch.as_tensor(direct, dtype=torch.long)
@@ -268,18 +311,19 @@ class TopKSink:
                 ids.append(self._new_id(str(hashes[i]), int(steps[i]), int(checkpoints[i])))
         if done:
             rows.append(torch.stack([d[1] for d in done]))
-            ids += [self._new_id(h, s, c) for h, _, s, c in done]
+            for h, _, s, c, seen in done:
+                ids.append(self._new_id(h, s, c, [(ck, st) for st, ck in seen]))
         if rows:
             self._merge(torch.cat(rows), torch.as_tensor(ids, dtype=torch.long))
 
     def _check_duplicate(self, h: str, key: tuple[int, int], seen: list) -> None:
         if key not in seen:
             return
+        combined = "summed" if self.repeats == "sum" else "averaged (repeats='mean')"
         message = (
             f"train sample {h!r} occurs more than once at step {key[0]}: identical samples "
-            "share one id, so their rows are summed into one (the influence of all the copies "
-            "together). Deduplicate the train set, or pass duplicates='sum' to sum them without "
-            "this message."
+            f"share one id, so their rows are {combined} into one. Deduplicate the train set, "
+            "or pass duplicates='sum' to combine them without this message."
         )
         if self.duplicates == "error":
             raise ValueError(message)
@@ -287,12 +331,20 @@ class TopKSink:
             self._dup_warned = True
             warnings.warn(message, UserWarning, stacklevel=4)
 
-    def _new_id(self, h: str, step: int, ckpt: int) -> int:
+    def _new_id(
+        self, h: str, step: int, ckpt: int, occ: list[tuple[int, int]] | None = None
+    ) -> int:
         self.ids.append(h)
         self.row_step.append(step)
         self.row_ckpt.append(ckpt)
         self.num_train += 1
+        if occ is not None and len(occ) > 1:
+            self.row_occ[len(self.ids) - 1] = sorted(occ)
         return len(self.ids) - 1
+
+    def label_counts(self) -> dict[tuple[str, int], int] | None:
+        """``{(train hash, checkpoint): rows}`` announced before scoring (``None``: unknown)."""
+        return None if self._label_counts is None else dict(self._label_counts)
 
     def _merge(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         m = self.num_cols
@@ -341,6 +393,7 @@ class TopKSink:
         self.ids = [self.ids[i] for i in keep]
         self.row_step = [self.row_step[i] for i in keep]
         self.row_ckpt = [self.row_ckpt[i] for i in keep]
+        self.row_occ = {j: self.row_occ[i] for j, i in enumerate(keep) if i in self.row_occ}
 
     # ---- result ----
     def check_complete(self) -> None:
@@ -380,6 +433,8 @@ class TopKSink:
             train_checkpoints=self.row_ckpt,
             top_k_kept=self.k,
             num_train=self.num_train,
+            repeats=self.repeats,
+            occurrences={self.ids[i]: occ for i, occ in self.row_occ.items()},
         )
 
     # ---- checkpoints ----
@@ -405,6 +460,8 @@ class TopKSink:
             "row_ckpt": self.row_ckpt,
             "pending": [[h, e[1], e[2], e[3], [list(x) for x in e[4]]] for h, e in pend],
             "dup_warned": self._dup_warned,
+            "repeats": self.repeats,
+            "row_occ": {str(i): [list(x) for x in occ] for i, occ in self.row_occ.items()},
         }
         return tensors, meta
 
@@ -419,6 +476,7 @@ class TopKSink:
         self.ids = list(meta["ids"])
         self.row_step = [int(s) for s in meta["row_step"]]
         self.row_ckpt = [int(c) for c in meta["row_ckpt"]]
+        self.row_occ = {int(i): [(c, s) for c, s in occ] for i, occ in meta["row_occ"].items()}
         self.pending = {}
         for i, (h, left, step, ckpt, keys) in enumerate(meta["pending"]):
             keys = [tuple(x) for x in keys]
@@ -433,12 +491,13 @@ def merge_top_k(
 ) -> TopKSink:
     """Merge the top-k states of ranks that scored disjoint sets of train samples.
 
-    Each rank's lists are the exact top / bottom ``k`` of its samples, so the global ones are
-    the top / bottom ``k`` of their concatenation.
+    Each rank's lists are the exact top / bottom ``k`` of its samples (combined by the rule
+    the states record), so the global ones are the top / bottom ``k`` of their concatenation.
     """
     meta0 = states[0][1]
     k, m = int(meta0["k"]), int(meta0["num_cols"])
     out = TopKSink(k, m, counts, duplicates)
+    out.repeats = str(meta0.get("repeats", "sum"))  # the ranks applied it already
     cand: dict[bool, list[tuple[torch.Tensor, torch.Tensor]]] = {True: [], False: []}
     total = 0
     for tensors, meta in states:
@@ -450,8 +509,11 @@ def merge_top_k(
         local_ids = torch.cat([tensors["top_ids"].flatten(), tensors["bot_ids"].flatten()])
         used = sorted({int(i) for i in local_ids.tolist() if i >= 0})
         remap = torch.full((len(meta["ids"]) + 1,), -1, dtype=torch.long)
+        occ = meta.get("row_occ", {})
         for i in used:
-            remap[i] = out._new_id(meta["ids"][i], meta["row_step"][i], meta["row_ckpt"][i])
+            remap[i] = out._new_id(
+                meta["ids"][i], meta["row_step"][i], meta["row_ckpt"][i], occ.get(str(i))
+            )
         cand[True].append((tensors["top_vals"], remap[tensors["top_ids"]]))
         cand[False].append((tensors["bot_vals"], remap[tensors["bot_ids"]]))
     out.num_train = total
@@ -465,12 +527,16 @@ def top_k_of(score: AttributionScore, k: int, duplicates: str = "warn") -> Attri
     """Reduce a full result to the top-k form (sources without an index; trajectory methods)."""
     if score.top_k_kept is not None:
         return score
-    ids, matrix = score.agnostic_matrix(duplicates)
+    ids, matrix = score.agnostic_matrix(duplicates)  # combined by the score's own rule
     where: dict[str, tuple[int, int]] = {}
+    occ: dict[str, list[tuple[int, int]]] = {}
     for h, s, c in zip(score.train_hashes, score.train_steps, score.train_checkpoints):
         old = where.get(h)
         where[h] = (s, c) if old is None else (s if old[0] == s else -1, c if old[1] == c else -1)
+        occ.setdefault(h, []).append((c, s))
     k = clamp_top_k(k, len(ids))
     sink = TopKSink(k, score.num_test, dict.fromkeys(ids, 1), "sum")
     sink.add(matrix, ids, [where[h][0] for h in ids], [where[h][1] for h in ids])
+    sink.repeats = score.repeats  # applied by agnostic_matrix
+    sink.row_occ = {i: sorted(occ[h]) for i, h in enumerate(sink.ids) if len(occ[h]) > 1}
     return sink.result(list(score.test_hashes), score.output_dir)

@@ -124,6 +124,9 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
             may pass its own (``attribute*(..., damping=...)``: one fit serves every damping).
         relative: Scale ``damping`` by each layer's mean eigenvalue (``None``: only for the
             default). A call may pass its own.
+        repeats: How a train sample's rows under one checkpoint label combine (several
+            epochs under one label, duplicates): ``"sum"`` or ``"mean"``; ``None``: ``"mean"``
+            with ``normalized_grad`` (TrackStar's cosine), else ``"sum"``.
 
     Attributes:
         factors: ``{checkpoint: KroneckerFactors}``, the damping-free fit (empty before
@@ -145,8 +148,9 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
         second_moment: Any = None,
         damping: float | None = None,
         relative: bool | None = None,
+        repeats: str | None = None,
     ) -> None:
-        super().__init__(args, task, mode=mode)
+        super().__init__(args, task, mode=mode, repeats=repeats)
         resolve_damping(damping, relative)  # refuse a bad pair now, not at the first call
         self.normalized_grad = check_flag(
             normalized_grad, f"{type(self).__name__}(normalized_grad=)"

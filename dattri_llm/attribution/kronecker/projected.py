@@ -118,6 +118,7 @@ class ProjectedFisherAttributor(KFACAttributor):
             mixing projection). See :mod:`dattri_llm.attribution.kronecker.second_moment`.
         damping: ``λ`` (see above; a call may pass its own).
         relative: Scale ``damping`` by ``tr(F_l) / P`` (a call may pass its own).
+        repeats: As :class:`KFACAttributor`'s.
     """
 
     kind: ClassVar[str] = "kfac"
@@ -133,10 +134,12 @@ class ProjectedFisherAttributor(KFACAttributor):
         second_moment: Any = None,
         damping: float | None = None,
         relative: bool | None = None,
+        repeats: str | None = None,
     ) -> None:
         super().__init__(
             args,
             task,
+            repeats=repeats,
             eigen_dtype=eigen_dtype,
             mode=mode,
             normalized_grad=normalized_grad,

@@ -210,6 +210,9 @@ class TrajectoryAttributor(BaseAttributor):
             rate, schedule, epochs; default :class:`LiveRunArguments`).
         curvature: Each step's batch-loss curvature: one of :attr:`curvatures` or an
             :class:`~dattri_llm.attribution.trajectory.curvature.ExactHessian`.
+        repeats: ``"sum"`` (or ``None``) only: a sample's rows (one per step it trained at)
+            are the parts of one number, the effect of removing it from the whole run, so
+            ``"mean"`` is refused.
     """
 
     name = "trajectory"
@@ -224,8 +227,15 @@ class TrajectoryAttributor(BaseAttributor):
         normalized_grad: bool = False,
         live_run: LiveRunArguments | None = None,
         curvature: Any = "empirical_fisher",
+        repeats: str | None = None,
     ) -> None:
-        super().__init__(args, task)
+        super().__init__(args, task, repeats=repeats)
+        if self.repeats == "mean":
+            raise ValueError(
+                f"{type(self).__name__}(repeats='mean'): a sample's rows are the parts of one "
+                "removal's effect over the run (one per step it trained at), which add up; "
+                "averaging them has no meaning. Pass repeats='sum' or leave it out."
+            )
         check_curvature(curvature, self.curvatures)
         self.curvature = curvature
         if live_run is not None and not isinstance(live_run, LiveRunArguments):
@@ -255,6 +265,10 @@ class TrajectoryAttributor(BaseAttributor):
             raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}.")
         self.loss_reduction = loss_reduction
         self.compute_dtype = compute_dtype
+
+    def default_repeats(self) -> str:
+        """``"sum"``: a sample's rows are the parts of one removal's effect (even a cosine's)."""
+        return "sum"
 
     def require_reduction(self, where: str) -> str:
         """``loss_reduction``, refusing ``None`` (a captured run's reduction is not guessed).

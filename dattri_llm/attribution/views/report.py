@@ -3,7 +3,9 @@
 One HTML file, no scripts, no network, no external assets (a Content-Security-Policy forbids
 them): a summary (method, stores, settings, an inline SVG histogram of every score), then one
 section per query with its text and its top-k proponents and opponents, their scores and their
-texts; long texts are folded (``<details>``), and when the scores hold token-level scores the
+texts, how often a sample repeated under one checkpoint label and a flag on a training sample
+identical to the query (:mod:`~dattri_llm.attribution.views.notes`), and the scoring run's
+warnings; long texts are folded (``<details>``), and when the scores hold token-level scores the
 train samples' tokens are coloured by :mod:`~dattri_llm.attribution.views.token_view`. Every text is
 HTML-escaped: training data is untrusted, and a ``<script>`` in a sample shows as text.
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.views.notes import Occurrences, leak, occurrence_notes, run_warnings
 from dattri_llm.attribution.views.token_view import POSITIVE_RGB, html_tokens, token_window
 from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.hashing import hash_sample
@@ -219,6 +222,12 @@ details.fold[open] > summary { color: #888; }
 .label { display: inline-block; background: #eef; color: #335; border-radius: 3px;
          font-size: 0.8em; padding: 0 0.4em; margin-right: 0.4em; }
 .missing, .note { color: #777; font-size: 0.9em; }
+.repeat { display: inline-block; background: #fff3d6; color: #6b4a00; border-radius: 3px;
+          font-size: 0.8em; padding: 0 0.4em; margin-right: 0.4em; }
+.leak { display: inline-block; background: #b4261e; color: #fff; border-radius: 3px;
+        font-size: 0.8em; padding: 0 0.4em; margin-right: 0.4em; font-weight: 600; }
+.warnings { border: 1px solid #e0b04a; background: #fffaf0; border-radius: 6px;
+            padding: 0.4em 1em; margin: 0.8em 0; }
 .pos { color: rgb(0, 120, 56); } .neg { color: rgb(180, 30, 30); }
 h3 { font-size: 1em; margin: 0.6em 0 0.1em; }
 h2 .qid { font-family: ui-monospace, monospace; font-size: 0.75em; color: #888;
@@ -235,6 +244,16 @@ svg.hist line.zero { stroke: #222; stroke-dasharray: 3 2; }
 _CSP = "default-src 'none'; style-src 'unsafe-inline'"
 
 
+def _badges(occ: Occurrences | None, leaked: bool) -> str:
+    """The repeat and leak badges of one shown training sample."""
+    out = ""
+    if leaked:
+        out += '<span class="leak">leak: identical to the query</span>'
+    if occ is not None and occ.repeated:
+        out += f'<span class="repeat">{html.escape(occ.describe())}</span>'
+    return out
+
+
 def _rows(
     kind: str,
     hashes: Sequence[str],
@@ -242,13 +261,16 @@ def _rows(
     texts: Mapping[str, SampleText],
     fold_chars: int,
     heatmap: Any,
+    notes: Mapping[str, Occurrences],
+    query: tuple[str, SampleText | None],
 ) -> str:
     esc = html.escape
     cls = "pos" if kind == "proponents" else "neg"
     body = []
     for r, (h, s) in enumerate(zip(hashes, values), 1):
         sample = texts.get(h)
-        cell = _sample_cell(h, sample, fold_chars) + heatmap(h, sample, r)
+        badges = _badges(notes.get(h), leak(h, query[0], sample, query[1]))
+        cell = badges + _sample_cell(h, sample, fold_chars) + heatmap(h, sample, r)
         body.append(
             f'<tr><td class="rank">{r}</td><td class="num {cls}">{_fmt(s)}</td>'
             f"<td>{cell}</td>"
@@ -281,7 +303,8 @@ def html_report(
         test_texts: The same for the queries.
         k: Proponents and opponents per query.
         title: Page title (escaped).
-        settings: Shown in the summary table (e.g. method, stores, damping).
+        settings: Shown in the summary table (e.g. method, stores, damping); its
+            ``"warnings"`` join the score's own in the warnings box.
         queries: Test column indices to show (default: all).
         fold_chars: Texts longer than this are folded.
         token_k: With token scores, heatmaps for the first ``token_k`` proponents and
@@ -297,6 +320,8 @@ def html_report(
     ids, matrix = score.agnostic_matrix()
     top = score.top_k(k)
     esc = html.escape
+    shown = {h for q in cols for h in top.proponent_hashes[q] + top.opponent_hashes[q]}
+    notes = occurrence_notes(score, shown)
 
     def heatmap_for(j: int) -> Any:
         def make(h: str, sample: SampleText | None, rank: int) -> str:
@@ -335,6 +360,8 @@ def html_report(
             train_texts,
             fold_chars,
             heat,
+            notes,
+            (h, sample),
         )
         opp = _rows(
             "opponents",
@@ -343,6 +370,8 @@ def html_report(
             train_texts,
             fold_chars,
             heat,
+            notes,
+            (h, sample),
         )
         snippet = sample.text[:40] if sample is not None else h[:12]
         index.append(f'<a href="#q{q}" title="{esc(snippet)}">{q}</a>')
@@ -353,9 +382,18 @@ def html_report(
         )
 
     finite = matrix[torch.isfinite(matrix)]
+    counts = score.occurrence_counts()
+    repeated = sum(n > 1 for n in counts.values())
+    how = "mean" if score.repeats == "mean" else "sum"
     summary = {
-        **(dict(settings) if settings else {}),
+        **{key: v for key, v in (settings or {}).items() if key != "warnings"},
         "training samples": len(ids),
+        "repeats": (
+            f"{repeated} training samples occur several times under one checkpoint label "
+            f"(up to {max(counts.values())}x); their rows are combined by their {how}"
+            if repeated
+            else "none (each training sample once per checkpoint label)"
+        ),
         "queries": f"{score.num_test} ({len(cols)} shown)",
         "steps": ", ".join(map(str, score.steps)) if len(score.steps) <= 12 else len(score.steps),
         "token scores": "yes" if score.has_token_scores else "no",
@@ -368,11 +406,20 @@ def html_report(
         f"<tr><td>{esc(str(key))}</td><td>{esc(_setting(v))}</td></tr>"
         for key, v in summary.items()
     )
+    warned = run_warnings(score, settings)
+    warning_box = (
+        f'<div class="warnings"><h3>Warnings of the scoring run ({len(warned)})</h3><ul>'
+        + "".join(f'<li class="text">{esc(w)}</li>' for w in warned)
+        + "</ul></div>\n"
+        if warned
+        else ""
+    )
     legend = (
         '<p class="note">A <span class="pos">positive</span> score means the training sample '
         "helped the query: training on it lowered the query's loss (removing it would raise "
-        'it); a <span class="neg">negative</span> score means it hurt. Scores are summed over '
-        "the stored steps. Click a folded text to unfold it.</p>"
+        'it); a <span class="neg">negative</span> score means it hurt. A sample\'s scores '
+        f"under one checkpoint label are combined by their {how} (repeats={score.repeats!r}), "
+        "and checkpoint labels are summed. Click a folded text to unfold it.</p>"
     )
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -380,7 +427,8 @@ def html_report(
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f"<title>{esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
         f'<h1>{esc(title)}</h1>\n<table class="summary"><tbody>{rows}</tbody></table>\n'
-        f"<h3>Score distribution</h3>\n{svg_histogram(matrix)}\n{legend}\n"
+        + warning_box
+        + f"<h3>Score distribution</h3>\n{svg_histogram(matrix)}\n{legend}\n"
         f'<nav class="index"><strong>Queries:</strong> {"".join(index)}</nav>\n'
         + "\n".join(sections)
         + "\n</body>\n</html>\n"

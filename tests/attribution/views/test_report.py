@@ -154,3 +154,38 @@ def test_token_heatmap_pairs_each_token_with_its_own_position(side: str) -> None
     texts = {"a": SampleText("u v w x y z", tokens=list("uvwxyz"))}
     html = html_report(score, texts, k=1, token_k=1)
     assert not _spans(html) and "token scores not shown: tokens has 6 entries" in html
+
+
+def test_report_shows_repeats_leaks_and_the_runs_warnings(tmp_path: Path) -> None:
+    """Repeats under one label are named with their steps; a leak is flagged; warnings shown."""
+    from dattri_llm.attribution.views.report import html_report
+
+    # "rep" four times under checkpoint 0 (epochs); "copy" is the query's text with other
+    # spacing (another hash); "q" also occurs in training under its own hash
+    train = ["rep", "rep", "rep", "rep", "copy", "q", "other"]
+    steps = [0, 1, 2, 3, 0, 0, 0]
+    scores = torch.tensor([[0.9], [0.8], [0.95], [0.85], [0.5], [0.4], [-0.2]], dtype=torch.float64)
+    score = AttributionScore(scores, train, steps, ["q"], repeats="mean")
+    score.warnings = ['the run warned <script>alert("x")</script>']
+    texts = {"copy": SampleText("the  cat is\na pet"), "other": SampleText("the cat is a dog")}
+    page = html_report(
+        score,
+        texts,
+        {"q": SampleText("the cat is a pet")},
+        k=2,  # proponents rep, copy; opponents other, q
+        settings={"method": "grad-cos", "warnings": ["a warning of the run file"]},
+    )
+    assert "seen 4x under checkpoint 0 (steps 0, 1, 2, 3)" in page
+    assert page.count("leak: identical to the query") == 2  # "copy" by text, "q" by hash
+    section = page[page.index('<section class="query"') :]
+    rows = section.split("<tr>")[1:]
+    flagged = [r for r in rows if "leak: identical" in r]
+    assert all('title="copy"' in r or 'title="q"' in r for r in flagged)
+    assert not any("leak" in r for r in rows if 'title="other"' in r)
+    assert "Warnings of the scoring run (2)" in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page and "<script" not in page
+    assert "a warning of the run file" in page
+    assert "combined by their mean (repeats='mean')" in page
+    assert "1 training samples occur several times under one checkpoint label (up to 4x)" in page
+    # the mean of the repeats, not their sum, is the score shown
+    assert f"{scores[:4].mean().item():+.3e}" in page
