@@ -77,7 +77,8 @@ def stores(tmp_path_factory):
     return {
         "train": write(root / "train", train_rows()),
         "unique": write(root / "unique", train_rows(relabel=True)),
-        "test": write(root / "test", [(0, 0, ["q0", "q1"], queries)]),
+        # the queries at both train checkpoints: a Fisher fit per checkpoint meets its own
+        "test": write(root / "test", [(0, c, ["q0", "q1"], queries) for c in (0, 1)]),
     }
 
 
