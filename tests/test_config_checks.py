@@ -1,4 +1,4 @@
-"""Configuration checked at construction (issue 12, category 5): each mistake is refused (or
+"""Configuration checked at construction: each mistake is refused (or
 accepted, where that is friendlier) with a message naming the argument and the fix."""
 
 from __future__ import annotations

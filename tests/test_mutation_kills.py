@@ -1,5 +1,5 @@
-"""Tests written to kill surviving mutants of ``experiments/mutation/run_mutmut.sh`` (issue 26,
-item 14). Each checks a core module against an independent formula written out here (torch.func
+"""Tests written to kill surviving mutants of ``experiments/mutation/run_mutmut.sh``.
+Each checks a core module against an independent formula written out here (torch.func
 per-sample gradients, a cosine / dot product by hand), or a routing contract (a route named by
 ``mode`` is the route taken). CONTRIBUTING.md lists the survivors left and why.
 """

@@ -1,4 +1,4 @@
-"""One spelling per option, the other accepted as an alias; per-call options (issue 12, 6)."""
+"""One spelling per option, the other accepted as an alias; per-call options."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sample identity (issue 12, category 3): ids a user reproduces from the sample, and duplicates
+"""Sample identity: ids a user reproduces from the sample, and duplicates
 that are reported instead of silently merged."""
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
     0.29-0.39 (0.42-0.49 with ``push="exact", exact_steps=2``; EK-FAC 0.48-0.60). For
     half-data LDS, where each half is retrained with its own batch order, a final-weights
     influence function ranks better (EK-FAC 0.67 against 0.34 with the empirical Fisher);
-    see docs/benchmarks/quality.md ("Issue 24").
+    see docs/benchmarks/quality.md ("why do the trajectory methods trail on LDS").
 
     Args:
         args: Run options.

@@ -222,7 +222,8 @@ class DVEmbAttributor(TrajectoryAttributor):
     exact Hessian reaches 0.98 at 1 % and 0.92 at 50 %; half-data LDS 0.79 on digits-LR (EK-FAC
     0.83) and 0.51 on the non-convex digits-MLP (EK-FAC 0.47). On an Adam run it is the wrong
     model: it warns, and lands at Grad-Dot's level (GPT-2 fine-tuning: 0.19 vs 0.20 half-data
-    LDS); use AdamW-influence or LESS. See docs/benchmarks/quality.md ("Issue 24").
+    LDS); use AdamW-influence or LESS. See docs/benchmarks/quality.md ("why do the trajectory
+    methods trail on LDS").
 
     Args:
         args: Run options.

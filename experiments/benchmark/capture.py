@@ -1,4 +1,4 @@
-"""Capture-core speed benchmark (issue 2): hooked capture vs a plain training step.
+"""Capture-core speed benchmark: hooked capture vs a plain training step.
 
 For a GPT-2-shaped and a tiny Llama model built from configs (random weights, CPU), measures in
 one process run:
@@ -12,7 +12,7 @@ one process run:
   Opacus + GEMM, each compared with a float64 ``vmap`` reference;
 * the peak memory of each (see ``utils/memory.py``).
 
-Targets (issue 2): factorized <= 1.05x the plain step, materialized <= 1.25x, hooked Gram
+Targets: factorized <= 1.05x the plain step, materialized <= 1.25x, hooked Gram
 >= 3x faster than the vmap reference at equal exactness.
 
 Usage::
@@ -313,7 +313,7 @@ def main() -> None:
         if not ARGS.no_ref64
         else "float64 reference skipped",
     }
-    print(header("Capture benchmark (issue 2)", extra))
+    print(header("Capture benchmark", extra))
     for shape in shapes(ARGS.quick, ARGS.models.split(",")):
         print(bench_model(shape, rounds, use_opacus, not ARGS.no_ref64), flush=True)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")

@@ -1,4 +1,4 @@
-"""Headline quality table (issue 24, item 5): every method x every quality metric, per setting.
+"""Headline quality table: every method x every quality metric, per setting.
 
 Reads the result files the quality benchmarks already wrote (nothing is retrained or re-scored)
 and puts them side by side, one Markdown table per setting:

@@ -1,4 +1,4 @@
-"""Peak memory of ``GradientIndex.build`` on a synthetic projected store (issue 25 follow-up).
+"""Peak memory of ``GradientIndex.build`` on a synthetic projected store.
 
 Writes an ``--n`` x ``--dim`` float32 projected store once (random vectors, one layer, records
 of 2048 rows, no fsync), then builds each ``--kinds`` index in a fresh child process and reports

@@ -1,4 +1,4 @@
-"""The 1M-sample run (issue 25, item 7): capture, store, exact ``top_k`` and FAISS search.
+"""The 1M-sample run: capture, store, exact ``top_k`` and FAISS search.
 
 A tiny GPT-2 (2 layers, width 64, vocab 1024, trained briefly; ``million_data.py``) over
 >= 1,000,000 distinct real-text windows of ``--seq`` tokens, every phase in its own process (so

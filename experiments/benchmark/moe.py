@@ -1,4 +1,4 @@
-"""Mixture-of-experts capture (issue 23, item 1): overhead beside a dense model, and coverage.
+"""Mixture-of-experts capture: overhead beside a dense model, and coverage.
 
 Builds from configs (random weights, CPU, float32) a small Mixtral and a dense Llama of the
 same *active* size (the Llama's MLP is as wide as the two experts a token runs through), and

@@ -1,4 +1,4 @@
-"""K-FAC / EK-FAC fit cost on a fused-expert MoE beside a dense model (issue 23, item 1).
+"""K-FAC / EK-FAC fit cost on a fused-expert MoE beside a dense model.
 
 A small Mixtral and a dense Llama of the same *active* MLP width (two experts' worth), random
 weights, float32, ``REGISTER_ALL``. The per-sample gradients of ``--batches`` training batches

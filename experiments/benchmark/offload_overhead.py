@@ -1,4 +1,4 @@
-"""Offload overhead (issue 3): a training step with HookManager + OffloadCallback vs plain.
+"""Offload overhead: a training step with HookManager + OffloadCallback vs plain.
 
 A training step here is zero grads, forward, loss, backward and an ``AdamW`` step on a
 GPT-2-shaped model built from config. Each variant runs ``--steps`` consecutive steps inside
@@ -10,7 +10,7 @@ the store's flush (``on_context_end``), all timed; the figure is seconds per ste
 * the same with ``OffloadCallback`` into a fresh ``GradientStorageManager`` (default:
   asynchronous writes, ``max_pending=1``, fsync on), and with synchronous writes.
 
-Target (issue 3): offloading adds <= 10% to the plain step (factorized capture).
+Target: offloading adds <= 10% to the plain step (factorized capture).
 
 Usage::
 
@@ -182,7 +182,7 @@ def main() -> None:
     root = args.dir or tempfile.gettempdir()
     print(
         header(
-            "Offload overhead (issue 3)",
+            "Offload overhead",
             {
                 "store": f"fresh GradientStorageManager per run under {root} (same disk as the "
                 "repo), deleted after; default options (fsync on, CRC-32, max_pending=1)",

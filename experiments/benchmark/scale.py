@@ -1,4 +1,4 @@
-"""Scoring at scale (issues 17 and 15): a >= 50k-sample store, top-k streaming, ranks.
+"""Scoring at scale: a >= 50k-sample store, top-k streaming, ranks.
 
 Parts (CPU, one thread per process):
 
@@ -279,7 +279,7 @@ def main() -> None:
     sizes = [500, 1000, 2000] if a.quick else [5000, 20000, n]
     print(
         header(
-            "Scoring at scale: 50k-sample store, top-k, ranks (issues 17, 15)",
+            "Scoring at scale: 50k-sample store, top-k, ranks",
             {
                 "models": "GPT-2 from config (random weights), every layer but wpe; sizes below",
                 "store": "GradientStorageManager(fsync=False) on the local disk",

@@ -1,4 +1,4 @@
-"""``top_k`` scoring of a projected store against the machine's limit (issue 25, item 4).
+"""``top_k`` scoring of a projected store against the machine's limit.
 
 Builds a projected store of ``N`` samples (``--layers`` materialized layers of ``--dim /
 --layers`` numbers each, written by ``GradientStorageManager`` in records of ``--batch`` rows,

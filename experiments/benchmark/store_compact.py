@@ -1,6 +1,6 @@
 """Bytes per sample of a ``logra`` projected store: factors kept vs compact vs bf16 / fp16.
 
-The workload of issue 25: GPT-2 2 x 128 built from ``GPT2Config`` (vocab 256), seq 256,
+The workload: GPT-2 2 x 128 built from ``GPT2Config`` (vocab 256), seq 256,
 ``logra`` 16 x 16 (``proj_dim=256``) on the attention and MLP ``Conv1D`` layers of every block.
 Writes the same capture to stores with ``keep_token_factors=True`` (the layout before compact
 storage), the defaults, and ``storage_dtype="bfloat16"`` / ``"float16"``; reports the bytes per

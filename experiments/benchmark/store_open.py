@@ -1,4 +1,4 @@
-"""Opening a large gradient store: the binary sample index vs the JSONL index (issue 25, item 6).
+"""Opening a large gradient store: the binary sample index vs the JSONL index.
 
 Writes a synthetic store of ``--n`` samples through ``GradientStorageManager`` (records of
 ``--batch`` rows, SHA-256 sample ids, one tiny materialized layer: opening never reads a

@@ -1,4 +1,4 @@
-"""TracIn end to end (issue 3): dattri_llm's live ``TracInAttributor`` vs dattri 0.3.0.
+"""TracIn end to end: dattri_llm's live ``TracInAttributor`` vs dattri 0.3.0.
 
 Parts (CPU, one thread, GPT-2 architecture built from config, random weights = the checkpoint):
 
@@ -333,7 +333,7 @@ def main() -> None:
     vocab = 2048 if q else 8192
     print(
         header(
-            "TracIn end to end (issue 3)",
+            "TracIn end to end",
             {
                 "models": "GPT-2 architecture from GPT2Config, random weights (the checkpoint), "
                 "dropout off, eager attention; token ids uniform random",

@@ -1,4 +1,4 @@
-"""Scoring at scale (issue 17): where live TracIn's time and memory go, and the floor table.
+"""Scoring at scale: where live TracIn's time and memory go, and the floor table.
 
 Parts (CPU, one thread; GPT-2 from config, vocab 1000, seq 64, batch 8; every layer but
 ``wpe``, see ``utils/adapters/run_floor.py``):
@@ -365,7 +365,7 @@ def main() -> None:
     a = p.parse_args()
     print(
         header(
-            "Scoring at scale: breakdown and floor (issue 17)",
+            "Scoring at scale: breakdown and floor",
             {
                 "models": "GPT-2 from GPT2Config (random weights), vocab 1000, seq 64, batch 8; "
                 "every layer except wpe captured (both implementations)",

@@ -1,4 +1,4 @@
-"""DVEmb vs AdamW-influence: cost of scoring the same recorded run (issue 24, item 1).
+"""DVEmb vs AdamW-influence: cost of scoring the same recorded run.
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.trajectory_cost [--samples 1000]
 

@@ -130,7 +130,7 @@ class Checkpointed(nn.Module):
 
 
 class CheckpointedReuse(nn.Module):
-    """One layer called under activation checkpointing and again outside it (issue 26, 7b).
+    """One layer called under activation checkpointing and again outside it.
 
     ``inside_first`` orders the two calls; ``chained`` feeds one call's output to the other,
     else both see the same input and their outputs are summed.
@@ -154,7 +154,7 @@ class CheckpointedReuse(nn.Module):
 class Volume(nn.Module):
     """``(B, T, D)`` as a ``(B, D, T, 1, 1)`` volume through ``ConvTranspose3d(output_size=)``,
     a replicate-padded ``Conv3d`` and a ``LayerNorm`` over the two trailing image dims, read
-    back as ``(B, T, K)`` (issue 26, 7c)."""
+    back as ``(B, T, K)``."""
 
     def __init__(self, d: int, k: int, bias: bool) -> None:
         super().__init__()
@@ -288,7 +288,7 @@ class Net(nn.Module):
                 idx = idx.expand(x.shape[0], -1)
             h = h + self.pos(idx)  # un-batched ids: one (1, T, D) row for the whole batch
         if self.pos_linear is not None:
-            # issue 26, 7a: a position table sliced (not called), through a Linear as one
+            # a position table sliced (not called), through a Linear as one
             # (1, T, D) row, broadcast over the batch: refused (no per-sample gradient)
             h = h + self.pos_linear(self.pos.weight[: x.shape[1]].detach()[None])
         return self.head(self.body(h))
@@ -435,7 +435,7 @@ class _Builder:
 
     def checkpointed_reuse(self, d: int) -> nn.Module:
         """A square layer called under checkpointing and outside it; sometimes fed by a frozen
-        ``nn.Linear`` (its input then needs no gradient: issue 26, 7b)."""
+        ``nn.Linear`` (its input then needs no gradient)."""
         reentrant = self.flip(0.5)
         self.features.add("checkpointed and plain call" + (" (reentrant)" if reentrant else ""))
         layer = self.norm(d) if self.flip(0.6) else self.linear(d, d)

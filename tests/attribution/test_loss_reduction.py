@@ -1,4 +1,4 @@
-"""Scores do not depend on how the data was batched, whatever the loss's reduction (issue 12, 4).
+"""Scores do not depend on how the data was batched, whatever the loss's reduction.
 
 A loss that averages over the batch (``model(**batch).loss``) is recognised on its first batch
 and turned into the sum of per-sample losses; a loss that is neither a sum nor a mean (a
@@ -255,7 +255,7 @@ def _recorded_runs(tmp_path, reduction: str, recorded: str | None):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_reduction_recorded_at_capture_is_used_and_checked(tmp_path, reduction):
-    """Issue 26, 3: ``OffloadCallback(loss_reduction=...)`` records the loop's reduction once;
+    """``OffloadCallback(loss_reduction=...)`` records the loop's reduction once;
     DVEmb / AdamW-influence score with it, undeclared and without a warning, equal to the
     product / forward-mode formulas written out by hand (1e-9); an argument that contradicts
     the recording is refused, naming both."""

@@ -501,7 +501,7 @@ def test_layers_mismatch_between_stores(tmp_path):
         str(tmp_path / "train"), str(tmp_path / "test"), layers=["fc", "head"]
     )
     assert score.agnostic_matrix()[1].shape == (4, 2)
-    # and exactly: the brute-force Gram over those layers' parameters only (issue 26, 14)
+    # and exactly: the brute-force Gram over those layers' parameters only
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for _, p in model.named_parameters()]
     keep = torch.cat(

@@ -339,7 +339,7 @@ def test_demo_then_the_commands_it_suggests(tmp_path: Path) -> None:
 def test_kfac_non_kronecker_flag_layer_patterns_and_one_line_warnings(
     work: Path, tmp_path: Path, capsys
 ) -> None:
-    """Issue 26, 11: the warning's advice is a flag; --layers takes globs (only)."""
+    """The warning's advice is a flag; --layers takes globs (only)."""
 
     def run(*args) -> tuple[int, str]:
         code = main([str(a) for a in args])
@@ -382,7 +382,7 @@ def test_kfac_non_kronecker_flag_layer_patterns_and_one_line_warnings(
 
 
 def test_demo_help_is_plain_text_and_inspect_speaks_as_a_reader(tmp_path: Path, capsys) -> None:
-    """Issue 26, 11: no raw Sphinx markup in ``demo --help``; a non-store is read, not written."""
+    """No raw Sphinx markup in ``demo --help``; a non-store is read, not written."""
     assert main(["demo", "--help"]) == 0
     out = capsys.readouterr().out
     assert "OffloadCallback" in out
@@ -396,7 +396,7 @@ def test_demo_help_is_plain_text_and_inspect_speaks_as_a_reader(tmp_path: Path, 
 
 
 def test_top_labels_name_their_field(capsys) -> None:
-    """``top`` shows a text's labels as ``[field=value]`` (issue 26, item 11)."""
+    """``top`` shows a text's labels as ``[field=value]``."""
     import torch
 
     from dattri_llm.attribution.score import AttributionScore

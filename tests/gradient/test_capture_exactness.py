@@ -1,4 +1,4 @@
-"""Capture exactness regressions (issue 16, capture items 1-6; issue 13 item 3).
+"""Capture exactness regressions.
 
 Every case compares the captured per-sample gradients with one backward pass per sample, per
 parameter (through ``HookManager.layer_parameters``) and through the routed inner products.
@@ -495,7 +495,7 @@ def test_shared_dense_sum_never_writes_into_a_sites_data():
 
 
 def test_conv_transpose_output_size_replicate_conv_and_image_layer_norm() -> None:
-    """Issue 26, item 7c: ConvTranspose3d(output_size=) -> replicate-padded Conv3d -> LayerNorm
+    """ConvTranspose3d(output_size=) -> replicate-padded Conv3d -> LayerNorm
     over the image dims. The norm removes every per-channel constant, so both biases' true
     per-sample gradients are 0; they are compared on the scale of the whole gradient (a
     relative error against a reference of pure round-off reads as a false 10 % "error")."""

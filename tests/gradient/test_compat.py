@@ -1,4 +1,4 @@
-"""Train and test captured incompatibly (issue 12, category 1): refused before scoring, with
+"""Train and test captured incompatibly: refused before scoring, with
 an error that names the difference and both stores."""
 
 from __future__ import annotations

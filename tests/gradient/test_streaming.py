@@ -177,7 +177,7 @@ def test_ddp_wrapper_falls_back_and_restores_grad(tmp_path):
 
 def test_pad_collate_fills_each_field_with_its_own_value() -> None:
     """``labels`` padded with -100 (ignored by cross-entropy), ``attention_mask`` with 0, the
-    rest with ``pad_value``; explicit expected tensors (issue 26, item 14c)."""
+    rest with ``pad_value``; explicit expected tensors."""
     from dattri_llm.gradient.streaming import pad_collate
 
     items = [

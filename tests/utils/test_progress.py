@@ -1,4 +1,4 @@
-"""Progress bars follow tqdm's convention: by default only on a terminal (issue 26, 13)."""
+"""Progress bars follow tqdm's convention: by default only on a terminal."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The first-order ceiling of the small-removal LDS (issue 24, item 2).
+"""The first-order ceiling of the small-removal LDS.
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.linearity --setting gpt2 \
         [--fraction 1] [--subsets 100] [--eps 0.02] [--check-eps 0.1:10] [--controls 5]

@@ -1,4 +1,4 @@
-"""LDS by removal fraction: the small-removal regime (issue 24, item 2).
+"""LDS by removal fraction: the small-removal regime.
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.removal --setting gpt2 --quick \
         [--fractions 1,5,10,50] [--part truth|scores|table|all]

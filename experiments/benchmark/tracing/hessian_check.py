@@ -1,4 +1,4 @@
-"""Why AdamW-influence with ``ExactHessian`` retrieves fact carriers at chance (issue 24).
+"""Why AdamW-influence with ``ExactHessian`` retrieves fact carriers at chance.
 
     OMP_NUM_THREADS=1 nice -n 19 python -m experiments.benchmark.tracing.hessian_check \
         --seed 0 --facts 3 6 [--jobs 1]

@@ -1,4 +1,4 @@
-"""Where the exact-Hessian adjoint grows on the tracing run (issue 24): per layer, per token.
+"""Where the exact-Hessian adjoint grows on the tracing run: per layer, per token.
 
     OMP_NUM_THREADS=1 nice -n 19 python -m experiments.benchmark.tracing.hessian_layers [--quick]
 

@@ -1,4 +1,4 @@
-"""Fact-tracing benchmark (issue 24, item 3): which documents taught the model this fact?
+"""Fact-tracing benchmark: which documents taught the model this fact?
 
 Per seed: plant made-up facts in real text (:mod:`.data`), train a tiny GPT-2 from its config
 until it recalls them, score every document against every fact's held-out query with each

@@ -1,4 +1,4 @@
-"""Randomized differential test of the capture core (issue 16), a fixed CI-sized seed set.
+"""Randomized differential test of the capture core, a fixed CI-sized seed set.
 
 Each seed builds a random small model (``experiments/fuzz/capture_models.py``) and checks, under
 every capture style, the per-parameter per-sample gradients and every routing mode's inner
@@ -87,7 +87,7 @@ def test_the_seed_set_covers_every_feature() -> None:
     assert wanted <= features, sorted(wanted - features)
 
 
-# ---- the three shapes of issue 26, item 7, built on purpose ---------------------------------
+# ---- three shapes the random models rarely draw, built on purpose --------------------------
 @pytest.mark.parametrize(
     "reentrant, inside_first, chained", list(itertools.product([True, False], repeat=3))
 )

@@ -1,4 +1,4 @@
-"""Randomized store corruption vs the clean result (issue 16): a fixed, CI-sized seed set.
+"""Randomized store corruption vs the clean result: a fixed, CI-sized seed set.
 
 Every random corruption of a small store is either refused with a ``StoreFormatError`` naming a
 file of the store, provably harmless (every record equal, tensors byte for byte), or the

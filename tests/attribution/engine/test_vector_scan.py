@@ -1,4 +1,4 @@
-"""The vector fast path of ``top_k`` scoring (issue 25 item 4) equals the general score loop and
+"""The vector fast path of ``top_k`` scoring equals the general score loop and
 a brute-force Gram in float64 (to 1e-12): partitions, checkpoints with weights, bf16 storage, a
 partial last block, Grad-Cos; the block reader checks what the general reader checks."""
 

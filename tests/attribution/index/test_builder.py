@@ -1,4 +1,4 @@
-"""GradientIndex.build streams the store (issue 25 follow-up): an index built in many small
+"""GradientIndex.build streams the store: an index built in many small
 blocks is the index built in one go (same FAISS bytes, same top-k and scores), for every kind,
 on a multi-partition store whose samples repeat across steps and partitions."""
 

@@ -1,4 +1,4 @@
-"""GradientIndex (issue 25 item 5): exact search equals TracIn's top-k and a brute-force top-k,
+"""GradientIndex: exact search equals TracIn's top-k and a brute-force top-k,
 approximate kinds reach a recall, stale / factorized stores are refused, partitions merge
 exactly, the CLI round-trips, and nothing on disk is pickled."""
 

@@ -1,4 +1,4 @@
-"""Every attributor on a projected store (issue 25, item 3), against written-out formulas.
+"""Every attributor on a projected store, against written-out formulas.
 
 * ``"dense"`` / ``"sparse"`` / ``"mask"`` vectors: K-FAC and EK-FAC fit each layer's exact
   Fisher ``F_l = (1/N) sum_i v_il v_il^T`` and score ``sum_l v_test^T (F_l + λ I)^{-1} v_train``

@@ -146,7 +146,7 @@ def tiny_gpt2():
 
 
 class LMLoss(nn.Module):
-    """``model(ids)`` as the summed LM loss (the capture helper squares its output)."""
+    """``model(ids)`` as the summed LM loss (the capture function squares its output)."""
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Live ``attribute()`` of the trajectory methods equals the run recorded by hand (issue 26, 14a).
+"""Live ``attribute()`` of the trajectory methods equals the run recorded by hand.
 
 ``AdamWInfluenceAttributor.attribute`` / ``DVEmbAttributor.attribute`` train a copy of the task's
 model while recording (``attribute/trajectory/training.py``), then take the queries at the

@@ -1,4 +1,4 @@
-"""The trajectory methods on projected stores (issue 25, item 3).
+"""The trajectory methods on projected stores.
 
 * DVEmb with a learning-rate schedule and the empirical Fisher works in the projected space:
   its scores equal the product formula written out on the stored (projected) rows,

@@ -1,4 +1,4 @@
-"""The HTML report's proponent / opponent lists, read back without a browser (issue 26, 14).
+"""The HTML report's proponent / opponent lists, read back without a browser.
 
 The page is parsed with the standard library's ``html.parser``; each query section's rows
 (rank, score, full id from the ``title``) must equal the top-k written out here from the score

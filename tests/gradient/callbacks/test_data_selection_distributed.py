@@ -1,6 +1,6 @@
 """Online data selection under several ranks is refused, whenever the process group appeared.
 
-Issue 26, item 1: with DDP wrapping the model *after* the HookManager was built (the order many
+With DDP wrapping the model *after* the HookManager was built (the order many
 scripts use), the callback reported dropped samples while ``param.grad`` still held the whole
 batch's all-reduced gradient. The refusal rests on the world size, checked when the callback is
 registered and at the first step, so it holds with the manager built before or after

@@ -1,4 +1,4 @@
-"""One checkpoint label over changing weights is reported (issue 26, item 4).
+"""One checkpoint label over changing weights is reported.
 
 A loop that trains while it offloads, with ``HookManager.checkpoint`` never set, stores every
 step under checkpoint 0; Grad-Dot / Grad-Cos then read all of them as gradients at one set of

@@ -416,7 +416,7 @@ def test_linked_groups_join_items_through_shared_keys_in_first_index_order():
 
 def test_second_backward_through_a_retained_graph_keeps_identity_and_does_not_warn() -> None:
     """``backward(retain_graph=True)`` twice: the second pass runs no forward of its own; it is
-    recorded with the samples' content hashes, no "forward never ran" warning (issue 26, 8)."""
+    recorded with the samples' content hashes, no "forward never ran" warning."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)).double()
     cap = CaptureCallback(keep_all=True)
@@ -453,7 +453,7 @@ class _PositionsThroughLinear(nn.Module):
 
 @pytest.mark.parametrize("only_proj", [False, True])
 def test_a_layer_fed_an_unbatched_input_is_refused(only_proj: bool) -> None:
-    """Issue 26, item 7a: the Linear saw 1 row for a batch of 4 and its inner products came out
+    """The Linear saw 1 row for a batch of 4 and its inner products came out
     with the wrong shape; it is now refused, naming the layer and both sizes."""
     model = _PositionsThroughLinear()
     config = HookManagerConfig(linear_io=["proj"] if only_proj else ["emb", "proj", "head"])

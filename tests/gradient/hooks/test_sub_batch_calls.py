@@ -1,6 +1,6 @@
 """A layer called once per sub-batch of the model's batch (memory chunking) is captured per sample.
 
-Issue 26, item 2: ``torch.cat([self.fc(c) for c in x.split(2)])`` used to have its calls joined
+``torch.cat([self.fc(c) for c in x.split(2)])`` used to have its calls joined
 along the token axis (row ``i`` of every chunk taken as one sample), and unequal chunks crashed.
 The reference is one ``backward()`` per sample, in float64.
 """

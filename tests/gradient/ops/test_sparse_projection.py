@@ -1,4 +1,4 @@
-"""The ``"sparse"`` projection (issue 25 item 2): every path equals the explicit ``(K*D, m)``
+"""The ``"sparse"`` projection: every path equals the explicit ``(K*D, m)``
 matrix built here, entry by entry, from the documented hashes; inner products are unbiased over
 seeds; seeds and ``nnz`` are recorded and checked between train and test; capture -> store ->
 TracIn equals the oracle projection of torch.func per-sample gradients."""

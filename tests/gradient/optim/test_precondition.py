@@ -209,7 +209,7 @@ def test_parameter_outside_the_optimizer_refused():
 
 def test_fsdp1_flat_parameters_in_the_optimizer_name_use_orig_params():
     """Hooks registered before an FSDP1 ``use_orig_params=False`` wrap: the optimizer then holds
-    flat parameters (FSDP marks them ``_is_flat_param``), and the error says so (issue 26, 8)."""
+    flat parameters (FSDP marks them ``_is_flat_param``), and the error says so."""
     model = make_lm()
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     flat._is_flat_param = True  # what FSDP1 sets on its FlatParameter

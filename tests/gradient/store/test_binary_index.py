@@ -1,4 +1,4 @@
-"""The binary record / sample index of a version-2 partition (issue 25, item 6): the same view as
+"""The binary record / sample index of a version-2 partition: the same view as
 the JSONL journal, torn tails, a writer killed between line and row, corrupted files named,
 version-1 stores still open (and stay version 1), repair rebuilds it."""
 

@@ -1,5 +1,5 @@
 """A store cannot be silently misread: duplicated, mismatched, dropped records and damaged
-metadata are refused naming the file (issue 16, items 7-10), and ``repair`` rebuilds an index."""
+metadata are refused naming the file, and ``repair`` rebuilds an index."""
 
 from __future__ import annotations
 

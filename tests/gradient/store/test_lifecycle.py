@@ -1,4 +1,4 @@
-"""Store lifecycle (issue 12, category 2): create / append / overwrite, steps that continue
+"""Store lifecycle: create / append / overwrite, steps that continue
 after a resume, and a writer that is released when a capture ends or fails."""
 
 from __future__ import annotations

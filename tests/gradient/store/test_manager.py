@@ -428,7 +428,7 @@ def test_async_writes_are_bounded_and_flushed(tmp_path):
 
 
 def test_a_trajectory_directory_passed_as_a_store_points_to_replay(tmp_path):
-    """A TrajectorySnapshots directory where a gradient store is expected (issue 26, item 8)."""
+    """A TrajectorySnapshots directory where a gradient store is expected."""
     from dattri_llm import AttributionArguments, TracInAttributor, TrajectorySnapshots
     from dattri_llm.gradient.store import StoreFormatError
 

@@ -180,7 +180,7 @@ def kronecker(
 
     def fn(ctx: Context) -> torch.Tensor:
         cls = _kronecker_class(name)
-        opts = dict(options or {})  # TrackStar's normalized_grad / mix (issue 24, item 4)
+        opts = dict(options or {})  # TrackStar's normalized_grad / mix
         key = ("kronecker", name, fisher, non_kronecker, tuple(sorted(opts.items())))
         # None = the attributor's default (0.1 x each layer's mean eigenvalue), spelled out so
         # the row does not depend on the damping of the row before it
@@ -265,7 +265,7 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
                 f"EK-FAC {label} (damping=default)",
                 "dattri_llm",
                 kronecker("EKFACAttributor", None, options=opts),
-                "empirical Fisher; TrackStar option (issue 24 item 4)",
+                "empirical Fisher; TrackStar option",
             )
         )
     if classifier:

@@ -1,4 +1,4 @@
-"""Diagnosis rows for issue 24 item 1: why AdamW-influence trails on half-data LDS.
+"""Diagnosis rows: why AdamW-influence trails on half-data LDS.
 
 Each row is AdamW-influence on the same ``mask-2048`` recording of the gpt2 reference run (a
 random 2048 coordinates per layer, so a row costs ~2 min instead of ~6), changed in one place
@@ -15,7 +15,7 @@ by a benchmark subclass, so the difference between two rows isolates one candida
   not averaged out);
 * both changes at once;
 * ``unit-normalized`` (``normalized_grad=True``, forward sweep): TrackStar's cosine of each
-  sample's whole displacement with each query (issue 24 item 4a).
+  sample's whole displacement with each query.
 
 None of these is the exact derivative of the recorded run (``as defined`` is, up to the
 curvature); they are measurements of which part of that derivative LDS over random halves
