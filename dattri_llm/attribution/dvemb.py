@@ -229,8 +229,11 @@ class DVEmbAttributor(TrajectoryAttributor):
         args: Run options.
         task: For the live path.
         learning_rate: Default schedule (a number, sequence by step, mapping or callable).
-        momentum, dampening, nesterov, weight_decay: ``torch.optim.SGD``'s (ignored when the
-            call passes recorded ``dynamics=``, which carry them).
+        momentum: ``torch.optim.SGD``'s ``momentum`` (ignored when the call passes recorded
+            ``dynamics=``, which carry it; so are the next three).
+        dampening: ``torch.optim.SGD``'s ``dampening``.
+        nesterov: ``torch.optim.SGD``'s ``nesterov``.
+        weight_decay: ``torch.optim.SGD``'s ``weight_decay``.
         momentum_buffer_existed: Without ``dynamics=``: whether the momentum buffer existed
             before the first captured step (a window captured mid-training). Needed with
             momentum and dampening, where it sets the first step's gain (1 or 1 - dampening).
