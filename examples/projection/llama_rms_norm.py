@@ -1,8 +1,9 @@
 """Hugging Face norm layers with capture-time projection, checked against autograd.
 
-The recipe of docs/guides/models.md, "Hugging Face norm layers": a Llama's final ``LlamaRMSNorm`` is declared as an
-``nn.RMSNorm`` with ``layer_types`` + ``rms_norm_module_kwargs`` and captured unprojected, with
-a ``"dense"`` and a ``"mask"`` projection; every per-sample gradient is compared with autograd
+The recipe of docs/guides/models.md, "Hugging Face norm layers": a Llama's final
+``LlamaRMSNorm`` is declared as an ``nn.RMSNorm`` with ``layer_types`` +
+``rms_norm_module_kwargs`` and captured unprojected, with a ``"dense"`` and a ``"mask"``
+projection; every per-sample gradient is compared with autograd
 (one backward per sample) projected with the same matrices. ``"logra"`` is refused on the norm
 and used on the linear layers instead (a dict projection), where it stays factorised.
 
