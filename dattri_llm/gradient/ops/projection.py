@@ -66,6 +66,8 @@ __all__ = [
     "mask_indices",
     "LayerProjection",
     "layer_projection",
+    "nearest_projection",
+    "NEAREST_STYLES",
     "resolve_projection",
     "project_gradient",
     "clear_projection_cache",
