@@ -4,7 +4,7 @@ A store captured at fixed weights (every query store, a train store captured aft
 needs the per-sample gradients, not the weights' own gradients. For a Llama-style model built
 from ``LlamaConfig`` (random weights, CPU, eval mode), one process measures, with the variants
 interleaved within each round (median of the rounds, after a warm-up that also takes the
-first-step coverage check out of the timing):
+first-step coverage check out of the timing; process CPU time, so other load matters less):
 
 * ``train step``: zero grads, forward, loss, backward (no hooks);
 * ``ordinary``: the same step under ``HookManager`` + ``CaptureCallback``;
@@ -30,6 +30,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from utils.env import ensure_env  # noqa: E402
+
+ensure_env()  # one thread, before torch is imported
+
 import torch  # noqa: E402
 from utils.models import ModelShape, batch_loss, build_model, describe, hook_config  # noqa: E402
 
@@ -47,6 +51,7 @@ def main() -> None:
     from dattri_llm.gradient.ops import ProjectionConfig
 
     args = parse_args()
+    torch.set_num_threads(1)
     if args.quick:
         shape = ModelShape("llama", 2, 64, 2, 256, 64, args.batch)
     else:
@@ -97,9 +102,9 @@ def main() -> None:
         times: dict[str, list[float]] = {n: [] for n in variants}
         for _ in range(rounds):
             for n, fn in variants.items():  # interleaved: drift hits every variant alike
-                t = time.perf_counter()
+                t = time.process_time()  # CPU time: robust to other load on the machine
                 fn()
-                times[n].append(time.perf_counter() - t)
+                times[n].append(time.process_time() - t)
         for hm, _ in managers.values():
             hm.remove()
         med = {n: statistics.median(v) for n, v in times.items()}

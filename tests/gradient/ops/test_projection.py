@@ -396,27 +396,6 @@ def test_missing_dattri_names_the_extra(monkeypatch: pytest.MonkeyPatch):
     hm.remove()
 
 
-def _tiny_llama(transformers) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        attn_implementation="eager",
-    )
-    return transformers.LlamaForCausalLM(cfg).double().eval()
-
-
-def _tiny_gpt2(transformers) -> nn.Module:
-    cfg = transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=16, vocab_size=37, n_positions=16, attn_implementation="eager"
-    )
-    return transformers.GPT2LMHeadModel(cfg).double().eval()
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("proj_dim", [9, 16])
 def test_whole_model_logra_applies_to_each_layer_in_the_nearest_form_it_takes(
@@ -426,15 +405,15 @@ def test_whole_model_logra_applies_to_each_layer_in_the_nearest_form_it_takes(
     a norm (which does not) with at most ``proj_dim`` parameters stays exact, a larger one
     gets ``dense`` of the same ``proj_dim``, seed and ``proj_type``; as ``project_gradient``
     of an exact capture does, and as the store records it per layer."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("dattri")
     from dattri_llm.cli.inspect_store import describe_projection
     from dattri_llm.gradient.callbacks.offload import OffloadCallback
     from dattri_llm.gradient.ops.projection import project_gradient
     from dattri_llm.gradient.store import GradientStorageManager
+    from tests.helpers.hf_families import build
 
-    torch.manual_seed(0)
-    model = _tiny_llama(transformers) if family == "llama" else _tiny_gpt2(transformers)
+    model = build(family)  # hidden 16: a norm of 16 (Llama) or 32 (GPT-2, with bias) parameters
     cfg = ProjectionConfig("logra", proj_dim, seed=5, proj_type="rademacher")
     x = {"input_ids": torch.randint(0, 37, (2, 6))}
 
