@@ -100,7 +100,8 @@ class HookManager:
             only, not the weights' own gradients (see :meth:`fixed_weights_mode`). The same
             per-sample gradients as an ordinary capture, at less cost; ``param.requires_grad``
             and ``param.grad`` are as they were when the block ends. Not for training loops
-            (the optimizer would see no gradient).
+            (the optimizer would see no gradient) nor DDP / FSDP wrappers (their reducers
+            expect the weights' gradients).
 
     Attributes:
         step: Number of completed backward passes captured so far.
@@ -302,12 +303,7 @@ class HookManager:
         """
         params = list(self.model.parameters())
         saved = [(p, p.requires_grad, p.grad) for p in params]
-        keep = {
-            id(p)
-            for spec in self.layers
-            if spec.hook_type == "param_grad"
-            for p in spec.module.parameters(recurse=False)
-        }
+        keep = self._param_grad_ids()
         if self._coverage_pending:  # the first step stays ordinary: its check needs them
             keep |= set(self._param_sites)
         force = self.force_output_grad
@@ -326,11 +322,22 @@ class HookManager:
                 p.requires_grad_(flag)
                 p.grad = grad
 
+    def _param_grad_ids(self) -> set[int]:
+        """Ids of the parameters of ``param_grad`` layers (read from ``.grad``: never frozen)."""
+        return {
+            id(p)
+            for spec in self.layers
+            if spec.hook_type == "param_grad"
+            for p in spec.module.parameters(recurse=False)
+        }
+
     def _freeze_checked(self) -> None:
         """After the coverage check, inside fixed_weights_mode: freeze the checked parameters."""
         if self._fixed_depth:
-            for entry in self._param_sites.values():
-                entry.param.requires_grad_(False)
+            keep = self._param_grad_ids()
+            for pid, entry in self._param_sites.items():
+                if pid not in keep:
+                    entry.param.requires_grad_(False)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[HookManager]:

@@ -625,3 +625,27 @@ def test_fixed_weights_mode_restores_flags_after_an_error_and_still_checks_cover
     assert all(p.requires_grad and p.grad is None for p in model.parameters())
     with pytest.raises(TypeError, match="fixed_weights"):
         HookManager(model, fixed_weights="yes")
+
+
+def test_fixed_weights_keeps_param_grad_layers_and_their_gradient() -> None:
+    """A ``param_grad`` layer is read from ``.grad``: under fixed weights its parameters still
+    take their gradient (on every step, not only the first), the same as an ordinary capture."""
+    torch.manual_seed(0)
+    model = ConvLM().double()
+    cfg = {"linear_io": ["emb", "conv", "norm"], "param_grad": ["fc"]}
+    xs = [torch.randint(0, 11, (1, 4)) for _ in range(2)]  # param_grad: one sample a step
+    got = {}
+    for fixed in (True, False):
+        cb = CaptureCallback(keep_all=True)
+        hm = HookManager(model, HookManagerConfig(**cfg), [cb], fixed_weights=fixed)
+        with hm.collect(deregister_on_exit=True):
+            for x in xs:
+                conv_loss(model, x).backward()
+                if fixed:  # after the first (checked) step: only fc still takes a gradient
+                    assert model.fc.weight.requires_grad and not model.conv.weight.requires_grad
+        model.zero_grad(set_to_none=True)
+        got[fixed] = [r.gradient for r in cb.records]
+    for a, b in zip(got[True], got[False]):
+        assert set(a.layers) == {"emb", "conv", "norm", "fc"}
+        for name in a.layers:
+            assert torch.equal(a.layers[name].materialize().data, b.layers[name].materialize().data)
