@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -250,11 +250,15 @@ class Explorer:
                 f"more than the model's {self._positions()} positions."
             )
         pad = self.tokenizer.pad_token_id
+        config = hook_config(self.settings.layers, self.settings.projection, self.model)
+        # the store's capture checked these layers' coverage on this model; without the check
+        # each one-query stream keeps its backward to the per-sample gradients (fixed weights)
+        config = replace(config, check_coverage=False)
         streamer = GradientStreamer(
             self.model,
             [item],
             summed_loss,
-            hook_config=hook_config(self.settings.layers, self.settings.projection, self.model),
+            hook_config=config,
             batch_size=1,
             checkpoint=self.settings.checkpoint,
             collate_fn=pad_batch(pad if pad is not None else 0),

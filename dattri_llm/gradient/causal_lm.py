@@ -315,8 +315,9 @@ def hook_config(
 ) -> HookManagerConfig:
     """The hook config of a capture: ``layers`` (shell globs of module names) or every layer.
 
-    With ``model``, a layer that does not accept the projection's style (a norm under
-    ``logra``) is kept exact, and each glob selects the model's capturable layers it matches
+    A layer that does not accept the projection's style (a norm under ``logra``) gets the
+    nearest form it takes (:func:`~dattri_llm.gradient.ops.projection.nearest_projection`).
+    With ``model``, each glob selects the model's capturable layers it matches
     (a layer rule's module with trainable parameters of its own: ``"transformer.h.*"`` selects
     the blocks' linears and norms, not the blocks); a glob that matches none is refused.
 
@@ -352,10 +353,6 @@ def hook_config(
             chosen.update(hits)
         selector = [re.escape(n) for n in names if n in chosen]
         names = [n for n in names if n in chosen]
-    if isinstance(projection, ProjectionConfig) and model is not None:
-        exact = [n for n in names if projection.style not in rules[n].projection_styles]
-        if exact:  # e.g. norms under logra: kept exact (they are small), the rest projected
-            projection = {**{re.escape(n): None for n in exact}, ".*": projection}
     return HookManagerConfig(
         linear_io=selector,
         capture_style="auto",  # whichever of factors / dense gradient is smaller, per layer

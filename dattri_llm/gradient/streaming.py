@@ -1,10 +1,10 @@
 """``GradientStreamer``: per-sample gradients computed live, as a :class:`GradientSource`.
 
 One forward and one backward per batch under a :class:`HookManager`. The model is used as a
-*frozen probe*: during each batch it is in eval mode, every parameter has
-``requires_grad=False`` and the hook manager forces the hooked layers' outputs to require
-grad, so the backward computes only the hooked layers' output gradients and no weight
-gradient. Training mode, ``requires_grad`` flags and ``.grad`` are restored after every batch
+*frozen probe*: during each batch it is in eval mode and under
+:meth:`HookManager.fixed_weights_mode`, so the backward computes only the hooked layers'
+output gradients and no weight gradient (the first batch is an ordinary backward, for the
+coverage check). Training mode, ``requires_grad`` flags and ``.grad`` are restored after every batch
 (the model is never left altered while the stream is suspended). A DDP / FSDP wrapper cannot
 be frozen (its reducer expects gradients): there the backward is a normal one and every
 parameter's ``.grad`` is saved before and restored after.
@@ -299,22 +299,18 @@ class GradientStreamer:
         """Put the model in probe state for one batch and restore it afterwards."""
         modes = [(m, m.training) for m in self.model.modules()]
         params = list(self.model.parameters())
-        flags = [p.requires_grad for p in params]
         grads = [p.grad for p in params]
         try:
             self.model.eval()
-            if self.frozen:
-                for p in params:
-                    p.requires_grad_(False)
-                hm.force_output_grad = True
+            if self.frozen:  # per batch: the model may train between two batches
+                with hm.fixed_weights_mode():
+                    yield
             else:
                 for p in params:
                     p.grad = None
-            yield
+                yield
         finally:
-            hm.force_output_grad = False
-            for p, f, g in zip(params, flags, grads):
-                p.requires_grad_(f)
+            for p, g in zip(params, grads):
                 p.grad = g
             for m, t in modes:
                 m.training = t

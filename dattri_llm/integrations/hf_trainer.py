@@ -90,7 +90,7 @@ from dattri_llm.gradient.store.checkpoints import (
     label_weights,
     read_checkpoints_file,
 )
-from dattri_llm.gradient.streaming import pad_collate
+from dattri_llm.gradient.streaming import is_distributed_wrapper, pad_collate
 from dattri_llm.utils.distributed import get_rank
 from dattri_llm.utils.hashing import hash_sample
 
@@ -534,7 +534,14 @@ def capture_queries(
     if not queries:
         raise ValueError("capture_queries: no queries given.")
     qstore = GradientStorageManager(store_dir, mode=mode)
-    manager = HookManager(model, config=config, callbacks=[OffloadCallback(file_manager=qstore)])
+    manager = HookManager(
+        model,
+        config=config,
+        callbacks=[OffloadCallback(file_manager=qstore)],
+        # queries at fixed weights: per-sample gradients only (a wrapper's reducer expects
+        # the weights' gradients, so it keeps an ordinary backward)
+        fixed_weights=not is_distributed_wrapper(model),
+    )
     try:
         if store is not None and len(store):
             names, want = _stored_names(manager), store.layer_names

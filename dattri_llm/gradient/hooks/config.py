@@ -62,7 +62,10 @@ class HookManagerConfig:
             ``None`` or no match keeps the layer exact). Styles ``"logra"`` (factors projected
             separately, stays factorised), ``"dense"``, ``"mask"`` and ``"sparse"`` (a
             ``(B, proj_dim)`` vector); norm layers accept ``"dense"`` / ``"mask"`` /
-            ``"sparse"`` only.
+            ``"sparse"`` only. One config for every layer applies to each in the nearest form
+            it takes (a norm under ``"logra"``: exact up to ``proj_dim`` parameters, else
+            ``"dense"``; see :func:`~dattri_llm.gradient.ops.projection.nearest_projection`);
+            a style a layer does not take, asked of it in the dict form, is refused.
         hash_keys: Input fields hashed to identify samples (default: ``input_ids`` when the
             model receives it, else every tensor input with the batch's leading size).
         sample_id_key: Read sample ids from this model input instead of hashing.

@@ -95,6 +95,13 @@ class HookManager:
             before any projection (:mod:`dattri_llm.gradient.optim.second_moment`).
         precondition_scale: Multiplies each captured gradient before the map: ``"batch_size"``
             turns a mean loss's share ``∇ℓ/B`` into the sample's own ``∇ℓ`` (default ``1.0``).
+        fixed_weights: Capture at fixed weights (query stores, a store captured after
+            training): inside :meth:`collect` the backward computes the per-sample gradients
+            only, not the weights' own gradients (see :meth:`fixed_weights_mode`). The same
+            per-sample gradients as an ordinary capture, at less cost; ``param.requires_grad``
+            and ``param.grad`` are as they were when the block ends. Not for training loops
+            (the optimizer would see no gradient) nor DDP / FSDP wrappers (their reducers
+            expect the weights' gradients).
 
     Attributes:
         step: Number of completed backward passes captured so far.
@@ -110,8 +117,14 @@ class HookManager:
         optimizer: Any = None,
         precondition: bool | str = True,
         precondition_scale: float | str = 1.0,
+        fixed_weights: bool = False,
     ) -> None:
+        if not isinstance(fixed_weights, bool):
+            raise TypeError(
+                f"HookManager(fixed_weights=) must be True or False, got {fixed_weights!r}."
+            )
         self.model = model
+        self.fixed_weights = fixed_weights
         self.config = as_config(config)
         self.callbacks: list[HookCallback] = list(callbacks or [])
         self.optimizer = optimizer
@@ -124,9 +137,10 @@ class HookManager:
         self.layers: list[LayerSpec] = plan.layers
         self.step = 0
         self.checkpoint = 0
-        #: When True, outputs of hooked layers that do not require grad are made to (used by
-        #: live probes that freeze parameters so no weight gradient is computed).
+        #: When True, outputs of hooked layers that do not require grad are made to (set by
+        #: :meth:`fixed_weights_mode`; kept for code that freezes parameters itself).
         self.force_output_grad = False
+        self._fixed_depth = 0  # nesting of fixed_weights_mode blocks
         self._active = False
         self._handles: list[Any] = []
         self._buffers: dict[str, list[tuple[int, Any]]] = {}
@@ -258,15 +272,72 @@ class HookManager:
         if not self._handles:
             raise RuntimeError("this HookManager was removed; create a new one to capture again.")
         self._active = True
+        fixed = self.fixed_weights_mode() if self.fixed_weights else contextlib.nullcontext()
         for cb in self.callbacks:
             cb.on_context_start()
         try:
-            yield self
+            with fixed:
+                yield self
         finally:
             self._active = False
             self._reset_step()
             steps = [cb.on_context_end for cb in self.callbacks]
             _run_all(steps + ([self.remove] if deregister_on_exit else []))
+
+    @contextlib.contextmanager
+    def fixed_weights_mode(self) -> Iterator[HookManager]:
+        """Inside the block, a backward computes the per-sample gradients and nothing else.
+
+        Each parameter is made not to require grad (so autograd computes no weight gradient,
+        only the output gradients the hooked layers need) and each hooked layer's output is
+        made to require it; the per-sample gradients are exactly those of an ordinary
+        capture. Parameters of ``param_grad`` layers, which are read from their ``.grad``,
+        keep requiring grad, as do the captured parameters while the first step's coverage
+        check (``HookManagerConfig.check_coverage``) is pending: that step is an ordinary one,
+        so a weight used outside its module is still found. Every ``requires_grad`` flag and
+        ``.grad`` is restored when the block ends, however it ends. Also works on a model
+        whose parameters are all frozen (with ``HookManagerConfig(include_frozen=True)``).
+
+        ``HookManager(fixed_weights=True)`` enters it for each :meth:`collect` block; enter
+        it yourself around each batch when the model trains in between (live queries).
+        """
+        params = list(self.model.parameters())
+        saved = [(p, p.requires_grad, p.grad) for p in params]
+        keep = self._param_grad_ids()
+        if self._coverage_pending:  # the first step stays ordinary: its check needs them
+            keep |= set(self._param_sites)
+        force = self.force_output_grad
+        try:
+            for p in params:
+                p.grad = None  # a kept parameter's gradient must not accumulate into the user's
+                if id(p) not in keep:
+                    p.requires_grad_(False)
+            self.force_output_grad = True
+            self._fixed_depth += 1
+            yield self
+        finally:
+            self._fixed_depth -= 1
+            self.force_output_grad = force
+            for p, flag, grad in saved:
+                p.requires_grad_(flag)
+                p.grad = grad
+
+    def _param_grad_ids(self) -> set[int]:
+        """Ids of the parameters of ``param_grad`` layers (read from ``.grad``: never frozen)."""
+        return {
+            id(p)
+            for spec in self.layers
+            if spec.hook_type == "param_grad"
+            for p in spec.module.parameters(recurse=False)
+        }
+
+    def _freeze_checked(self) -> None:
+        """After the coverage check, inside fixed_weights_mode: freeze the checked parameters."""
+        if self._fixed_depth:
+            keep = self._param_grad_ids()
+            for pid, entry in self._param_sites.items():
+                if pid not in keep:
+                    entry.param.requires_grad_(False)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[HookManager]:
@@ -326,7 +397,9 @@ class HookManager:
                 return None
             replaced = False
             if not out.requires_grad:
-                if not self.force_output_grad:
+                # a frozen layer first on the path (fixed weights, or frozen parameters captured
+                # with include_frozen): its output becomes the leaf the gradient flows to
+                if not (self.force_output_grad or self.config.include_frozen):
                     return None  # not on the autograd path
                 out = out.detach().requires_grad_()
                 replaced = True
@@ -377,12 +450,7 @@ class HookManager:
         if g.dtype != a.dtype and a.is_floating_point():
             a = a.to(g.dtype)
         item: LayerGradient = Factorized(a, g, rule.layer_type, kw)
-        if (
-            self._coverage_pending
-            and not self.force_output_grad  # a frozen probe: no parameter gradient to check
-            and not self._transforms
-            and self.projection is None
-        ):
+        if self._coverage_pending and not self._transforms and self.projection is None:
             self._item_task[(spec.name, order)] = torch._C._current_graph_task_id()
             self._magnitude[spec.name] = max(
                 self._magnitude.get(spec.name, 0.0), cov.term_magnitude(item)
@@ -544,8 +612,9 @@ class HookManager:
         for name, entries in by_layer.items():
             warn_once(f"bypassed:{name}", cov.bypass_message(entries))
             self._bypassed.update(id(e.param) for e in entries)
-        if merged:
+        if merged and self._coverage_pending:
             self._coverage_pending = False  # checked on the first captured step only
+            self._freeze_checked()
         if self.step == 0:
             cov.log_coverage(self.coverage())
         ref = ref_tensor(merged)

@@ -66,6 +66,8 @@ __all__ = [
     "mask_indices",
     "LayerProjection",
     "layer_projection",
+    "nearest_projection",
+    "NEAREST_STYLES",
     "resolve_projection",
     "project_gradient",
     "clear_projection_cache",
@@ -301,7 +303,7 @@ class LayerProjection:
         if config.style not in rule.projection_styles or (
             config.style == "logra" and not logra_supported(rule)
         ):
-            allowed = [s for s in rule.projection_styles if s != "logra" or logra_supported(rule)]
+            allowed = accepted_styles(rule)
             raise ValueError(
                 f"layer {name!r} ({rule.layer_type}) does not accept the {config.style!r} "
                 f"projection; it accepts {allowed or 'none'}. Map it to another "
@@ -424,6 +426,46 @@ def _device(item: LayerGradient) -> torch.device:
     return item.g.device if isinstance(item, Factorized) else item.data.device
 
 
+#: The styles tried, in order, for a layer that does not take the whole-model style: the
+#: nearest random projection first (logra's factors are Gaussian, so is dense).
+NEAREST_STYLES = {
+    "logra": ("dense", "sparse", "mask"),
+    "dense": ("sparse", "mask"),
+    "sparse": ("dense", "mask"),
+    "mask": ("sparse", "dense"),
+}
+
+
+def accepted_styles(rule: LayerRule) -> list[str]:
+    """The capture-time projection styles a layer rule takes."""
+    return [s for s in rule.projection_styles if s != "logra" or logra_supported(rule)]
+
+
+def nearest_projection(
+    config: ProjectionConfig, rule: LayerRule, module_kwargs: dict
+) -> ProjectionConfig | None:
+    """The form of a whole-model ``config`` that one layer takes (``None``: keep it exact).
+
+    The rule: a layer that takes ``config.style`` gets ``config``; otherwise a layer with at
+    most ``config.proj_dim`` parameters stays exact (projecting it would not shrink it); any
+    other layer gets the first style of :data:`NEAREST_STYLES` it takes, with the same
+    ``proj_dim``, seed and ``proj_type``. E.g. under ``ProjectionConfig("logra", 256)`` an
+    RMS norm of width 4096 is projected ``dense`` to 256 and one of width 64 stays exact.
+    A layer that takes no style at all keeps ``config`` (and is refused by name).
+    """
+    allowed = accepted_styles(rule)
+    if config.style in allowed:
+        return config
+    k, d = (int(v) for v in rule.matrix_shape(module_kwargs))
+    if k * d <= config.proj_dim:
+        return None
+    for style in NEAREST_STYLES[config.style]:
+        if style in allowed:
+            opts = {"proj_type": config.proj_type} if style == "dense" else {}
+            return ProjectionConfig(style, config.proj_dim, config.seed, **opts)
+    return config
+
+
 def layer_projection(
     config: ProjectionConfig, layer_type: str, module_kwargs: dict, name: str = ""
 ) -> LayerProjection:
@@ -504,9 +546,12 @@ class CaptureProjection:
         shared_groups: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         configs = resolve_projection(projection, [s.name for s in layers])
+        whole = isinstance(projection, ProjectionConfig)
         self.layers: dict[str, LayerProjection | None] = {}
         for spec in layers:
             cfg = configs[spec.name]
+            if whole and spec.hook_type == "linear_io":  # the form this layer takes
+                cfg = nearest_projection(cfg, spec.rule, spec.module_kwargs)
             if cfg is not None and spec.hook_type != "linear_io":
                 raise ValueError(
                     f"layer {spec.name!r} is hooked with {spec.hook_type}, which capture-time "
@@ -558,6 +603,7 @@ def project_gradient(gradient: Gradient, projection: Any) -> Gradient:
     Layers already projected (``projected.*``) are left as they are.
     """
     configs = resolve_projection(projection, gradient.layer_names)
+    whole = isinstance(projection, ProjectionConfig)
 
     def one(name: str, lg: Factorized | Materialized, cfg: ProjectionConfig) -> LayerGradient:
         lp = layer_projection(cfg, lg.layer_type, lg.module_kwargs, name)
@@ -566,6 +612,13 @@ def project_gradient(gradient: Gradient, projection: Any) -> Gradient:
     layers: dict[str, LayerGradient] = {}
     for name, lg in gradient.layers.items():
         cfg = configs[name]
+        if whole and cfg is not None and not lg.layer_type.startswith("projected."):
+            src = lg.sites[0] if isinstance(lg, Shared) else lg
+            rule = get_rule(src.layer_type)  # as a capture with this config would project it
+            kw = dict(src.module_kwargs)
+            if "_k" not in kw or "_d" not in kw:
+                kw["_k"], kw["_d"] = rule.matrix_shape(kw)
+            cfg = nearest_projection(cfg, rule, kw)
         if cfg is None or lg.layer_type.startswith("projected."):
             layers[name] = lg
         elif isinstance(lg, Shared):

@@ -514,3 +514,138 @@ assert not loaded, loaded
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3]
     )
+
+
+# ---- fixed-weights capture ----------------------------------------------------------------------
+class ConvLM(nn.Module):
+    """Embedding -> Conv1d over the tokens -> LayerNorm -> Linear: every layer kind at once."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.conv = nn.Conv1d(dim, dim, 3, padding=1)
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.emb(input_ids).transpose(1, 2)).transpose(1, 2)
+        return self.fc(torch.tanh(self.norm(h)))
+
+
+def conv_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(input_ids=x) ** 2).sum()  # a sum over samples: each row's own gradient
+
+
+def capture_one(model: nn.Module, x: torch.Tensor, fixed: bool, **config) -> tuple:
+    cb = CaptureCallback(keep_all=True)
+    hm = HookManager(model, config=HookManagerConfig(**config), callbacks=[cb], fixed_weights=fixed)
+    with hm.collect(deregister_on_exit=True):
+        conv_loss(model, x).backward()
+    return hm, cb.records[0].gradient
+
+
+@pytest.mark.parametrize("projection", [None, "sparse", "logra"])
+def test_fixed_weights_capture_is_exact_and_leaves_the_parameters_as_found(projection) -> None:
+    from dattri_llm.gradient.ops.projection import ProjectionConfig, project_gradient
+    from tests.helpers.reference import captured_by_parameter, per_sample_loop_grads
+
+    if projection == "logra":
+        pytest.importorskip("dattri")
+    torch.manual_seed(0)
+    model = ConvLM().double()
+    model.norm.bias.requires_grad_(False)  # a frozen parameter stays frozen and uncaptured
+    sentinel = torch.full_like(model.fc.weight, 7.0)
+    model.fc.weight.grad = sentinel
+    x = torch.randint(0, 11, (3, 5))
+    ref = per_sample_loop_grads(model, conv_loss, x)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    cfg = None if projection is None else ProjectionConfig(projection, 16, seed=3)
+    hm, fixed = capture_one(model, x, True, linear_io=REGISTER_ALL, projection=cfg)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert model.fc.weight.grad is sentinel and model.conv.weight.grad is None
+    assert bool((sentinel == 7.0).all())  # its values too (the first step is an ordinary one)
+    _, ordinary = capture_one(model, x, False, linear_io=REGISTER_ALL, projection=cfg)
+    assert model.conv.weight.grad is not None  # an ordinary capture computes weight grads
+    assert set(fixed.layers) == {"emb", "conv", "norm", "fc"} == set(ordinary.layers)
+    for name in fixed.layers:
+        a, b = fixed.layers[name].materialize(), ordinary.layers[name].materialize()
+        assert torch.equal(a.data, b.data), name
+    if projection is None:
+        got = captured_by_parameter(hm, fixed, model)
+        assert set(got) == set(ref) - {"norm.bias"}
+        for n, v in got.items():
+            assert rel_err(v, ref[n]) < 1e-12, n
+    else:  # the reference, projected as the capture is
+        exact = capture_one(model, x, True, linear_io=REGISTER_ALL)[1]
+        want = project_gradient(exact, cfg)
+        for name in fixed.layers:
+            a, b = fixed.layers[name].materialize(), want.layers[name].materialize()
+            assert a.layer_type == b.layer_type and rel_err(a.data, b.data) < 1e-12, name
+
+
+def test_fixed_weights_on_a_frozen_model_matches_one_sample_backward() -> None:
+    """An all-frozen model with include_frozen: no torch error, ordinary or fixed weights."""
+    import copy
+
+    from tests.helpers.reference import captured_by_parameter, per_sample_loop_grads
+
+    torch.manual_seed(0)
+    model = ConvLM().double()
+    x = torch.randint(0, 11, (2, 4))
+    ref = per_sample_loop_grads(copy.deepcopy(model), conv_loss, x)
+    model.requires_grad_(False)
+    for fixed in (True, False):
+        hm, g = capture_one(model, x, fixed, linear_io=REGISTER_ALL, include_frozen=True)
+        got = captured_by_parameter(hm, g, model)
+        assert set(got) == set(ref)
+        for n, v in got.items():
+            assert rel_err(v, ref[n]) < 1e-12, (fixed, n)
+        assert not any(p.requires_grad or p.grad is not None for p in model.parameters())
+
+
+def test_fixed_weights_mode_restores_flags_after_an_error_and_still_checks_coverage() -> None:
+    import dattri_llm.gradient.hooks.manager as manager
+
+    manager._WARNED.clear()
+    torch.manual_seed(0)
+    model = FunctionalTieLM(tie=False).double()
+    hm = HookManager(
+        model, config=HookManagerConfig(linear_io=["emb", "fc", "norm"]), fixed_weights=True
+    )
+    with pytest.raises(KeyError), hm.collect():
+        assert not model.head.weight.requires_grad  # not captured: frozen in the block
+        raise KeyError("boom")
+    assert all(p.requires_grad for p in model.parameters())
+    # the first step stays ordinary: the functional tie is still found; later steps freeze
+    with pytest.warns(UserWarning, match=r"layer 'emb': the captured per-sample gradients"):
+        with hm.collect():
+            lm_loss(model, {"input_ids": torch.randint(0, 17, (2, 5))}).backward()
+            assert not model.emb.weight.requires_grad
+    hm.remove()
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="fixed_weights"):
+        HookManager(model, fixed_weights="yes")
+
+
+def test_fixed_weights_keeps_param_grad_layers_and_their_gradient() -> None:
+    """A ``param_grad`` layer is read from ``.grad``: under fixed weights its parameters still
+    take their gradient (on every step, not only the first), the same as an ordinary capture."""
+    torch.manual_seed(0)
+    model = ConvLM().double()
+    cfg = {"linear_io": ["emb", "conv", "norm"], "param_grad": ["fc"]}
+    xs = [torch.randint(0, 11, (1, 4)) for _ in range(2)]  # param_grad: one sample a step
+    got = {}
+    for fixed in (True, False):
+        cb = CaptureCallback(keep_all=True)
+        hm = HookManager(model, HookManagerConfig(**cfg), [cb], fixed_weights=fixed)
+        with hm.collect(deregister_on_exit=True):
+            for x in xs:
+                conv_loss(model, x).backward()
+                if fixed:  # after the first (checked) step: only fc still takes a gradient
+                    assert model.fc.weight.requires_grad and not model.conv.weight.requires_grad
+        model.zero_grad(set_to_none=True)
+        got[fixed] = [r.gradient for r in cb.records]
+    for a, b in zip(got[True], got[False]):
+        assert set(a.layers) == {"emb", "conv", "norm", "fc"}
+        for name in a.layers:
+            assert torch.equal(a.layers[name].materialize().data, b.layers[name].materialize().data)

@@ -186,7 +186,9 @@ def test_logra_on_norm_and_bad_options_are_clear_errors():
     with pytest.raises(
         ValueError, match=r"'ln' \(nn.LayerNorm\).*'logra'.*\['dense', 'mask', 'sparse'\]"
     ):
-        HookManager(model, HookManagerConfig(projection=ProjectionConfig("logra", proj_dim=4)))
+        HookManager(
+            model, HookManagerConfig(projection={"ln": ProjectionConfig("logra", proj_dim=4)})
+        )  # asked of the layer by name: refused (a whole-model config adapts, see below)
     with pytest.raises(ValueError, match="perfect square"):
         ProjectionConfig("logra", proj_dim=12)
     assert (
@@ -379,7 +381,7 @@ def test_llama_rmsnorm_recipe_projected_and_unprojected_equal_autograd():
         for mode in ("auto", "factorized", "materialized"):
             assert rel_err(ops.cross_dot(got[0], got[1], mode=mode), want[0] @ want[1].T) < 1e-6
     with pytest.raises(ValueError, match="'logra'"):
-        HookManager(model, recipe(ProjectionConfig("logra", proj_dim=4)))
+        HookManager(model, recipe({r"model\.norm": ProjectionConfig("logra", proj_dim=4)}))
 
 
 def test_missing_dattri_names_the_extra(monkeypatch: pytest.MonkeyPatch):
@@ -392,3 +394,63 @@ def test_missing_dattri_names_the_extra(monkeypatch: pytest.MonkeyPatch):
             HookManager(model, HookManagerConfig(projection=cfg))
     hm = HookManager(model, HookManagerConfig(projection=ProjectionConfig("mask", proj_dim=4)))
     hm.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("proj_dim", [9, 16])
+def test_whole_model_logra_applies_to_each_layer_in_the_nearest_form_it_takes(
+    family, proj_dim, tmp_path
+):
+    """``ProjectionConfig("logra")`` for the whole model: every layer that takes logra gets it;
+    a norm (which does not) with at most ``proj_dim`` parameters stays exact, a larger one
+    gets ``dense`` of the same ``proj_dim``, seed and ``proj_type``; as ``project_gradient``
+    of an exact capture does, and as the store records it per layer."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("dattri")
+    from dattri_llm.cli.inspect_store import describe_projection
+    from dattri_llm.gradient.callbacks.offload import OffloadCallback
+    from dattri_llm.gradient.ops.projection import project_gradient
+    from dattri_llm.gradient.store import GradientStorageManager
+    from tests.helpers.hf_families import build
+
+    model = build(family)  # hidden 16: a norm of 16 (Llama) or 32 (GPT-2, with bias) parameters
+    cfg = ProjectionConfig("logra", proj_dim, seed=5, proj_type="rademacher")
+    x = {"input_ids": torch.randint(0, 37, (2, 6))}
+
+    def run(projection: object, store: object = None) -> tuple:
+        cb = CaptureCallback()
+        cbs = [cb] + ([OffloadCallback(file_manager=store)] if store is not None else [])
+        hm = HookManager(model, HookManagerConfig(projection=projection), callbacks=cbs)
+        with hm.collect(deregister_on_exit=True):
+            model(**x, labels=x["input_ids"]).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return hm, cb.pop().gradient
+
+    store = GradientStorageManager(tmp_path / "store", mode="create")
+    hm, got = run(cfg, store)
+    store.close()
+    stored = GradientStorageManager(tmp_path / "store").load_record(0).gradient
+    _, exact = run(None)
+    want = project_gradient(exact, cfg)
+    norms = 0
+    for spec in hm.layers:
+        if spec.name not in got.layers:  # a tied site (GPT-2's head), under its lead (wte)
+            continue
+        n_params = sum(p.numel() for p in spec.module.parameters(recurse=False))
+        lg = got.layers[spec.name]
+        if "Norm" not in type(spec.module).__name__:
+            expected = "projected.logra"
+        else:
+            norms += 1
+            expected = spec.rule.layer_type if n_params <= proj_dim else "projected.dense"
+        assert lg.layer_type == expected, (spec.name, lg.layer_type)
+        assert stored.layers[spec.name].layer_type == expected
+        if expected == "projected.dense":
+            kw = lg.module_kwargs
+            assert (kw["proj_dim"], kw["seed"], kw["proj_type"]) == (proj_dim, 5, "rademacher")
+            assert describe_projection(expected, stored.layers[spec.name].module_kwargs).startswith(
+                f"dense dim {proj_dim}, seed 5, rademacher; of "
+            )
+        a, b = lg.materialize(), want.layers[spec.name].materialize()
+        assert a.layer_type == b.layer_type and rel_err(a.data, b.data) < 1e-10, spec.name
+    assert norms >= 2
