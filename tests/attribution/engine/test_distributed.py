@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dattri_llm import (
     AdamWInfluenceAttributor,
@@ -38,6 +37,7 @@ from dattri_llm import (
     OptimizerStateCallback,
     TracInAttributor,
 )
+from tests.helpers.distributed import expect_ok, init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -98,13 +98,11 @@ def score(name: str, root: str, out: str, top_k: int | None) -> AttributionScore
     return att.attribute_from_cache(train, query, top_k=top_k)
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+def _worker(rank: int, world: int, workdir: str, root: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     sys.path.insert(0, REPO)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_group(rank, world, workdir)
     try:
         import warnings
 
@@ -208,7 +206,7 @@ def _same_top_k(a: AttributionScore, b: AttributionScore) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_scoring_equals_one_process(stores, tmp_path, world):
     root, singles = stores
-    mp.spawn(_worker, args=(world, _free_port(), str(root), str(tmp_path)), nprocs=world)
+    expect_ok(run_ranks(_worker, world, tmp_path / "ranks", str(root), str(tmp_path)))
     for name in METHODS:
         ref = singles[(name, None)]
         # rank 0 (every rank for the trajectory methods) holds the full matrix, in order
