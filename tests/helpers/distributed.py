@@ -88,7 +88,8 @@ def init_group(rank: int, world: int, workdir: str, attempts: int = 3, timeout_s
             ok, last = False, f"{type(e).__name__}: {e}"
         Path(workdir, f"pg_attempt.{attempt}.rank{rank}").write_text("ok" if ok else last)
         marks = [Path(workdir, f"pg_attempt.{attempt}.rank{r}") for r in range(world)]
-        deadline = time.monotonic() + timeout_s
+        # a rank whose peer gave up waits out its own init timeout before it can mark
+        deadline = time.monotonic() + 2 * timeout_s + 30
         while not all(m.exists() for m in marks):
             if time.monotonic() > deadline:
                 raise InitFailed(f"rank {rank}: other ranks never reported attempt {attempt}")
