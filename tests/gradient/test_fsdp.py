@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, workdir: str, out_dir: str) -> None:
                 for i in range(0, len(mine), B):
                     loss_fn(wrapped, {"input_ids": mine[i : i + B]}).backward()
             assert [r.step for r in cb.records] == list(range(len(mine) // B))
+            assert hm.incomplete_steps == 0, how  # FSDP2 swaps in unsharded parameters
             for r in cb.records:
                 assert r.gradient.layer_names == NAMES
                 result[f"{how}/gram{r.step}"] = ops.cross_dot(r.gradient, r.gradient)

@@ -372,8 +372,11 @@ def log_coverage(coverage: CaptureCoverage) -> None:
 class TrainableWatch:
     """The trainable parameters a manager was built for, and those that became trainable since.
 
-    Parameters are told apart by identity, held weakly (a parameter freed with a module
-    swapped out must not lend its ``id`` to a new one).
+    A parameter is known by identity or by its slot (module, attribute name) when that slot
+    held a trainable parameter at construction: FSDP2 swaps a module's sharded parameters for
+    unsharded ones around each forward, the same parameter under another object. A module
+    swapped in is a new slot; a parameter unfrozen since is a slot that was frozen. Both are
+    held weakly (a freed object must not lend its ``id`` to a new one).
 
     Args:
         model: The hooked model.
@@ -384,11 +387,21 @@ class TrainableWatch:
     def __init__(self, model: nn.Module, known: Iterable[torch.Tensor] = ()) -> None:
         self.model = model
         self._known: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        for p in model.parameters():
-            if p.requires_grad:
-                self._known[id(p)] = p
+        self._slots: dict[tuple[int, str], weakref.ref] = {}
+        for module, pname, p in _trainable(model):
+            self._remember(module, pname, p)
         for p in known:
             self._known[id(p)] = p
+
+    def _remember(self, module: nn.Module, pname: str, p: torch.Tensor) -> None:
+        self._known[id(p)] = p
+        self._slots[(id(module), pname)] = weakref.ref(module)
+
+    def _is_known(self, module: nn.Module, pname: str, p: torch.Tensor) -> bool:
+        if id(p) in self._known:
+            return True
+        ref = self._slots.get((id(module), pname))
+        return ref is not None and ref() is module
 
     def new_trainable(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, parameter)`` of each trainable parameter unknown at construction.
@@ -397,28 +410,33 @@ class TrainableWatch:
         found); each one found is known from then on, so it is returned once.
         """
         known = self._known
-        if all(id(p) in known for p in _trainable(self.model)):
+        for module, pname, p in _trainable(self.model):
+            if id(p) not in known and not self._is_known(module, pname, p):
+                break
+        else:
             return []
         found = []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad and id(p) not in known:
-                known[id(p)] = p
-                found.append((name, p))
+        for mname, module in self.model.named_modules():
+            for pname, p in module._parameters.items():
+                if p is None or not p.requires_grad or self._is_known(module, pname, p):
+                    continue
+                self._remember(module, pname, p)
+                found.append((f"{mname}.{pname}" if mname else pname, p))
         return found
 
 
-def _trainable(model: nn.Module) -> Iterable[torch.Tensor]:
-    """Trainable parameters, by a plain walk of the module tree.
+def _trainable(model: nn.Module) -> Iterable[tuple[nn.Module, str, torch.Tensor]]:
+    """``(module, name, parameter)`` of each trainable parameter, by a plain walk of the tree.
 
-    ``model.parameters()`` builds every name on the way: some 2x slower on a small GPT-2, and this
-    runs on every forward.
+    ``model.parameters()`` builds every name on the way (some 2x slower on a small GPT-2), and
+    this runs on every forward.
     """
     stack = [model]
     while stack:
         module = stack.pop()
-        for p in module._parameters.values():
+        for pname, p in module._parameters.items():
             if p is not None and p.requires_grad:
-                yield p
+                yield module, pname, p
         stack.extend(m for m in module._modules.values() if m is not None)
 
 
