@@ -323,7 +323,7 @@ class HookManager:
         if not self._active or not torch.is_grad_enabled():
             return
         # every forward: the trainable set may change between any two (one walk of the
-        # module tree: 40 µs on a 4-layer GPT-2 whose captured step takes 6.5 ms)
+        # module tree: about 45 µs on a 4-layer GPT-2 whose captured step takes 6.2 ms)
         for name, p in self._watch.new_trainable():
             self._late_names.append(name)
             self._handles.append(p.register_hook(self._late_param_hook(name)))
