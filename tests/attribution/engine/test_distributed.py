@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -45,10 +45,13 @@ REPO = str(Path(__file__).resolve().parents[3])
 METHODS = ["tracin", "tracin_live", "tracin_ckpts", "ekfac", "less", "adamw", "adamw_fwd", "dvemb"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> str:
+    """A fresh file for a gloo group to meet through (a port picked free can be taken again
+    before the ranks bind it)."""
+    fd, path = tempfile.mkstemp(prefix="pg_init.")
+    os.close(fd)
+    os.remove(path)
+    return path
 
 
 def _args(out: str, **kw) -> AttributionArguments:
@@ -238,7 +241,7 @@ _PRELUDE = textwrap.dedent(
     sys.path.insert(0, {REPO!r})
     import torch.distributed as dist
     rank = int(sys.argv[1])
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2],
                             rank=rank, world_size=2)
     from dattri_llm import AttributionArguments, TracInAttributor
     """
@@ -247,7 +250,7 @@ _PRELUDE = textwrap.dedent(
 
 def _two_ranks(code: str) -> list[str]:
     """Run ``code`` as ranks 0 and 1 of a gloo group; their stdout."""
-    port = str(_free_port())
+    port = _rendezvous()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(r), port], stdout=subprocess.PIPE, text=True
@@ -281,7 +284,7 @@ _KILLED = textwrap.dedent(
     import torch, torch.distributed as dist
     rank, world, port, kill = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
+    dist.init_process_group("gloo", init_method="file://" + port, rank=rank,
                             world_size=world)
     from dattri_llm import AttributionArguments, EKFACAttributor, TracInAttributor
     from dattri_llm.attribution.engine import resume, scoring
@@ -330,7 +333,7 @@ def test_killed_rank_reruns_from_its_checkpoint(stores, tmp_path, make):
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def launch(kill: str) -> list[subprocess.Popen]:
-        port = str(_free_port())
+        port = _rendezvous()
         return [
             subprocess.Popen(
                 [sys.executable, "-c", code, str(r), str(world), port, kill],
