@@ -16,13 +16,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dattri_llm import CaptureCallback, GradientStreamer, HookManager
 from dattri_llm.gradient import ops
-from tests.helpers.distributed import B, loss_fn, make
+from tests.helpers.distributed import B, expect_ok, init_group, loss_fn, make, run_ranks
 from tests.helpers.reference import flat, per_sample_grads, rel_err
 
 pytestmark = pytest.mark.distributed
@@ -50,11 +49,11 @@ def _wrap(model: nn.Module, how: str) -> nn.Module:
     )
 
 
-def _worker(rank: int, out_dir: str, init_file: str) -> None:
+def _worker(rank: int, world: int, workdir: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on 3-D Linear
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_group(rank, world, workdir)
     try:
         result: dict[str, torch.Tensor] = {}
         for how in WRAPPINGS:
@@ -68,6 +67,7 @@ def _worker(rank: int, out_dir: str, init_file: str) -> None:
                 for i in range(0, len(mine), B):
                     loss_fn(wrapped, {"input_ids": mine[i : i + B]}).backward()
             assert [r.step for r in cb.records] == list(range(len(mine) // B))
+            assert hm.incomplete_steps == 0, how  # FSDP2 swaps in unsharded parameters
             for r in cb.records:
                 assert r.gradient.layer_names == NAMES
                 result[f"{how}/gram{r.step}"] = ops.cross_dot(r.gradient, r.gradient)
@@ -88,7 +88,7 @@ def _worker(rank: int, out_dir: str, init_file: str) -> None:
 
 
 def test_fsdp1_and_fsdp2_capture_equals_single_device(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path), str(tmp_path / "pg_init")), nprocs=WORLD, join=True)
+    expect_ok(run_ranks(_worker, WORLD, tmp_path / "ranks", str(tmp_path)))
     old = torch.get_default_dtype()
     try:
         model, ids = make()

@@ -89,3 +89,19 @@ def captured_by_parameter(hm, gradient, model: nn.Module) -> dict[str, torch.Ten
             assert full not in out, f"parameter {full} captured by two layers"
             out[full] = value
     return out
+
+
+def assert_same_formula(got: torch.Tensor, want: torch.Tensor, terms: int = 1024) -> None:
+    """``got`` and ``want`` are one formula evaluated on bit-identical inputs.
+
+    Equal up to summation order, not bit for bit: a reloaded tensor may have another memory
+    layout than the one in memory, an optional extra (``opt_einsum``) another contraction
+    order, and a kernel sums in blocks chosen by layout. Reordering a sum of at most ``terms``
+    terms moves it by at most ``terms * eps`` of the terms' size; the bound is taken relative
+    to the largest entry (the tests' tensors do not cancel to round-off). Stored tensors are
+    compared with ``torch.equal`` instead: those are exact by construction.
+    """
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    tol = terms * torch.finfo(want.dtype).eps * float(want.abs().max().clamp_min(1e-300))
+    err = float((got - want).abs().max()) if got.numel() else 0.0
+    assert err <= tol, f"differ by {err:.3g} (allowed {tol:.3g}, {want.dtype})"

@@ -1,5 +1,7 @@
 """Assembling a captured step from what the hooks saw: outputs to hook, calls to join.
 
+* :func:`output_tensors` — the model output's tensors, hooked so that a backward through the
+  model always ends a step (one that captures nothing is reported);
 * :func:`grad_target` — which tensor a layer's output-gradient hook goes on (views rebased by
   in-place ops would never fire it);
 * :func:`merge_calls` — a module called several times in one step has the sum of its calls'
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +26,14 @@ from dattri_llm.gradient.layer_gradient import (
     concat_layer,
 )
 
-__all__ = ["first_tensor", "grad_target", "merge_calls", "param_item", "ref_tensor"]
+__all__ = [
+    "first_tensor",
+    "grad_target",
+    "merge_calls",
+    "output_tensors",
+    "param_item",
+    "ref_tensor",
+]
 
 
 def first_tensor(x: Any) -> torch.Tensor | None:
@@ -33,6 +43,14 @@ def first_tensor(x: Any) -> torch.Tensor | None:
     if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
         return x[0]
     return None
+
+
+def output_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors of a model output: a tensor, or those of a tuple / list / mapping of them."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    values = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def grad_target(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

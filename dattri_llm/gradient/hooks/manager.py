@@ -41,6 +41,7 @@ from dattri_llm.gradient.hooks.assembly import (
     first_tensor,
     grad_target,
     merge_calls,
+    output_tensors,
     param_item,
     ref_tensor,
 )
@@ -163,6 +164,20 @@ class HookManager:
         self._shared_groups: dict[str, list[str]] = plan.groups
         self._param_sites = plan.params
         self._bypassed: set[int] = set()  # captured parameters seen used outside their modules
+        #: Parameters that became trainable after construction (peft's set_adapter, a module
+        #: swapped in), looked for on every captured forward and hooked when found; the names
+        #: of those that got a gradient this step, and whether the backward reached the model's
+        #: output (a step that captures nothing is reported, never dropped in silence).
+        known = [p for s in self.layers for p in s.module.parameters(recurse=False)]
+        self._watch = cov.TrainableWatch(model, known)
+        self._late_names: list[str] = []  # in the order found (model order)
+        self._late_seen: set[str] = set()
+        self._reached_output = False
+        self._reported: set[str] = set()
+        #: Backward passes that left trainable parameters' gradients uncaptured (parameters
+        #: that became trainable after construction) or captured nothing; the first of each
+        #: kind is warned about.
+        self.incomplete_steps = 0
         #: The first captured step checks that captured gradients cover each parameter's:
         #: the graph task each item was captured in (a parameter's gradient hook sees the
         #: gradient of one task: a reentrant checkpoint's inner backward is a task of its own)
@@ -238,6 +253,7 @@ class HookManager:
         # one hook per captured parameter, however many sites capture it (tied weights)
         for pid, entry in self._param_sites.items():
             self._handles.append(entry.param.register_hook(self._captured_param_hook(pid)))
+        self._handles.append(self.model.register_forward_hook(self._on_model_output))
 
     def remove(self) -> None:
         """Take every hook down (idempotent); the model is left as it was."""
@@ -375,13 +391,40 @@ class HookManager:
 
     # ---- hooks -------------------------------------------------------------------------------
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active or not torch.is_grad_enabled() or self._inputs is not None:
+        if not self._active or not torch.is_grad_enabled():
+            return
+        # every forward: the trainable set may change between any two (one walk of the
+        # module tree: about 45 µs on a 4-layer GPT-2 whose captured step takes 6.2 ms)
+        for name, p in self._watch.new_trainable():
+            self._late_names.append(name)
+            self._handles.append(p.register_hook(self._late_param_hook(name)))
+        if self._inputs is not None:
             return
         fields = model_inputs(self._signature, args, kwargs)
         self._inputs = fields
         if fields:
             key = "input_ids" if "input_ids" in fields else next(iter(fields))
             self._batch_size = int(fields[key].shape[0])
+
+    def _on_model_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._active or not torch.is_grad_enabled():
+            return
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._output_reached)
+
+    def _output_reached(self, grad: torch.Tensor) -> None:
+        if self._active:
+            self._reached_output = True
+            self._ensure_end_callback()
+
+    def _late_param_hook(self, name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._active:
+                self._late_seen.add(name)
+                self._ensure_end_callback()
+
+        return hook
 
     def _layer_hook(self, spec: LayerSpec) -> Any:
         rule = spec.rule
@@ -531,6 +574,8 @@ class HookManager:
         self._forward_seen = set()
         self._grad_seen = set()
         self._grad_like = None
+        self._late_seen = set()
+        self._reached_output = False
         self._item_task = {}
         self._magnitude = {}
         self._buffers = {}
@@ -580,6 +625,8 @@ class HookManager:
         inputs, manual = self._inputs, self._manual_ids
         forward_seen, grad_seen = self._forward_seen, self._grad_seen
         grad_like, batch_size = self._grad_like, self._batch_size
+        late = [n for n in self._late_names if n in self._late_seen]
+        reached = self._reached_output
         self._reset_step()
         self._manual_ids = None
         if forward_seen:
@@ -591,7 +638,10 @@ class HookManager:
             for pid, e in self._param_sites.items()
             if pid in grad_seen and not any(s.name in forward_seen for s, _ in e.sites)
         ]
-        if not buffers and not param_grads and not bypassed:
+        captured = bool(buffers or param_grads or bypassed)
+        if late or (reached and not captured):
+            self._report_incomplete(late, captured)
+        if not captured:
             return
         merged = {n: merge_calls(items, batch_size, n) for n, items in buffers.items()}
         sizes = {n: lg.batch_size for n, lg in merged.items()}
@@ -643,6 +693,20 @@ class HookManager:
         self.step += 1
         for cb in self.callbacks:
             cb.on_step_end(record)
+
+    def _report_incomplete(self, late: list[str], captured: bool) -> None:
+        """Count a step that missed trainable parameters or captured nothing; warn the first."""
+        self.incomplete_steps += 1
+        key = "late:" + ",".join(late) if late else "nothing"
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        message = (
+            cov.late_message(late, captured)
+            if late
+            else cov.nothing_captured_message(self.layer_names)
+        )
+        warnings.warn(message, UserWarning, stacklevel=2)
 
     def _hashes(self, inputs: dict | None, manual: list[str] | None, b: int) -> list[str]:
         ids = sample_ids(inputs, manual, b, self.config.sample_id_key, self.config.hash_keys)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dattri_llm import (
     AdamWInfluenceAttributor,
@@ -38,6 +37,7 @@ from dattri_llm import (
     OptimizerStateCallback,
     TracInAttributor,
 )
+from tests.helpers.distributed import expect_ok, init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -45,10 +45,13 @@ REPO = str(Path(__file__).resolve().parents[3])
 METHODS = ["tracin", "tracin_live", "tracin_ckpts", "ekfac", "less", "adamw", "adamw_fwd", "dvemb"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> str:
+    """A fresh file for a gloo group to meet through (a port picked free can be taken again
+    before the ranks bind it)."""
+    fd, path = tempfile.mkstemp(prefix="pg_init.")
+    os.close(fd)
+    os.remove(path)
+    return path
 
 
 def _args(out: str, **kw) -> AttributionArguments:
@@ -98,13 +101,11 @@ def score(name: str, root: str, out: str, top_k: int | None) -> AttributionScore
     return att.attribute_from_cache(train, query, top_k=top_k)
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+def _worker(rank: int, world: int, workdir: str, root: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     sys.path.insert(0, REPO)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_group(rank, world, workdir)
     try:
         import warnings
 
@@ -208,7 +209,7 @@ def _same_top_k(a: AttributionScore, b: AttributionScore) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_scoring_equals_one_process(stores, tmp_path, world):
     root, singles = stores
-    mp.spawn(_worker, args=(world, _free_port(), str(root), str(tmp_path)), nprocs=world)
+    expect_ok(run_ranks(_worker, world, tmp_path / "ranks", str(root), str(tmp_path)))
     for name in METHODS:
         ref = singles[(name, None)]
         # rank 0 (every rank for the trajectory methods) holds the full matrix, in order
@@ -240,7 +241,7 @@ _PRELUDE = textwrap.dedent(
     sys.path.insert(0, {REPO!r})
     import torch.distributed as dist
     rank = int(sys.argv[1])
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2],
                             rank=rank, world_size=2)
     from dattri_llm import AttributionArguments, TracInAttributor
     """
@@ -249,7 +250,7 @@ _PRELUDE = textwrap.dedent(
 
 def _two_ranks(code: str) -> list[str]:
     """Run ``code`` as ranks 0 and 1 of a gloo group; their stdout."""
-    port = str(_free_port())
+    port = _rendezvous()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(r), port], stdout=subprocess.PIPE, text=True
@@ -283,7 +284,7 @@ _KILLED = textwrap.dedent(
     import torch, torch.distributed as dist
     rank, world, port, kill = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
+    dist.init_process_group("gloo", init_method="file://" + port, rank=rank,
                             world_size=world)
     from dattri_llm import AttributionArguments, EKFACAttributor, TracInAttributor
     from dattri_llm.attribution.engine import resume, scoring
@@ -332,7 +333,7 @@ def test_killed_rank_reruns_from_its_checkpoint(stores, tmp_path, make):
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def launch(kill: str) -> list[subprocess.Popen]:
-        port = str(_free_port())
+        port = _rendezvous()
         return [
             subprocess.Popen(
                 [sys.executable, "-c", code, str(r), str(world), port, kill],

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers.distributed import expect_ok, init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 faiss = pytest.importorskip("faiss")
@@ -22,12 +22,6 @@ KINDS = (
     ("ivf", "ivf", {"nlist": 4, "train_size": 150, "seed": 7}),
     ("ivfpq", "ivf", {"nlist": 4, "train_size": 150, "pq_m": 8, "pq_bits": 4, "rerank": 3}),
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _top(index, test: str) -> dict:
@@ -40,13 +34,11 @@ def _top(index, test: str) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
+def _worker(rank: int, world: int, workdir: str, root: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     sys.path.insert(0, REPO)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_group(rank, world, workdir)
     try:
         import warnings
 
@@ -71,7 +63,7 @@ def test_two_rank_build_and_search_equal_one_process(tmp_path):
 
     two_rank_store(tmp_path / "train")
     write(tmp_path / "test", train_vectors(6, seed=11), prefix="q")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    expect_ok(run_ranks(_worker, 2, tmp_path / "ranks", str(tmp_path)))
     for name, kind, params in KINDS:
         one = GradientIndex.build(tmp_path / "train", tmp_path / name, "cosine", kind, **params)
         split = GradientIndex.open(tmp_path / f"dist_{name}")

@@ -10,13 +10,8 @@ backward would leave the other rank's all-reduce waiting (the test would hang, n
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dattri_llm import (
@@ -26,6 +21,7 @@ from dattri_llm import (
     HookManager,
     HookManagerConfig,
 )
+from tests.helpers.distributed import init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -44,35 +40,22 @@ def _make() -> tuple[nn.Module, DataSelectionCallback]:
     return model, DataSelectionCallback(reference=cap.record.gradient, drop_fraction=0.5)
 
 
-def _worker(rank: int, out: str, init_file: str, wrap_after: bool) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, workdir: str, wrap_after: bool) -> None:
     model, selection = _make()
     config = HookManagerConfig(linear_io=REGISTER_ALL)
-    message = "no error"
-    try:
-        if wrap_after:  # the manager is built on the plain model before the process group
-            hm = HookManager(model, config, callbacks=[selection])
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
-        )
-        if not wrap_after:
-            hm = HookManager(model, config, callbacks=[selection])
-        with hm.collect(deregister_on_exit=True):
-            model(torch.randn(4, 3)).sum().backward()
-    except RuntimeError as e:
-        message = str(e)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    Path(out, f"rank{rank}.txt").write_text(message)
+    if wrap_after:  # the manager is built on the plain model before the process group
+        hm = HookManager(model, config, callbacks=[selection])
+    init_group(rank, world, workdir)
+    if not wrap_after:
+        hm = HookManager(model, config, callbacks=[selection])
+    with hm.collect(deregister_on_exit=True):
+        model(torch.randn(4, 3)).sum().backward()
 
 
 @pytest.mark.parametrize("wrap_after", [True, False])
 def test_selection_under_two_ranks_is_refused(tmp_path, wrap_after) -> None:
-    init = tmp_path / "pg_init"
-    mp.spawn(_worker, args=(str(tmp_path), str(init), wrap_after), nprocs=WORLD, join=True)
-    for rank in range(WORLD):
-        message = (tmp_path / f"rank{rank}.txt").read_text()
-        assert "DataSelectionCallback runs under torch.distributed with 2 ranks" in message
-        assert "single process" in message
+    outcomes = run_ranks(_worker, WORLD, tmp_path, wrap_after)
+    for outcome in outcomes:  # each rank's own outcome: every rank refuses, none fails to join
+        assert outcome.kind == "error" and outcome.error == "RuntimeError", outcome.describe()
+        assert "DataSelectionCallback runs under torch.distributed with 2 ranks" in outcome.message
+        assert "single process" in outcome.message

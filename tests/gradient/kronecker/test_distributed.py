@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.helpers.distributed import expect_ok, init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -53,12 +53,10 @@ def _fit(records: list, callback_cov: object | None = None) -> tuple:
     return cov, kfac, fit_eigenvalue_correction(kfac, records)
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, workdir: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_group(rank, world, workdir)
     try:
         from dattri_llm.gradient.callbacks import KroneckerCovarianceCallback
 
@@ -76,17 +74,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_fit_equals_single(tmp_path):
     from dattri_llm.gradient import Gradient, ops
     from dattri_llm.gradient.kronecker import KroneckerCovariances, KroneckerFactors
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    expect_ok(run_ranks(_worker, 2, tmp_path / "ranks", str(tmp_path)))
     model, batches, test = _data()
     records = _capture(model, batches, [])
     cov, kfac, ekfac = _fit(records)

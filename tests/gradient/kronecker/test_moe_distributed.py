@@ -8,12 +8,12 @@ that only one rank's samples reach must still be fitted alike on both.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers.distributed import expect_ok, init_group, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -40,12 +40,10 @@ def _fit(grads: list) -> tuple:
     return cov, kfac, fit_eigenvalue_correction(kfac, grads)
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, workdir: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_group(rank, world, workdir)
     try:
         cov, kfac, ekfac = _fit([_data()[rank]])
         cov.save(os.path.join(out, f"cov{rank}"))
@@ -55,17 +53,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_expert_fit_equals_single(tmp_path) -> None:
     from dattri_llm.gradient.kronecker import KroneckerCovariances, KroneckerFactors
     from tests.helpers.reference import rel_err
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    expect_ok(run_ranks(_worker, 2, tmp_path / "ranks", str(tmp_path)))
     grads = _data()
     cov, kfac, ekfac = _fit(grads)
     test = grads[1]

@@ -163,3 +163,30 @@ def test_qlora_4bit_base_frozen_adapters_exact(tmp_path) -> None:
     assert hm.coverage().fraction == 1.0
     errors = {name: rel_err(got[name], ref[name]) for name in trainable}
     assert max(errors.values()) < 1e-6, errors  # measured: 0.0 (same kernels either way)
+
+
+def test_set_adapter_after_the_manager_is_reported_and_a_new_manager_captures_it() -> None:
+    """Switching the active adapter trains parameters no hook was put on: before, the step
+    captured nothing and said nothing. It is now reported (no record is written), and the
+    fix the warning names, a manager built after the switch, captures the new adapter exactly.
+    """
+    model = with_lora(build("llama"), target_modules=["q_proj"])
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B.second" in name:
+                p.normal_(0.0, 0.3)
+    ids = torch.randint(1, 37, (2, 6))
+    cb = CaptureCallback()
+    hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[cb])
+    model.base_model.set_adapter("second")
+    with pytest.warns(UserWarning, match=r"became trainable after the HookManager was built") as w:
+        with hm.collect(deregister_on_exit=True):
+            causal_sum_loss(model, ids).backward()
+    message = str(w[0].message)
+    assert "lora_A.second.weight" in message and "no record was written" in message
+    assert hm.step == 0 and cb.record is None and hm.incomplete_steps == 1
+    model.zero_grad(set_to_none=True)
+    hm, got, ref = capture_exact(model, ids)
+    check_adapters_only(model, hm, got, ref)
+    assert all(".second" in n for n in got)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from dattri_llm import (
@@ -20,7 +19,7 @@ from dattri_llm import (
 from dattri_llm.gradient import ops
 from dattri_llm.utils.distributed import barrier, get_rank, get_world_size
 from dattri_llm.utils.hashing import hash_batch
-from tests.helpers.distributed import B, N, loss_fn, make
+from tests.helpers.distributed import B, N, expect_ok, init_group, loss_fn, make, run_ranks
 from tests.helpers.reference import flat, per_sample_grads, rel_err
 
 pytestmark = pytest.mark.distributed
@@ -28,10 +27,10 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _worker(rank: int, root: str, init_file: str) -> None:
+def _worker(rank: int, world: int, workdir: str, root: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_group(rank, world, workdir)
     try:
         assert get_rank() == rank and get_world_size() == WORLD
         model, ids = make()
@@ -51,7 +50,7 @@ def _worker(rank: int, root: str, init_file: str) -> None:
 
 def test_two_gloo_ranks_merge_into_the_single_process_store(tmp_path):
     root = tmp_path / "store"
-    mp.spawn(_worker, args=(str(root), str(tmp_path / "pg_init")), nprocs=WORLD, join=True)
+    expect_ok(run_ranks(_worker, WORLD, tmp_path / "ranks", str(root)))
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["rank_0", "rank_1"]
     old = torch.get_default_dtype()
     try:
