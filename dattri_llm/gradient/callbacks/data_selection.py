@@ -79,11 +79,11 @@ def _active_ddp() -> nn.parallel.DistributedDataParallel | None:
 
 def _no_ddp_error(world: int) -> RuntimeError:
     return RuntimeError(
-        f"DataSelectionCallback runs under torch.distributed with {world} ranks, but this step's "
-        "forward ran outside a DistributedDataParallel wrapper: FSDP (and gradients reduced by "
-        "other means) change param.grad in ways the dropped samples cannot be removed from "
-        "exactly. Wrap the model in torch.nn.parallel.DistributedDataParallel (before or after "
-        "building the HookManager), or run online data selection in a single process."
+        f"DataSelectionCallback runs under torch.distributed with {world} ranks (or FSDP), but "
+        "this step's forward ran outside a DistributedDataParallel wrapper: FSDP (and gradients "
+        "reduced by other means) change param.grad in ways the dropped samples cannot be removed "
+        "from exactly. Wrap the model in torch.nn.parallel.DistributedDataParallel (before or "
+        "after building the HookManager), or run online data selection in a single process."
     )
 
 
@@ -362,11 +362,14 @@ class DataSelectionCallback(HookCallback):
     def _ddp_of_step(self) -> tuple[nn.parallel.DistributedDataParallel | None, bool]:
         """This step's DDP wrapper and whether it reduces now; refuses other multi-rank runs."""
         seen, self._step_ddp = self._step_ddp, None
-        world = get_world_size()
-        if world == 1:
-            return None, False
         if seen is None:
-            raise _no_ddp_error(world)
+            from dattri_llm.gradient.streaming import is_distributed_wrapper  # lazy: no cycle
+
+            world = get_world_size()
+            if world > 1 or is_distributed_wrapper(self.manager.model):  # fully_shard later
+                raise _no_ddp_error(world)
+            return None, False
+        # also with one rank: DDP then still writes its bucket copy of .grad back after this
         _check_ddp(seen[0], self.manager.model)
         return seen
 

@@ -269,3 +269,81 @@ def test_ranks_with_different_references_are_refused(ranks_out) -> None:
         message = (ranks_out / f"mismatch.rank{rank}.txt").read_text()
         assert "reference directions differ" in message
         assert "same reference" in message
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo group in this process (DDP's reducer runs as under torchrun -n 1)."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'pg_one'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap_after", [False, True])
+def test_one_rank_ddp_keeps_the_correction(one_rank, wrap_after) -> None:
+    """DDP writes its bucket copy of ``.grad`` back after the step's callbacks, also alone."""
+    model, selection = _net(), _callback("before-cos-fraction")
+    config = HookManagerConfig(linear_io=REGISTER_ALL)
+    if wrap_after:
+        hm = HookManager(model, config, callbacks=[selection])
+        ddp = DistributedDataParallel(model)
+    else:
+        ddp = DistributedDataParallel(model)
+        hm = HookManager(ddp, config, callbacks=[selection])
+    rows = _rows(0, 0)
+    with hm.collect(deregister_on_exit=True):
+        _row_losses(ddp, rows).mean().backward()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dropped = set(selection.history[0].dropped_hashes)
+    assert len(dropped) == WORLD * B // 2
+    keep = torch.tensor([h not in dropped for h in hash_batch(rows["x"])])
+    plain = _net()
+    _row_losses(plain, {k: v[keep] for k, v in rows.items()}).mean().backward()  # renormalized
+    _close(got, torch.cat([p.grad.reshape(-1) for p in plain.parameters()]))
+
+
+def test_ddp_communication_hook_is_refused(one_rank) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = _net()
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, allreduce_hook)
+    hm = HookManager(
+        ddp, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[_callback("before-dot-fraction")]
+    )
+    with pytest.raises(RuntimeError, match=r"communication hooks \['allreduce_hook'\]"):
+        with hm.collect(deregister_on_exit=True):
+            _row_losses(ddp, _rows(0, 0)).mean().backward()
+
+
+def test_data_parallel_is_refused_when_built() -> None:
+    with pytest.raises(ValueError, match="DataParallel / FSDP"):
+        HookManager(
+            nn.DataParallel(_net()),
+            HookManagerConfig(linear_io=REGISTER_ALL),
+            callbacks=[_callback("before-dot-fraction")],
+        )
+
+
+@pytest.mark.parametrize("shard_after", [False, True])
+def test_fsdp_is_refused(one_rank, shard_after) -> None:
+    """FSDP2 sharding, before the manager is built or after it (caught at the step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _net()
+    config = HookManagerConfig(linear_io=REGISTER_ALL)
+    selection = _callback("before-dot-fraction")
+    if not shard_after:
+        fully_shard(model)
+        with pytest.raises(ValueError, match="DataParallel / FSDP"):
+            HookManager(model, config, callbacks=[selection])
+        return
+    hm = HookManager(model, config, callbacks=[selection])
+    fully_shard(model)
+    with pytest.raises(RuntimeError, match="outside a DistributedDataParallel"):
+        with hm.collect(deregister_on_exit=True):
+            _row_losses(model, _rows(0, 0)).mean().backward()
