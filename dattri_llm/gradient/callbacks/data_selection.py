@@ -451,7 +451,15 @@ class DataSelectionCallback(HookCallback):
             # DDP's reducer raises here if it has not finalised: ranks refuse alike, no hang
             check = getattr(ddp.reducer, "_check_reducer_finalized", None)
             if check is not None:
-                check()
+                try:
+                    check()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        "DataSelectionCallback: DistributedDataParallel had not finished its "
+                        "all-reduce when the dropped samples were to be removed, so they cannot "
+                        "be removed from the reduced param.grad exactly. Run online data "
+                        "selection in a single process with this torch / DDP setup."
+                    ) from err
             world = get_world_size()
             dtype = deltas[0][1].dtype
             flat = torch.cat([d.reshape(-1).to(dtype) for _, d in deltas])

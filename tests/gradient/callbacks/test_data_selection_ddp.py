@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,24 @@ def _callback(case: str, reference=None) -> DataSelectionCallback:
     )
 
 
-def _flat_grad(model: nn.Module) -> list[float]:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+def _sgd(hm: HookManager, run: nn.Module, model: nn.Module, rows_of) -> list[torch.Tensor]:
+    """``STEPS`` SGD steps of ``PASSES`` accumulated passes; the ``.grad`` of each step.
+
+    Under DDP every pass but the last runs in ``no_sync()`` (corrected locally, reduced later).
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    with hm.collect(deregister_on_exit=True):
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(PASSES):
+                last = micro == PASSES - 1
+                sync = run.no_sync() if hasattr(run, "no_sync") and not last else nullcontext()
+                with sync:
+                    _row_losses(run, rows_of(_rows(step, micro))).mean().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            opt.step()
+    return grads
 
 
 def _train(case: str, out: Path) -> None:
@@ -111,27 +128,15 @@ def _train(case: str, out: Path) -> None:
     else:
         ddp = DistributedDataParallel(model)
         hm = HookManager(ddp, config, callbacks=[selection])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    with hm.collect(deregister_on_exit=True):
-        for step in range(STEPS):
-            opt.zero_grad()
-            for micro in range(PASSES):
-                rows = {k: v[rank * B : (rank + 1) * B] for k, v in _rows(step, micro).items()}
-                if micro < PASSES - 1:
-                    with ddp.no_sync():
-                        _row_losses(ddp, rows).mean().backward()
-                else:
-                    _row_losses(ddp, rows).mean().backward()
-            grads.append(_flat_grad(model))
-            opt.step()
+    mine = slice(rank * B, (rank + 1) * B)
+    grads = _sgd(hm, ddp, model, lambda rows: {k: v[mine] for k, v in rows.items()})
     history = [
         {"dropped": h.dropped_hashes, "scores": dict(zip(h.kept_hashes, h.kept_scores))}
         | {"dropped_scores": dict(zip(h.dropped_hashes, h.dropped_scores)), "scale": h.scale}
         for h in selection.history
     ]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-    result = {"grads": grads, "params": params, "history": history}
+    result = {"grads": [g.tolist() for g in grads], "params": params, "history": history}
     (out / f"{case}.rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -186,15 +191,7 @@ def _single_process(case: str):
     """The same callback in one process on the global batch with the global mean loss."""
     model, selection = _net(), _callback(case)
     hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[selection])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    with hm.collect(deregister_on_exit=True):
-        for step in range(STEPS):
-            opt.zero_grad()
-            for micro in range(PASSES):
-                _row_losses(model, _rows(step, micro)).mean().backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-            opt.step()
+    grads = _sgd(hm, model, model, lambda rows: rows)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return grads, params, selection.history
 
