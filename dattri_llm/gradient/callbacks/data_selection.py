@@ -165,9 +165,11 @@ class DataSelectionCallback(HookCallback):
     averaged ``.grad`` (its rank's gradient over the world size). The reduced ``.grad`` then
     equals one process's selection on the global batch with the loss ``(1/W) sum_r loss_r``
     (the global mean loss when every rank's loss is the mean over an equal batch). Every rank
-    must give the same reference (checked) and run the same number of backward passes (no
-    ``Join``). Passes under ``no_sync()`` are corrected locally and reduced by DDP later. FSDP,
-    ``DataParallel``, DDP communication hooks and other cross-rank reductions are refused.
+    must give the same reference (checked; a callable should run ``ddp.module``, not the DDP
+    wrapper, whose reduction of the training step is still pending) and run the same number of
+    backward passes (no ``Join``). Passes under ``no_sync()`` are corrected locally and reduced
+    by DDP later. FSDP, ``DataParallel``, DDP communication hooks and other cross-rank
+    reductions are refused.
 
     Args:
         reference: Direction to align with: a :class:`~dattri_llm.Gradient` (e.g. validation
