@@ -8,6 +8,11 @@ subtracted from ``param.grad``: the optimizer then steps as if they were never i
 Exactness needs every trainable parameter to be covered by a hooked layer, unprojected and
 untransformed per-sample gradients, and a loss that is a sum (or mean) of independent per-sample
 terms (no BatchNorm, no in-batch contrastive terms). What cannot be exact is refused.
+
+Under ``DistributedDataParallel`` the selection is over the *global* batch (every rank's samples
+of the same backward pass), and the dropped samples leave the all-reduced ``param.grad``: each
+rank's correction is all-reduced and averaged like DDP's own gradients, after DDP's reduction
+has finished. FSDP, ``DataParallel`` and gradients reduced by other means are refused.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from dattri_llm.gradient.callbacks.base import HookCallback
 from dattri_llm.gradient.gradient import Factorized, Gradient, Materialized, Shared
 from dattri_llm.gradient.hooks.config import is_data_parallel
 from dattri_llm.gradient.ops import inner as ops
 from dattri_llm.options import similarity_metric
-from dattri_llm.utils.distributed import get_world_size
+from dattri_llm.utils.distributed import all_reduce_sum, get_world_size, settle_collectives_at_exit
 
 if TYPE_CHECKING:
     from dattri_llm.gradient.gradient import GradientRecord
@@ -64,21 +71,82 @@ def _site_weighted_sum(site: Factorized | Materialized, w: torch.Tensor) -> torc
     return part.aggregate().layers["site"].data
 
 
-def _refuse_several_ranks() -> None:
-    """Refuse selection inside a process group of several ranks.
+def _active_ddp() -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` whose forward is running (``None`` outside one)."""
+    getter = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+    return getter() if getter is not None else None
 
-    DDP and FSDP all-reduce ``param.grad`` during backward, also when they wrap the model
-    *after* the hook manager was built (so the manager's model looks unwrapped): one rank's
-    dropped samples could then not be removed from the reduced gradient exactly.
-    """
-    world = get_world_size()
-    if world > 1:
+
+def _no_ddp_error(world: int) -> RuntimeError:
+    return RuntimeError(
+        f"DataSelectionCallback runs under torch.distributed with {world} ranks (or FSDP), but "
+        "this step's forward ran outside a DistributedDataParallel wrapper: FSDP (and gradients "
+        "reduced by other means) change param.grad in ways the dropped samples cannot be removed "
+        "from exactly. Wrap the model in torch.nn.parallel.DistributedDataParallel (before or "
+        "after building the HookManager), or run online data selection in a single process."
+    )
+
+
+def _check_ddp(ddp: nn.parallel.DistributedDataParallel, model: nn.Module) -> None:
+    """Refuse DDP settings under which the correction would not meet DDP's own average."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if not any(m is inner for m in ddp.module.modules()):
         raise RuntimeError(
-            f"DataSelectionCallback runs under torch.distributed with {world} ranks: DDP / FSDP "
-            "all-reduce param.grad during backward (also when they wrap the model after the "
-            "HookManager was built), so this rank's dropped samples cannot be removed from it "
-            "exactly. Run online data selection in a single process (world size 1)."
+            "DataSelectionCallback: the DistributedDataParallel running this forward does not "
+            "wrap the hooked model (a nested DDP?). Wrap the whole hooked model in one DDP."
         )
+    hooks = [getattr(h, "__name__", type(h).__name__) for h, _ in getattr(ddp, "_comm_hooks", [])]
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    delayed = getattr(ddp, "_delay_all_reduce_params", [])
+    if hooks or ignored or delayed:
+        raise RuntimeError(
+            "DataSelectionCallback under DistributedDataParallel needs DDP's plain averaging "
+            "all-reduce of every parameter, since the dropped samples' contributions are removed "
+            "by the same average; found "
+            + "; ".join(
+                part
+                for part in (
+                    f"communication hooks {hooks} (register_comm_hook / mixed_precision)"
+                    if hooks
+                    else "",
+                    f"parameters DDP ignores {sorted(ignored)}" if ignored else "",
+                    f"{len(delayed)} parameters with delayed all-reduce" if delayed else "",
+                )
+                if part
+            )
+            + ". Build the DDP wrapper without them."
+        )
+
+
+def _gather_scores(
+    s: torch.Tensor, direction: tuple[float, float], world: int
+) -> tuple[torch.Tensor, int]:
+    """Every rank's scores, rank after rank, and where this rank's rows start.
+
+    Each rank also sends a fingerprint of its reference direction (norm, entry sum): ranks that
+    score against different directions are refused, on every rank alike.
+    """
+    dev = s.device
+    head = torch.tensor([float(s.shape[0]), *direction], dtype=torch.float64, device=dev)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head)
+    counts = [int(h[0]) for h in heads]
+    prints = torch.stack([h[1:] for h in heads])
+    if not torch.allclose(prints, prints[0].expand_as(prints), rtol=1e-6, atol=0.0):
+        raise RuntimeError(
+            "DataSelectionCallback: the ranks' reference directions differ (norm, entry sum per "
+            f"rank: {prints.tolist()}); selection over the global batch scores every sample "
+            "against one direction. Give every rank the same reference (the same validation "
+            "samples on every rank, or gradients all-gathered before building it)."
+        )
+    width = max(counts)
+    padded = torch.zeros(width, dtype=torch.float64, device=dev)
+    padded[: s.shape[0]] = s.detach().to(torch.float64)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    settle_collectives_at_exit()
+    every = torch.cat([part[:c] for part, c in zip(parts, counts)])
+    return every.to(s.dtype), sum(counts[: dist.get_rank()])
 
 
 class DataSelectionCallback(HookCallback):
@@ -88,6 +156,20 @@ class DataSelectionCallback(HookCallback):
     then leaves in ``param.grad`` the gradient of the loss over the kept samples only, so any
     ``torch.optim`` optimizer steps as if the dropped samples were never in the batch. Each
     backward pass is selected on its own (gradient accumulation stays exact).
+
+    Under ``torch.nn.parallel.DistributedDataParallel`` (wrapped before or after the manager is
+    built) one backward pass is selected over the *global* batch, every rank's samples of that
+    pass together: ``drop_fraction`` drops ``floor(drop_fraction * B)`` of all ``B`` samples,
+    ``threshold`` keeps the best of them if all score below it, and ``renormalize`` uses the
+    global ``B`` and ``k``. A sample's Grad-Dot score is that of its contribution to the
+    averaged ``.grad`` (its rank's gradient over the world size). The reduced ``.grad`` then
+    equals one process's selection on the global batch with the loss ``(1/W) sum_r loss_r``
+    (the global mean loss when every rank's loss is the mean over an equal batch). Every rank
+    must give the same reference (checked; a callable should run ``ddp.module``, not the DDP
+    wrapper, whose reduction of the training step is still pending) and run the same number of
+    backward passes (no ``Join``). Passes under ``no_sync()`` are corrected locally and reduced
+    by DDP later. FSDP, ``DataParallel``, DDP communication hooks and other cross-rank
+    reductions are refused.
 
     Args:
         reference: Direction to align with: a :class:`~dattri_llm.Gradient` (e.g. validation
@@ -99,8 +181,10 @@ class DataSelectionCallback(HookCallback):
             score then uses only those).
         score: ``"dot"`` (Grad-Dot) or ``"cosine"`` (Grad-Cos; alias ``"cos"``).
         drop_fraction: Drop the lowest-scoring ``floor(drop_fraction * B)`` samples of each
-            micro-batch of ``B`` (never all of them). Exclusive with ``threshold``.
-        threshold: Drop the samples scoring below it (the best sample is always kept).
+            micro-batch of ``B`` (never all of them; under DDP, ``B`` counts every rank's
+            samples). Exclusive with ``threshold``.
+        threshold: Drop the samples scoring below it (the best sample is always kept; under
+            DDP, the best of the global batch).
         renormalize: For a batch-*mean* loss: rescale the kept samples' contribution by
             ``B / (B - k)`` so ``.grad`` is the mean-loss gradient of the kept samples.
         refresh_interval: Steps between calls of a callable ``reference``.
@@ -163,7 +247,10 @@ class DataSelectionCallback(HookCallback):
         self.history: list[SelectionStep] = []
         self._direction: Gradient | None = None
         self._direction_norm: float | None = None
+        self._direction_sum: float | None = None
         self._seen = 0
+        # (DDP running this step's forward, whether it reduces in this backward)
+        self._step_ddp: tuple[nn.parallel.DistributedDataParallel, bool] | None = None
 
     # ---- checks ------------------------------------------------------------------------------
     def on_register(self, manager: CaptureHost) -> None:
@@ -183,13 +270,13 @@ class DataSelectionCallback(HookCallback):
             )
         from dattri_llm.gradient.streaming import is_distributed_wrapper  # lazy: no cycle
 
-        if is_data_parallel(manager.model) or is_distributed_wrapper(manager.model):
+        ddp = isinstance(manager.model, nn.parallel.DistributedDataParallel)
+        if not ddp and (is_data_parallel(manager.model) or is_distributed_wrapper(manager.model)):
             raise ValueError(
-                "DataSelectionCallback does not support DataParallel / DDP / FSDP models: "
-                "param.grad is reduced across ranks during backward, so local samples cannot be "
-                "removed exactly. Select on a single device (or unwrapped model)."
+                "DataSelectionCallback does not support DataParallel / FSDP models: param.grad "
+                "is reduced (or sharded) during backward in ways the dropped samples cannot be "
+                "removed from exactly. Use DistributedDataParallel, or a single device."
             )
-        _refuse_several_ranks()
         covered: set[int] = set()
         for spec in manager.layers:
             for pname in spec.rule.param_names(spec.module_kwargs):
@@ -237,6 +324,7 @@ class DataSelectionCallback(HookCallback):
                 )
         self._direction = direction
         self._direction_norm = float(ops.grad_norm_sq(direction).sqrt())
+        self._direction_sum = float(sum(lg.data.sum() for lg in direction.layers.values()))
 
     def _call_reference(self) -> Gradient:
         """Call the reference with this manager paused and the training ``.grad`` set aside."""
@@ -266,12 +354,32 @@ class DataSelectionCallback(HookCallback):
         return s
 
     # ---- the step ------------------------------------------------------------------------------
+    def on_forward(self, layer: str, module: nn.Module, a: torch.Tensor) -> None:
+        """Note the DDP wrapper running this forward (also one added after the manager)."""
+        ddp = _active_ddp()
+        if ddp is not None:  # None too in a checkpoint's recomputation inside backward
+            # DDP decides at forward time whether this backward all-reduces
+            self._step_ddp = (ddp, bool(ddp.require_backward_grad_sync and torch.is_grad_enabled()))
+
+    def _ddp_of_step(self) -> tuple[nn.parallel.DistributedDataParallel | None, bool]:
+        """This step's DDP wrapper and whether it reduces now; refuses other multi-rank runs."""
+        seen, self._step_ddp = self._step_ddp, None
+        if seen is None:
+            from dattri_llm.gradient.streaming import is_distributed_wrapper  # lazy: no cycle
+
+            world = get_world_size()
+            if world > 1 or is_distributed_wrapper(self.manager.model):  # fully_shard later
+                raise _no_ddp_error(world)
+            return None, False
+        # also with one rank: DDP then still writes its bucket copy of .grad back after this
+        _check_ddp(seen[0], self.manager.model)
+        return seen
+
     def on_step_end(self, record: GradientRecord) -> None:
         """Score the step's samples and remove the dropped ones from ``param.grad``."""
         step = self._seen
         self._seen += 1
-        if step == 0:  # DDP / FSDP may wrap the model after the manager was built
-            _refuse_several_ranks()
+        ddp, reduces = self._ddp_of_step()
         if not self.enabled or step < self.warmup_steps:
             return
         if (self.manager is not None and self.manager.transforms) or (
@@ -289,15 +397,31 @@ class DataSelectionCallback(HookCallback):
             if (step - self.warmup_steps) % self.refresh_interval == 0:
                 self._direction = None
         s = self.scores(grad)
-        drop = self._select(s)
-        k = int(drop.sum())
-        scale = b / (b - k) if self.renormalize and k else 1.0
+        if ddp is None:
+            drop = self._select(s)
+            k, total = int(drop.sum()), b
+        else:
+            world = get_world_size()
+            if self.score == "dot":  # the contribution to DDP's average is 1/world of it
+                s = s / world
+            every, start = _gather_scores(s, (self._direction_norm, self._direction_sum), world)
+            drop_all = self._select(every)
+            drop = drop_all[start : start + b]
+            k, total = int(drop_all.sum()), every.shape[0]
+        scale = total / (total - k) if self.renormalize and k else 1.0
         if k:
             # weight of each sample's contribution to add to .grad: -1 removes it, and with
             # renormalize the kept ones gain (scale - 1) of theirs
             w = torch.full((b,), scale - 1.0, dtype=torch.float64, device=s.device)
             w[drop] = -1.0
-            self._apply(grad, w)
+            deltas = self._deltas(grad, w)
+            if reduces:
+                self._after_ddp(ddp, deltas)
+            else:  # one process, or DDP under no_sync(): DDP reduces the local .grad later
+                with torch.no_grad():
+                    for p, delta in deltas:
+                        if p.grad is not None:
+                            p.grad.add_(delta.to(p.grad.dtype))
         keep = ~drop
         hashes = list(record.hashes)
         sl = s.tolist()
@@ -312,6 +436,46 @@ class DataSelectionCallback(HookCallback):
             )
         )
 
+    def _after_ddp(
+        self,
+        ddp: nn.parallel.DistributedDataParallel,
+        deltas: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Add the ranks' averaged corrections to ``.grad`` once DDP's all-reduce has finished.
+
+        This runs inside the backward's final callbacks. DDP queued its own finalisation (wait
+        for the all-reduce, write the averaged buckets into ``.grad``) when its last bucket was
+        ready, i.e. before the graph's end; a callback queued now runs after it. Every rank
+        reaches this point with the same parameter list (the hooked layers, in order).
+        """
+
+        def apply() -> None:
+            # DDP's reducer raises here if it has not finalised: ranks refuse alike, no hang
+            check = getattr(ddp.reducer, "_check_reducer_finalized", None)
+            if check is not None:
+                try:
+                    check()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        "DataSelectionCallback: DistributedDataParallel had not finished its "
+                        "all-reduce when the dropped samples were to be removed, so they cannot "
+                        "be removed from the reduced param.grad exactly. Run online data "
+                        "selection in a single process with this torch / DDP setup."
+                    ) from err
+            world = get_world_size()
+            dtype = deltas[0][1].dtype
+            flat = torch.cat([d.reshape(-1).to(dtype) for _, d in deltas])
+            all_reduce_sum(flat).div_(world)  # DDP's own average: sum over ranks / world
+            with torch.no_grad():
+                for (p, _), part in zip(deltas, flat.split([d.numel() for _, d in deltas])):
+                    if p.grad is not None:
+                        p.grad.add_(part.view_as(p.grad).to(p.grad.dtype))
+
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward: DDP is done
+            apply()
+        else:
+            torch.autograd.Variable._execution_engine.queue_callback(apply)
+
     def _select(self, s: torch.Tensor) -> torch.Tensor:
         """Boolean ``(B,)`` mask of the samples to drop."""
         b = s.shape[0]
@@ -325,10 +489,12 @@ class DataSelectionCallback(HookCallback):
                 drop[torch.argmax(s)] = False
         return drop
 
-    def _apply(self, grad: Gradient, w: torch.Tensor) -> None:
+    def _deltas(self, grad: Gradient, w: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, sum_i w_i * grad_i of it)`` for every trainable hooked parameter, in order."""
         modules = {spec.name: spec.module for spec in self.manager.layers}
         if grad.dtype in (torch.float16, torch.bfloat16):  # sum in float32, as .grad usually is
             grad = grad.to(torch.float32)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for name, lg in grad.layers.items():
                 if isinstance(lg, Shared):
@@ -340,6 +506,6 @@ class DataSelectionCallback(HookCallback):
                     module = modules[site_name]
                     for pname, delta in site.rule.unflatten(dense, site.module_kwargs).items():
                         p = getattr(module, pname)
-                        if not p.requires_grad or p.grad is None:
-                            continue
-                        p.grad.add_(delta[0].to(p.grad.dtype))
+                        if p.requires_grad:
+                            out.append((p, delta[0]))
+        return out

@@ -1,11 +1,10 @@
-"""Online data selection under several ranks is refused, whenever the process group appeared.
+"""Online data selection under several ranks without a DDP wrapper is refused.
 
-With DDP wrapping the model *after* the HookManager was built (the order many
-scripts use), the callback reported dropped samples while ``param.grad`` still held the whole
-batch's all-reduced gradient. The refusal rests on the world size, checked when the callback is
-registered and at the first step, so it holds with the manager built before or after
-``init_process_group``. The step runs on the unwrapped model: a rank that raises inside a DDP
-backward would leave the other rank's all-reduce waiting (the test would hang, not fail).
+With DDP (wrapped before or after the HookManager) selection is supported and checked against
+one process in ``test_data_selection_ddp.py``. Without it, nothing tells the callback how
+``param.grad`` is reduced across ranks, so the step is refused, with the manager built before or
+after ``init_process_group``. The step runs on the unwrapped model: a rank that raises inside a
+DDP backward would leave the other rank's all-reduce waiting (the test would hang, not fail).
 """
 
 from __future__ import annotations
