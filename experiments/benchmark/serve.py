@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -192,8 +193,8 @@ def bench_capture(model_dir, model, tokenizer, docs, data, tmp, batch, repeats) 
             log(f"capture {name} #{r}: {len(docs) / (w1 - w0):.1f} samples/s")
     res = {}
     for name, rs in runs.items():
-        wall = sorted(w for w, _ in rs)[len(rs) // 2]
-        cpu = sorted(c for _, c in rs)[len(rs) // 2]
+        wall = statistics.median(w for w, _ in rs)
+        cpu = statistics.median(c for _, c in rs)
         res[name] = {
             "median_wall_s": wall,
             "median_cpu_s": cpu,
