@@ -87,10 +87,15 @@ def term_magnitude(item: Any) -> float:
     """Largest summed magnitude of a raw capture's terms, over all the layer's parameters.
 
     The factors are replaced by their absolute values: the scale of the round-off the sum
-    over samples and tokens can carry.
+    over samples and tokens can carry. A normalised input (``rule.unit_scale_input``) counts at
+    least 1: a norm over an input constant along its normalised axes has ``x_hat = 0`` up to
+    round-off, so its weight's gradient is round-off that ``|x_hat|`` does not measure.
     """
     if isinstance(item, Factorized):
-        return float(item.apply(torch.abs).batch_sum().data.abs().max())
+        terms = item.apply(torch.abs)
+        if item.rule.unit_scale_input:
+            terms = Factorized(terms.a.clamp_min(1.0), terms.g, item.layer_type, item.module_kwargs)
+        return float(terms.batch_sum().data.abs().max())
     return float(item.data.abs().sum(0).max())
 
 
