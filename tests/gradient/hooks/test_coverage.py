@@ -196,3 +196,85 @@ def test_a_norm_weight_used_outside_its_module_is_still_reported() -> None:
     with pytest.warns(UserWarning, match=r"layer 'ln': the captured per-sample gradients"):
         with hm.collect(deregister_on_exit=True):
             _loss(model, _x()).backward()
+
+
+class FrozenIntoCheckpoint(nn.Module):
+    """``relu_`` on the input, a frozen ``Linear``, then one ``LayerNorm`` called under a
+    checkpoint and again outside it (``chained``: one call feeds the other, else summed)."""
+
+    def __init__(self, reentrant: bool, inside_first: bool, chained: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 2, bias=False).requires_grad_(False)
+        self.ln = nn.LayerNorm(2, bias=False)
+        self.head = nn.Linear(2, 6)
+        self.reentrant, self.inside_first, self.chained = reentrant, inside_first, chained
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.fc(torch.relu_(x))
+
+        def inside(t: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.ln, t, use_reentrant=self.reentrant)
+
+        first, second = (inside, self.ln) if self.inside_first else (self.ln, inside)
+        return self.head(second(first(h)) if self.chained else first(h) + second(h))
+
+
+def _capture_frozen_into_checkpoint(model: nn.Module, x: torch.Tensor, fixed: bool):
+    import dattri_llm.gradient.hooks.manager as manager
+
+    manager._WARNED.clear()
+    cb = CaptureCallback()
+    config = HookManagerConfig(include_frozen=True)
+    hm = HookManager(model, config, callbacks=[cb], fixed_weights=fixed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hm.collect():
+            _weighted_loss(model, x).backward()
+    got = captured_by_parameter(hm, cb.record.gradient, model)
+    hm.remove()
+    ours = [str(w.message) for w in caught if "dattri_llm" in (w.filename or "")]
+    return got, ours
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize(
+    "inside_first, chained", [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_include_frozen_feeding_a_reentrant_checkpoint_is_reported(
+    fixed: bool, inside_first: bool, chained: bool
+) -> None:
+    """With include_frozen the frozen Linear's output is made to require grad, so a reentrant
+    checkpoint it feeds (whose inputs otherwise need none, and whose parameters torch then
+    leaves without gradient) gets its share: the capture is that of the model with the Linear
+    trainable, not of the backward without the manager (silently 1e-5 to 100% off before)."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    model = FrozenIntoCheckpoint(True, inside_first, chained).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "None of the inputs have requires_grad=True"
+        plain = per_sample_loop_grads(model, _weighted_loss, x)
+        model.fc.requires_grad_(True)
+        trainable = per_sample_loop_grads(model, _weighted_loss, x)
+        model.fc.requires_grad_(False)
+    got, ours = _capture_frozen_into_checkpoint(model, x, fixed)
+    for name in trainable:
+        assert rel_err(got[name], trainable[name]) < 1e-12, name
+    # the outer call feeds the checkpoint (a trainable LayerNorm on its path): nothing changes
+    differs = not (chained and not inside_first)
+    assert (rel_err(got["ln.weight"], plain["ln.weight"]) > 1e-7) == differs
+    if differs:
+        assert len(ours) == 1 and "reentrant checkpoint" in ours[0], ours
+        assert "['fc']" in ours[0] and "include_frozen" in ours[0]
+    else:
+        assert not ours, ours
+    # the fix the warning names: a non-reentrant checkpoint is exact and silent
+    model.reentrant = False
+    got, ours = _capture_frozen_into_checkpoint(model, x, fixed)
+    assert not ours, ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = per_sample_loop_grads(model, _weighted_loss, x)
+    for name in plain:
+        assert rel_err(got[name], plain[name]) < 1e-12, name
