@@ -447,6 +447,8 @@ class HookManager:
                 # inputs require grad, except in the first step (kept for the coverage check)
                 and (not self._fixed_depth or self._coverage_pending)
                 and torch._C._current_graph_task_id() != -1  # a recomputation in a backward
+                # a frozen layer recomputed is captured as if trainable, as include_frozen says
+                and not self._frozen(module)
             ):
                 self._check_reentrant(spec.name)
             out = first_tensor(output)

@@ -278,3 +278,20 @@ def test_include_frozen_feeding_a_reentrant_checkpoint_is_reported(
         plain = per_sample_loop_grads(model, _weighted_loss, x)
     for name in plain:
         assert rel_err(got[name], plain[name]) < 1e-12, name
+
+
+def test_include_frozen_into_a_reentrant_checkpoint_of_frozen_layers_is_silent() -> None:
+    """All frozen but the head: include_frozen captures every layer as if trainable, which the
+    reentrant checkpoint then agrees with; nothing trainable changes, nothing to report."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    model = FrozenIntoCheckpoint(True, True, True).double()
+    model.ln.requires_grad_(False)
+    got, ours = _capture_frozen_into_checkpoint(model, x, fixed=False)
+    assert not ours, ours
+    model.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainable = per_sample_loop_grads(model, _weighted_loss, x)
+    for name in trainable:
+        assert rel_err(got[name], trainable[name]) < 1e-12, name
