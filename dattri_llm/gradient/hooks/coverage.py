@@ -87,10 +87,15 @@ def term_magnitude(item: Any) -> float:
     """Largest summed magnitude of a raw capture's terms, over all the layer's parameters.
 
     The factors are replaced by their absolute values: the scale of the round-off the sum
-    over samples and tokens can carry.
+    over samples and tokens can carry. A normalised input (``rule.unit_scale_input``) counts at
+    least 1: a norm over an input constant along its normalised axes has ``x_hat = 0`` up to
+    round-off, so its weight's gradient is round-off that ``|x_hat|`` does not measure.
     """
     if isinstance(item, Factorized):
-        return float(item.apply(torch.abs).batch_sum().data.abs().max())
+        terms = item.apply(torch.abs)
+        if item.rule.unit_scale_input:
+            terms = Factorized(terms.a.clamp_min(1.0), terms.g, item.layer_type, item.module_kwargs)
+        return float(terms.batch_sum().data.abs().max())
     return float(item.data.abs().sum(0).max())
 
 
@@ -189,6 +194,53 @@ def coverage_message(
         f"the module does not compute what its layer type ({sites[0][0].rule.layer_type}) "
         "assumes (a subclass with its own forward). Call the module instead, or exclude the "
         f"layer (HookManagerConfig(exclude=[{name!r}])); check_coverage=False silences this."
+    )
+
+
+def only_reaches(node: Any, leaves: Mapping[int, str]) -> list[str]:
+    """The layers of ``leaves`` that the autograd graph feeding ``node`` reaches.
+
+    Args:
+        node: An autograd node (a reentrant checkpoint's backward).
+        leaves: ``{id(tensor): layer name}`` of tensors made to require grad by the manager.
+
+    Returns:
+        Their names, or ``[]`` when the graph also reaches any other tensor that requires grad
+        (a trainable parameter, an input): then ``node``'s inputs need a gradient anyway.
+    """
+    found: list[str] = []
+    seen: set[Any] = set()
+    stack = [f for f, _ in node.next_functions]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if variable is not None:
+            if id(variable) not in leaves:
+                return []
+            found.append(leaves[id(variable)])
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return sorted(set(found))
+
+
+def frozen_checkpoint_message(name: str, frozen: Sequence[str]) -> str:
+    """The warning for a reentrant checkpoint whose inputs require grad only through ``frozen``.
+
+    ``frozen``: the frozen layers whose outputs include_frozen made require grad.
+    """
+    return (
+        f"layer {name!r} is recomputed by a reentrant checkpoint (use_reentrant=True) whose "
+        f"inputs require grad only because include_frozen made the output of the frozen "
+        f"layer(s) {list(frozen)} require it. Without the manager, torch's reentrant checkpoint "
+        "gives the parameters inside no gradient when its inputs need none; with it, they get "
+        "the checkpointed call's share, in the captured per-sample gradients and in their "
+        "`.grad` (the captured gradients are those of the model with those layers trainable). "
+        "Checkpoint with use_reentrant=False (for transformers models, "
+        "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), "
+        "or capture without include_frozen."
     )
 
 

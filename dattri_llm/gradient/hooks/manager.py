@@ -142,6 +142,10 @@ class HookManager:
         #: :meth:`fixed_weights_mode`; kept for code that freezes parameters itself).
         self.force_output_grad = False
         self._fixed_depth = 0  # nesting of fixed_weights_mode blocks
+        self._frozen_before: set[int] = set()  # parameters frozen before fixed_weights_mode
+        #: Outputs of frozen layers made to require grad this step (include_frozen): a
+        #: reentrant checkpoint fed by them alone changes what the backward computes.
+        self._forced_frozen: dict[int, str] = {}
         self._active = False
         self._handles: list[Any] = []
         self._buffers: dict[str, list[tuple[int, Any]]] = {}
@@ -323,6 +327,8 @@ class HookManager:
         if self._coverage_pending:  # the first step stays ordinary: its check needs them
             keep |= set(self._param_sites)
         force = self.force_output_grad
+        if not self._fixed_depth:
+            self._frozen_before = {id(p) for p, flag, _ in saved if not flag}
         try:
             for p in params:
                 p.grad = None  # a kept parameter's gradient must not accumulate into the user's
@@ -435,6 +441,16 @@ class HookManager:
             if not self._active or not torch.is_grad_enabled():
                 return None
             self._forward_seen.add(spec.name)
+            if (
+                self._forced_frozen
+                # fixed_weights_mode freezes the weights that would make the checkpoint's
+                # inputs require grad, except in the first step (kept for the coverage check)
+                and (not self._fixed_depth or self._coverage_pending)
+                and torch._C._current_graph_task_id() != -1  # a recomputation in a backward
+                # a frozen layer recomputed is captured as if trainable, as include_frozen says
+                and not self._frozen(module)
+            ):
+                self._check_reentrant(spec.name)
             out = first_tensor(output)
             if out is None or not out.is_floating_point():
                 return None
@@ -446,6 +462,8 @@ class HookManager:
                     return None  # not on the autograd path
                 out = out.detach().requires_grad_()
                 replaced = True
+                if self._frozen(module):
+                    self._forced_frozen[id(out)] = spec.name
             b = self._batch_size
             if broadcast_ok and b and b > 1 and out.shape[0] == 1 and args[0].shape[0] == 1:
                 # an un-batched index (GPT-2 position ids): expand so each sample gets its own
@@ -480,6 +498,25 @@ class HookManager:
             return (out, *output[1:]) if isinstance(output, tuple) else [out, *output[1:]]
 
         return hook
+
+    def _frozen(self, module: nn.Module) -> bool:
+        """Whether ``module``'s own parameters were all frozen before any fixed_weights_mode."""
+        params = list(module.parameters(recurse=False))
+        if self._fixed_depth:
+            return all(id(p) in self._frozen_before for p in params)
+        return not any(p.requires_grad for p in params)
+
+    def _check_reentrant(self, name: str) -> None:
+        """Warn if the reentrant checkpoint recomputing ``name`` needs grad only through us.
+
+        Its inputs require grad only through frozen layers' outputs the manager made require it.
+        """
+        node = torch._C._current_autograd_node()  # the checkpoint's backward
+        if node is None:
+            return
+        frozen = cov.only_reaches(node, self._forced_frozen)
+        if frozen:
+            warn_once(f"reentrant-frozen:{name}", cov.frozen_checkpoint_message(name, frozen))
 
     def _on_output_grad(
         self, spec: LayerSpec, order: int, a: torch.Tensor, grad: torch.Tensor, ctx: Any = None
@@ -584,6 +621,7 @@ class HookManager:
         self._batch_size = None
         self._forward_order = 0
         self._queued_tasks = set()
+        self._forced_frozen = {}
 
     def _zero_like(
         self, spec: LayerSpec, b: int, like: tuple[torch.dtype, torch.device]

@@ -54,6 +54,10 @@ class LayerRule:
     #: position ids) may be expanded to ``B`` rows at capture, so each sample gets its own output
     #: gradient instead of the batch sum.
     broadcasts_batch: ClassVar[bool] = False
+    #: Whether ``a`` is a normalised input (a norm's ``x_hat``), of unit scale by construction:
+    #: where it vanishes (an input constant over the normalised axes) the layer's gradient is
+    #: round-off of that unit scale, not of ``a``'s own value (see ``hooks/coverage.py``).
+    unit_scale_input: ClassVar[bool] = False
 
     # ---- capture -------------------------------------------------------------------------
     def module_kwargs(self, module: nn.Module) -> dict:

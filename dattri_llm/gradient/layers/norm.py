@@ -25,6 +25,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 class _ElementwiseAffineRule(LayerRule):
     projection_styles = ("dense", "mask", "sparse")
+    unit_scale_input = True
 
     def _channels(self, kw: dict) -> int:
         raise NotImplementedError

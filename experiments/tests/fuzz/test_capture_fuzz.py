@@ -25,6 +25,7 @@ from experiments.fuzz.capture_models import (
     check_case,
     random_case,
 )
+from tests.gradient.hooks.test_coverage import ConstantNormInput
 
 SEEDS = range(48)
 
@@ -140,3 +141,26 @@ def test_linear_on_a_sliced_position_table_is_refused() -> None:
     assert not check_case(case).failures
     case.refusal = None  # and captured without the refusal, the check would fail
     assert check_case(case).failures
+
+
+class FlatVolume(nn.Module):
+    """``(B, T, 12)`` read as a ``(B, 3, 1, 1, 4)`` volume through ``Conv3d`` ->
+    ``ConvTranspose3d(output_size=)`` one larger in the first spatial axis -> replicate
+    ``Conv3d`` -> ``LayerNorm((3, 4))``, whose input is constant over its axes for any input, so
+    the loss is flat in every parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.volume = ConstantNormInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.volume(x[:, 0].reshape(x.shape[0], 3, 1, 1, 4)).flatten(1)
+
+
+def test_a_model_flat_in_its_parameters_is_judged_against_its_output_gradient() -> None:
+    """Every true gradient is 0 and the reference is round-off: neither the check (which
+    measured round-off relative to round-off) nor the capture (whose coverage check blamed a
+    weight used outside its module) may report it."""
+    torch.manual_seed(0)
+    out = check_case(Case(0, FlatVolume().double(), torch.float64, None, 12))
+    assert not out.failures, out.failures[:3]
