@@ -86,7 +86,12 @@ def init_group(rank: int, world: int, workdir: str, attempts: int = 3, timeout_s
             ok = True
         except Exception as e:  # noqa: BLE001 - a rendezvous failure, reported below
             ok, last = False, f"{type(e).__name__}: {e}"
-        Path(workdir, f"pg_attempt.{attempt}.rank{rank}").write_text("ok" if ok else last)
+        mark = Path(workdir, f"pg_attempt.{attempt}.rank{rank}")
+        # written whole, then renamed: a peer never reads a created but still empty marker (it
+        # would take it for a failure while this rank goes on, and the ranks would part ways)
+        tmp = mark.with_name(mark.name + ".tmp")
+        tmp.write_text("ok" if ok else last)
+        os.replace(tmp, mark)
         marks = [Path(workdir, f"pg_attempt.{attempt}.rank{r}") for r in range(world)]
         # a rank whose peer gave up waits out its own init timeout before it can mark
         deadline = time.monotonic() + 2 * timeout_s + 30
@@ -94,11 +99,12 @@ def init_group(rank: int, world: int, workdir: str, attempts: int = 3, timeout_s
             if time.monotonic() > deadline:
                 raise InitFailed(f"rank {rank}: other ranks never reported attempt {attempt}")
             time.sleep(0.05)
-        if all(m.read_text() == "ok" for m in marks):
+        reports = [m.read_text() for m in marks]  # read once: every rank judges the same texts
+        if all(r == "ok" for r in reports):
             return
         if dist.is_initialized():
             dist.destroy_process_group()
-        last = last or next(m.read_text() for m in marks if m.read_text() != "ok")
+        last = last or next(r for r in reports if r != "ok")
     raise InitFailed(f"process group not formed after {attempts} attempts: {last}")
 
 
