@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -92,7 +93,8 @@ def _entries(
         out.append(
             {
                 "hash": h,
-                "score": v,
+                # JSON has no NaN or infinity: a non-finite score is null, never a bare NaN
+                "score": v if math.isfinite(v) else None,
                 "text": None if sample is None else sample.text,
                 "labels": {} if sample is None else sample.labels,
                 "occurrences": None if occ is None else occ.as_json(),
@@ -185,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
     for line in notices:
         print(f"dattri-llm top: warning: {line}", file=sys.stderr)
     if args.json:
-        print(json.dumps(collect(score, args.k, texts, queries, test_texts), indent=1))
+        print(
+            json.dumps(
+                collect(score, args.k, texts, queries, test_texts), indent=1, allow_nan=False
+            )
+        )
     else:
         print_run_warnings(score)
         print_top(score, args.k, texts, queries, test_texts)

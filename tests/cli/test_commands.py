@@ -585,3 +585,18 @@ def test_inspect_describes_the_projection(tmp_path: Path, capsys, style, options
     assert main(["inspect", str(tmp_path / "s"), "--json"]) == 0
     layer = json.loads(capsys.readouterr().out)["layers"][0]
     assert layer["projection"] == f"{summary}; of nn.Linear 16x9"
+
+
+def test_top_json_writes_a_non_finite_score_as_null(tmp_path, capsys):
+    """JSON has no NaN: `top --json` must stay parseable by strict readers (a bare NaN is not
+    JSON), so a non-finite score is written as null beside the finite ones."""
+    from dattri_llm.attribution.score import AttributionScore
+
+    scores = torch.tensor([[1.0], [float("nan")], [-2.0]])
+    AttributionScore(scores, ["a", "b", "c"], [0, 0, 0], ["q"]).save(tmp_path / "s")
+    assert main(["top", str(tmp_path / "s"), "--k", "3", "--json"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out, parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
+    got = {e["hash"]: e["score"] for e in data[0]["proponents"] + data[0]["opponents"]}
+    assert got["a"] == 1.0 and got["c"] == -2.0
+    assert "b" not in got or got["b"] is None
