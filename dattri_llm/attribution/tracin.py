@@ -37,7 +37,7 @@ class TracInAttributor(BaseAttributor):
     sample's token positions (exact: a layer's gradient is a sum over positions).
 
     Regime: a gradient-similarity score for retrieval, not an estimate of a removal's effect
-    in either regime. Measured (docs/BENCHMARKS.md, headline table): on the GPT-2 fine-tuning
+    in either regime. Measured (docs/benchmarks/quality.md): on the GPT-2 fine-tuning
     setting Grad-Dot / TracIn reach half-data LDS 0.20 / 0.19 (EK-FAC 0.67) and are within
     their intervals of random at 1 % and 50 % removals; on digits-LR 0.26-0.36 at every removal
     fraction (EK-FAC 0.67-0.76). For fact tracing, checkpoints and unit normalization matter:
