@@ -166,11 +166,13 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         repeats: ``"sum"`` only (see :class:`~dattri_llm.TrajectoryAttributor`).
 
     Example:
-        >>> rec = OptimizerStateCallback(model, opt)
-        >>> ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
-        >>> ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
-        >>> score = AdamWInfluenceAttributor(args, loss_reduction="sum").attribute_from_cache(
-        ...     "train_grads", "query_grads", dynamics=rec.dynamics())
+        ```python
+        rec = OptimizerStateCallback(model, opt)
+        ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
+        ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
+        score = AdamWInfluenceAttributor(args, loss_reduction="sum").attribute_from_cache(
+            "train_grads", "query_grads", dynamics=rec.dynamics())
+        ```
     """
 
     def __init__(

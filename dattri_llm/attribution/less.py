@@ -81,10 +81,12 @@ class LESSAttributor(TracInAttributor):
             learning rates), or ``"mean"`` (their mean; not with ``pair_by="step"``).
 
     Example:
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
-        ...                  optimizer=opt)        # train side: Adam directions + learning rates
-        >>> ...                                    # train; capture raw query gradients
-        >>> score = LESSAttributor(args).attribute_from_cache("train_grads", "query_grads")
+        ```python
+        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
+                         optimizer=opt)        # train side: Adam directions + learning rates
+        ...                                    # train; capture raw query gradients
+        score = LESSAttributor(args).attribute_from_cache("train_grads", "query_grads")
+        ```
     """
 
     def __init__(

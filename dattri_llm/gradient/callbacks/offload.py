@@ -118,10 +118,22 @@ class OffloadCallback(HookCallback):
             declared once, where the loop is written.
 
     Example:
-        >>> fm = GradientStorageManager("./train_grads")
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=fm)])
-        >>> with hm.collect():
-        ...     trainer.train()
+        Three training steps offloaded to a store, read back:
+
+        >>> import tempfile, torch
+        >>> from dattri_llm import GradientStorageManager, HookManager, OffloadCallback
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> store_dir = tempfile.mkdtemp()
+        >>> store = GradientStorageManager(store_dir)
+        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+        >>> with hm.collect(deregister_on_exit=True):
+        ...     for step in range(3):  # three training steps of 4 samples each
+        ...         model(torch.randn(4, 3)).pow(2).sum().backward()
+        >>> store.close()
+        >>> stored = GradientStorageManager(store_dir)
+        >>> stored.num_samples, stored.available_steps()
+        (12, [0, 1, 2])
     """
 
     def __init__(
