@@ -120,7 +120,7 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
 
     Regime: the effect of removing a few samples from *this* run (small removals; the quality
     benchmark's trajectory-specific LOO and LDS at 1-10 % removals). Measured on the GPT-2
-    fine-tuning setting (docs/BENCHMARKS.md, headline table; LDS against the recorded run):
+    fine-tuning setting (docs/benchmarks/quality.md; LDS against the recorded run):
     with ``curvature=ExactHessian(...), push="exact", exact_steps=2`` 0.975 at 1 % removals
     (100 subsets), 0.94 / 0.93 / 0.75 at 5 / 10 / 50 %; with ``ExactHessian`` alone (the
     derivative of the run) 0.85 / 0.58 / 0.39 / 0.18; with the default empirical Fisher
@@ -166,11 +166,13 @@ class AdamWInfluenceAttributor(TrajectoryAttributor):
         repeats: ``"sum"`` only (see :class:`~dattri_llm.TrajectoryAttributor`).
 
     Example:
-        >>> rec = OptimizerStateCallback(model, opt)
-        >>> ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
-        >>> ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
-        >>> score = AdamWInfluenceAttributor(args, loss_reduction="sum").attribute_from_cache(
-        ...     "train_grads", "query_grads", dynamics=rec.dynamics())
+        ```python
+        rec = OptimizerStateCallback(model, opt)
+        ...  # train under HookManager(..., callbacks=[OffloadCallback(...), rec]),
+        ...  # rec.record_post(step) after each opt.step(); capture the queries at the end
+        score = AdamWInfluenceAttributor(args, loss_reduction="sum").attribute_from_cache(
+            "train_grads", "query_grads", dynamics=rec.dynamics())
+        ```
     """
 
     def __init__(

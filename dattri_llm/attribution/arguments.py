@@ -47,7 +47,7 @@ class AttributionArguments:
             while they fit in half of it. Default 1 GiB: with many queries a larger budget
             trades memory for time (GPT-2 4x256, 1024 train x 64 queries: 2.0x a plain step
             and 2.3 GB peak at 2 GiB, 2.4x and 1.5 GB at 1 GiB); with few it changes nothing
-            (4x512, 64 x 16: 1.46x at 1 and at 4 GiB); see docs/benchmarks/scale.md.
+            (4x512, 64 x 16: 1.46x at 1 and at 4 GiB); see docs/benchmarks/scoring.md.
         resumable: Checkpoint the partial scores of ``attribute_from_cache`` after every
             scored chunk under ``output_dir/scoring_checkpoints/`` (safetensors + JSON,
             atomic), and resume an identical call that was interrupted; the checkpoint is
@@ -69,7 +69,7 @@ class AttributionArguments:
             streamed again for each read. ``0`` disables it.
         check_weights: Refuse, from stores, test gradients captured at weights that match
             none of the train checkpoint labels they are scored against (every record carries
-            a fingerprint of its weights; see docs/API.md, "Train and test weights").
+            a fingerprint of its weights; see docs/guides/capturing.md, "Checkpoint labels").
             ``False`` scores across weights on purpose.
     """
 

@@ -216,7 +216,7 @@ class DVEmbAttributor(TrajectoryAttributor):
     """Data value embeddings for an SGD run (positive score = the sample helped the query).
 
     Regime: the first-order effect of removing a few samples from *this* SGD run (small
-    removals). Measured on digits-LR (SGD; docs/BENCHMARKS.md, headline table): LDS 0.73-0.75 at
+    removals). Measured on digits-LR (SGD; docs/benchmarks/quality.md): LDS 0.73-0.75 at
     1 / 5 / 10 / 50 % removals against the recorded run with the default empirical-Fisher
     curvature (EK-FAC 0.67 at 1 %, 0.74-0.76 above), where the same propagation with each step's
     exact Hessian reaches 0.98 at 1 % and 0.92 at 50 %; half-data LDS 0.79 on digits-LR (EK-FAC

@@ -56,7 +56,7 @@ class LESSAttributor(TracInAttributor):
 
     Regime: ranking training data for a target (LESS's selection), with Adam's per-coordinate
     normalisation at a few checkpoints, not the effect of a removal from one run. Measured on
-    the GPT-2 fine-tuning setting (docs/BENCHMARKS.md, headline table): half-data LDS 0.425,
+    the GPT-2 fine-tuning setting (docs/benchmarks/quality.md): half-data LDS 0.425,
     between Grad-Dot / TracIn (0.20 / 0.19) and EK-FAC (0.67); LDS at 1 / 5 / 10 / 50 % removals
     0.18 / 0.35 / 0.39 / 0.12 against the recorded run (intervals ±0.2-0.4), below
     AdamW-influence's 0.39-0.49: for small removals from a recorded run use AdamW-influence.
@@ -81,10 +81,12 @@ class LESSAttributor(TracInAttributor):
             learning rates), or ``"mean"`` (their mean; not with ``pair_by="step"``).
 
     Example:
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
-        ...                  optimizer=opt)        # train side: Adam directions + learning rates
-        >>> ...                                    # train; capture raw query gradients
-        >>> score = LESSAttributor(args).attribute_from_cache("train_grads", "query_grads")
+        ```python
+        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=train_store)],
+                         optimizer=opt)        # train side: Adam directions + learning rates
+        ...                                    # train; capture raw query gradients
+        score = LESSAttributor(args).attribute_from_cache("train_grads", "query_grads")
+        ```
     """
 
     def __init__(

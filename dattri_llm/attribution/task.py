@@ -63,9 +63,11 @@ class AttributionTask:
     After a run with checkpoints the model holds the last checkpoint's weights.
 
     Example:
-        >>> def loss_fn(model, batch):  # a mean over the batch: multiplied by its length
-        ...     return model(**batch, labels=batch["input_ids"]).loss
-        >>> task = AttributionTask(loss_func=loss_fn, model=model)  # loss_reduction="auto"
+        ```python
+        def loss_fn(model, batch):  # a mean over the batch: multiplied by its length
+            return model(**batch, labels=batch["input_ids"]).loss
+        task = AttributionTask(loss_func=loss_fn, model=model)  # loss_reduction="auto"
+        ```
     """
 
     def __init__(

@@ -37,7 +37,7 @@ class TracInAttributor(BaseAttributor):
     sample's token positions (exact: a layer's gradient is a sum over positions).
 
     Regime: a gradient-similarity score for retrieval, not an estimate of a removal's effect
-    in either regime. Measured (docs/BENCHMARKS.md, headline table): on the GPT-2 fine-tuning
+    in either regime. Measured (docs/benchmarks/quality.md): on the GPT-2 fine-tuning
     setting Grad-Dot / TracIn reach half-data LDS 0.20 / 0.19 (EK-FAC 0.67) and are within
     their intervals of random at 1 % and 50 % removals; on digits-LR 0.26-0.36 at every removal
     fraction (EK-FAC 0.67-0.76). For fact tracing, checkpoints and unit normalization matter:
@@ -70,6 +70,43 @@ class TracInAttributor(BaseAttributor):
             epochs under one label, duplicates): ``"sum"`` or ``"mean"``; ``None``: ``"mean"``
             with ``normalized_grad`` (a cosine stays in ``[-1, 1]``), else ``"sum"``. See
             :meth:`~dattri_llm.attribution.base.BaseAttributor.default_repeats`.
+
+    Example:
+        Grad-Dot from two stores equals the stored gradients' inner products, and
+        ``top_k`` streams the same top samples:
+
+        >>> import tempfile, torch
+        >>> from dattri_llm import (AttributionArguments, DiskGradientSource,
+        ...                         GradientStorageManager, HookManager, OffloadCallback,
+        ...                         TracInAttributor)
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> def capture(x):  # one store of per-sample gradients (summed loss: per-sample sums)
+        ...     store = GradientStorageManager(tempfile.mkdtemp())
+        ...     hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+        ...     with hm.collect(deregister_on_exit=True):
+        ...         model(x).pow(2).sum().backward()
+        ...     store.close()
+        ...     return store.save_dir
+        >>> train, test = capture(torch.randn(6, 3)), capture(torch.randn(2, 3))
+        >>> args = AttributionArguments(output_dir=tempfile.mkdtemp())
+        >>> score = TracInAttributor(args).attribute_from_cache(train, test)  # Grad-Dot
+        >>> train_ids, matrix = score.agnostic_matrix()  # (train samples, queries)
+        >>> matrix.shape
+        torch.Size([6, 2])
+        >>> def flat(path):  # the stored per-sample gradients, by sample id
+        ...     rows = {}
+        ...     for block in DiskGradientSource(path):
+        ...         rows.update(zip(block.hashes, block.gradient.flatten()))
+        ...     return rows
+        >>> g, q = flat(train), flat(test)
+        >>> train_rows = torch.stack([g[h] for h in train_ids])
+        >>> brute = train_rows @ torch.stack([q[h] for h in score.test_hashes]).T
+        >>> torch.allclose(matrix, brute, atol=1e-5)
+        True
+        >>> top = TracInAttributor(args).attribute_from_cache(train, test, top_k=3)  # streamed
+        >>> top.top_k(3).proponent_hashes[0] == [train_ids[i] for i in brute[:, 0].topk(3).indices]
+        True
     """
 
     vector_scan = True

@@ -300,6 +300,23 @@ class DiskGradientSource:
         StoreFormatError: the directory is not a gradient store (or holds no records).
         KeyError: ``layers`` names a layer, or ``checkpoints`` a label, the store does not
             hold.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from dattri_llm import (DiskGradientSource, GradientStorageManager, HookManager,
+        ...                         OffloadCallback)
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> store = GradientStorageManager(tempfile.mkdtemp())
+        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+        >>> with hm.collect(deregister_on_exit=True):
+        ...     for step in range(2):
+        ...         model(torch.randn(4, 3)).pow(2).sum().backward()
+        >>> store.close()
+        >>> for block in DiskGradientSource(store.save_dir):  # one block per stored record
+        ...     print(block.step, len(block.hashes), block.gradient.layer_names)
+        0 4 ['0']
+        1 4 ['0']
     """
 
     rereadable = True

@@ -1,6 +1,6 @@
 """Hugging Face norm layers with capture-time projection, checked against autograd.
 
-The recipe of docs/guides/models.md, "Hugging Face norm layers": a Llama's final
+The recipe of docs/guides/capturing.md, "Layers and model families": a Llama's final
 ``LlamaRMSNorm`` is declared as an ``nn.RMSNorm`` with ``layer_types`` +
 ``rms_norm_module_kwargs`` and captured unprojected, with a ``"dense"`` and a ``"mask"``
 projection; every per-sample gradient is compared with autograd

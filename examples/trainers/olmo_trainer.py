@@ -5,7 +5,7 @@ RoPE) is built from its ``ModelConfig`` (no download), trained a few steps by
 ``olmo.train.Trainer.fit()`` on windows of Python's documentation topics (``pydoc_data``, a
 byte-level BPE trained on the fly), and dattri_llm only wraps ``fit()`` in a ``HookManager``
 context with an ``OffloadCallback``. OLMo's norm classes are declared with ``layer_types`` (the
-the norm-layer recipe of docs/guides/models.md), so every trainable parameter is captured.
+the norm-layer recipe of docs/guides/capturing.md), so every trainable parameter is captured.
 
 The script then checks what it stored: the records of the first step (taken at the initial
 weights) are compared, parameter by parameter, with one-sample-at-a-time ``backward()`` of
@@ -24,7 +24,7 @@ embedding and head sites).
 OLMo's ``Trainer`` needs ``torch.distributed`` even on one process: the script starts a gloo
 group of world size 1 (``file://`` rendezvous in the work directory) and wraps the model in
 ``DistributedDataParallel`` as OLMo's own training script does. Needs the ``olmo`` extra, in its
-own virtual environment (see docs/guides/models.md, "OLMo and OLMo-core")::
+own virtual environment (see docs/guides/capturing.md, "OLMo and OLMo-core")::
 
     OMP_NUM_THREADS=1 python examples/trainers/olmo_trainer.py [--weight-tying] [--out DIR]
 """

@@ -19,7 +19,7 @@ so in its cells (``refused: <why>``), one it did not run says ``not run``; nothi
 
     python experiments/benchmark/headline.py            # print the tables
     python experiments/benchmark/headline.py --write    # replace the marked section of
-                                                        # docs/BENCHMARKS.md
+                                                        # experiments/benchmark/results/headline.md
     python experiments/benchmark/headline.py --names    # every result row -> its headline name
 """
 
@@ -47,7 +47,7 @@ from experiments.benchmark.tracing.metrics import mean_ci  # noqa: E402
 from experiments.benchmark.utils.table import md_table  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "benchmark" / "results"
-DOC = ROOT / "docs" / "BENCHMARKS.md"
+DOC = ROOT / "experiments" / "benchmark" / "results" / "headline.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 FRACTIONS = (1, 5, 10, 50)
 

@@ -1,6 +1,7 @@
 """EK-FAC influence: dattri_llm's ``EKFACAttributor`` vs kronfluence, same model, data, damping.
 
-Run (from the repository root; kronfluence lives in its own venv, see docs/benchmarks/kronecker.md):
+Run (from the repository root; kronfluence lives in its own venv, see
+experiments/benchmark/README.md):
 
     OMP_NUM_THREADS=1 python experiments/benchmark/kfac_vs_kronfluence.py --quick
 
@@ -383,7 +384,7 @@ def main() -> None:
         print(json.dumps(fn(Path(a.work), json.loads(a.cfg), a.fit_only)))
         return
     if not PEER_PY.exists():
-        sys.exit(f"kronfluence venv missing: {PEER_PY} (see docs/benchmarks/kronecker.md)")
+        sys.exit(f"kronfluence venv missing: {PEER_PY} (see experiments/benchmark/README.md)")
     cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
     print(f"command: {cmd}\nversions: {versions()}")
     main_cfg = (

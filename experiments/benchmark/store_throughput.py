@@ -6,8 +6,7 @@ mlp c_proj; width 768), float32. Reads touch every element (a sum), so lazily ma
 pay for their page-ins. Reads follow the writes, so they are served from the page cache.
 
     OMP_NUM_THREADS=1 python experiments/benchmark/store_throughput.py --quick
-    OMP_NUM_THREADS=1 python experiments/benchmark/store_throughput.py \
-        --out docs/benchmarks/store.md
+    OMP_NUM_THREADS=1 python experiments/benchmark/store_throughput.py --offload
 """
 
 from __future__ import annotations

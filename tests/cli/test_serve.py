@@ -202,13 +202,13 @@ class _DevTools:
         )  # fmt: skip
         os.close(to_chrome_r)
         os.close(from_chrome_w)
-        self._buf, self._id, self.session = b"", 0, None
+        self._buf, self._id, self.attached = b"", 0, None
 
     def send(self, method: str, **params) -> dict:
         self._id += 1
         msg = {"id": self._id, "method": method, "params": params}
-        if self.session is not None:
-            msg["sessionId"] = self.session
+        if self.attached is not None:
+            msg["sessionId"] = self.attached
         os.write(self._w, json.dumps(msg).encode() + b"\0")
         while True:
             while b"\0" not in self._buf:
@@ -239,7 +239,7 @@ def test_chromium_types_a_prompt_and_reads_the_ranked_texts_inert(served, tmp_pa
     cdp = _DevTools(tmp_path)
     try:
         target = cdp.send("Target.createTarget", url="about:blank")["targetId"]
-        cdp.session = cdp.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        cdp.attached = cdp.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         cdp.send("Page.enable")
         cdp.send("Runtime.enable")
         cdp.send("Page.navigate", url=url + "/")

@@ -56,7 +56,7 @@ _REREAD = 2.5
 #: about as many rows as test columns once the test side has this many times the rows of a
 #: captured block (and of the allocator-friendly chunk), while one layer of such a chunk stays
 #: within ``_REMATERIALIZE_LAYER`` bytes. A heuristic between measured points on 4x256 / 4x512
-#: GPT-2 (the floor rows of docs/benchmarks/scale.md): 1024 x 64 (a 67 MB layer) 5.6x a plain
+#: GPT-2 (the floor rows of docs/benchmarks/scoring.md): 1024 x 64 (a 67 MB layer) 5.6x a plain
 #: step -> 2.4-2.7x; 4x512 at 64 x 16 and 256 x 32, where larger chunks cost more in fresh
 #: pages than they save (1.4x -> 2.4x and 2.0x -> 2.7x when tried; 134 MB at 256 x 32), keep
 #: their chunks.

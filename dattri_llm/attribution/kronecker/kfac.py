@@ -92,9 +92,11 @@ class KFACAttributor(SecondMomentFisher, BaseAttributor):
     ``GradientIndex.search(preconditioner=...)``.
 
     Example:
-        >>> attributor = KFACAttributor(AttributionArguments(output_dir="scores"), task=task)
-        >>> score = attributor.attribute(train_set, test_set)  # 0.1 x mean eigenvalue
-        >>> score_b = attributor.attribute(train_set, test_set, damping=1e-4)  # same fit
+        ```python
+        attributor = KFACAttributor(AttributionArguments(output_dir="scores"), task=task)
+        score = attributor.attribute(train_set, test_set)  # 0.1 x mean eigenvalue
+        score_b = attributor.attribute(train_set, test_set, damping=1e-4)  # same fit
+        ```
 
     Args:
         args: Run options.

@@ -99,8 +99,10 @@ class ProjectedFisherAttributor(KFACAttributor):
     ``KroneckerCovarianceCallback`` covariances. Sample granularity only.
 
     Example:
-        >>> att = ProjectedFisherAttributor(AttributionArguments(output_dir="scores"))
-        >>> score = att.attribute_from_cache("train_grads", "test_grads")  # compact logra
+        ```python
+        att = ProjectedFisherAttributor(AttributionArguments(output_dir="scores"))
+        score = att.attribute_from_cache("train_grads", "test_grads")  # compact logra
+        ```
 
     Args:
         args: Run options.

@@ -12,8 +12,10 @@ HTML-escaped: training data is untrusted, and a ``<script>`` in a sample shows a
 Texts are matched to the scores' sample identities with :func:`load_texts` (JSON Lines).
 
 Example:
-    >>> train = load_texts("train.jsonl")
-    >>> write_report("report.html", score, train, load_texts("test.jsonl"), k=10)
+    ```python
+    train = load_texts("train.jsonl")
+    write_report("report.html", score, train, load_texts("test.jsonl"), k=10)
+    ```
 """
 
 from __future__ import annotations

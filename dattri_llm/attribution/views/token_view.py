@@ -11,9 +11,11 @@ The HTML page has no external assets (no scripts, fonts or style sheets are fetc
 every piece of text is HTML-escaped.
 
 Example:
-    >>> pos, ts = score.token_scores(train_hash)
-    >>> print(terminal_heatmap(tokens, ts[:, 0]))
-    >>> write_html("tokens.html", [TokenHeatmap("train sample 3", tokens, ts[:, 0])])
+    ```python
+    pos, ts = score.token_scores(train_hash)
+    print(terminal_heatmap(tokens, ts[:, 0]))
+    write_html("tokens.html", [TokenHeatmap("train sample 3", tokens, ts[:, 0])])
+    ```
 """
 
 from __future__ import annotations

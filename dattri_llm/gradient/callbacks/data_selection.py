@@ -195,11 +195,13 @@ class DataSelectionCallback(HookCallback):
         history: One :class:`SelectionStep` per selecting step.
 
     Example:
-        >>> sel = DataSelectionCallback(reference=val_grad, score="cosine", drop_fraction=0.25)
-        >>> hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[sel])
-        >>> with hm.collect():
-        ...     for batch in loader:
-        ...         opt.zero_grad(); loss_fn(model, batch).backward(); opt.step()
+        ```python
+        sel = DataSelectionCallback(reference=val_grad, score="cosine", drop_fraction=0.25)
+        hm = HookManager(model, HookManagerConfig(linear_io=REGISTER_ALL), callbacks=[sel])
+        with hm.collect():
+            for batch in loader:
+                opt.zero_grad(); loss_fn(model, batch).backward(); opt.step()
+        ```
     """
 
     def __init__(

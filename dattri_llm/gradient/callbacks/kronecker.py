@@ -50,11 +50,13 @@ class KroneckerCovarianceCallback(HookCallback):
         tokens: ``"gradient"`` or ``"all"``: which token positions ``A`` averages over.
 
     Example:
-        >>> cov_cb = KroneckerCovarianceCallback()
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store), cov_cb])
-        >>> with hm.collect():
-        ...     trainer.train()
-        >>> EKFACAttributor(args).fit(store_dir, covariances=cov_cb.covariances)
+        ```python
+        cov_cb = KroneckerCovarianceCallback()
+        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store), cov_cb])
+        with hm.collect():
+            trainer.train()
+        EKFACAttributor(args).fit(store_dir, covariances=cov_cb.covariances)
+        ```
     """
 
     def __init__(

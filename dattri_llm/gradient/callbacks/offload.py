@@ -75,7 +75,7 @@ class OffloadCallback(HookCallback):
     smaller of its two exact forms, decided per record from the actual tensors: its factors
     with their token axis, or its dense per-sample gradient (for a ``logra`` projected layer the
     ``k x d`` projected gradient). A 16x16 ``logra`` store of GPT-2 2x128 at 256 tokens is
-    8.6 KB per sample instead of 256.7 KB (``docs/benchmarks/store.md``). The scores are the
+    8.6 KB per sample instead of 256.7 KB (``docs/guides/scaling.md``). The scores are the
     same (to round-off) for every attributor. K-FAC / EK-FAC, whose covariances ``A`` and
     ``G`` are made of the token factors, read them from the sums the store records at capture
     (per layer and checkpoint about ``(D² + K²) / 2`` numbers, whatever the number of samples; see
@@ -106,7 +106,7 @@ class OffloadCallback(HookCallback):
             ``"float16"``: stored in that dtype (bf16 / fp16 halve a float32 store). Reads cast
             them back to the capture dtype (recorded in each shard), so scoring sees float32;
             the rank agreement of bf16 / fp16 scores with float32 ones is measured in
-            ``docs/benchmarks/store.md``. ``float16`` overflows above 65504; ``bfloat16``
+            ``docs/guides/scaling.md``. ``float16`` overflows above 65504; ``bfloat16``
             keeps float32's range. A record that holds ``inf`` / ``NaN`` as stored is refused
             by the store with an error naming the sample, the layer and the step, and whether
             the cast overflowed (then store in ``"bfloat16"`` or ``"float32"``) or the
@@ -118,10 +118,22 @@ class OffloadCallback(HookCallback):
             declared once, where the loop is written.
 
     Example:
-        >>> fm = GradientStorageManager("./train_grads")
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=fm)])
-        >>> with hm.collect():
-        ...     trainer.train()
+        Three training steps offloaded to a store, read back:
+
+        >>> import tempfile, torch
+        >>> from dattri_llm import GradientStorageManager, HookManager, OffloadCallback
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> store_dir = tempfile.mkdtemp()
+        >>> store = GradientStorageManager(store_dir)
+        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store)])
+        >>> with hm.collect(deregister_on_exit=True):
+        ...     for step in range(3):  # three training steps of 4 samples each
+        ...         model(torch.randn(4, 3)).pow(2).sum().backward()
+        >>> store.close()
+        >>> stored = GradientStorageManager(store_dir)
+        >>> stored.num_samples, stored.available_steps()
+        (12, [0, 1, 2])
     """
 
     def __init__(

@@ -58,13 +58,15 @@ class OptimizerStateCallback(HookCallback):
         gradient_accumulation_steps: Backward passes per optimizer update.
 
     Example:
-        >>> rec = OptimizerStateCallback(model, opt)
-        >>> hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store), rec])
-        >>> with hm.collect():
-        ...     for step, batch in enumerate(loader):
-        ...         opt.zero_grad(); loss_fn(model, batch).backward(); opt.step()
-        ...         rec.record_post(step)
-        >>> dynamics = rec.dynamics()
+        ```python
+        rec = OptimizerStateCallback(model, opt)
+        hm = HookManager(model, callbacks=[OffloadCallback(file_manager=store), rec])
+        with hm.collect():
+            for step, batch in enumerate(loader):
+                opt.zero_grad(); loss_fn(model, batch).backward(); opt.step()
+                rec.record_post(step)
+        dynamics = rec.dynamics()
+        ```
     """
 
     def __init__(

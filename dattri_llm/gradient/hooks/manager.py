@@ -72,11 +72,26 @@ class HookManager:
     """Capture per-sample gradients from any training loop that calls ``.backward()``.
 
     Example:
-        >>> hm = HookManager(model, config=HookManagerConfig(linear_io=REGISTER_ALL),
-        ...                  callbacks=[OffloadCallback(file_manager=store)])
+        Each sample's gradient from one ordinary backward of the batch; they add up to the
+        batch gradient autograd computes:
+
+        >>> import torch
+        >>> from dattri_llm import CaptureCallback, HookManager
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))  # layers are hooked by name
+        >>> capture = CaptureCallback()
+        >>> hm = HookManager(model, callbacks=[capture])
+        >>> x = torch.randn(4, 3)
         >>> with hm.collect():
-        ...     trainer.train()
+        ...     model(x).pow(2).sum().backward()  # an ordinary backward of the batch
         >>> hm.remove()
+        >>> per_sample = capture.record.gradient.flatten()  # (samples, out x (in + 1)): bias last
+        >>> per_sample.shape
+        torch.Size([4, 8])
+        >>> layer = model[0]
+        >>> batch_grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).flatten()
+        >>> torch.allclose(per_sample.sum(0), batch_grad, atol=1e-6)  # they add up to autograd's
+        True
 
     The hooks live on the model's modules, so ``copy.deepcopy(model)`` while they are
     registered copies them too: make copies before building the manager, or after

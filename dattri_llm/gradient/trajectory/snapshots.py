@@ -60,10 +60,12 @@ class TrajectorySnapshots:
         fsync: fsync every file and index line (turn off only for scratch trajectories).
 
     Example:
-        >>> snaps = TrajectorySnapshots("./run/trajectory")
-        >>> for step, batch in enumerate(loader):
-        ...     snaps.save_batch(step, batch)          # dict of tensors, tensor, or tuple
-        ...     loss_fn(model, batch).backward(); opt.step()
+        ```python
+        snaps = TrajectorySnapshots("./run/trajectory")
+        for step, batch in enumerate(loader):
+            snaps.save_batch(step, batch)          # dict of tensors, tensor, or tuple
+            loss_fn(model, batch).backward(); opt.step()
+        ```
     """
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
