@@ -29,6 +29,7 @@ from dattri_llm.gradient.store.format import (
     INDEX_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
+    LayerTableError,
     StoreFormatError,
     decode_schema,
     file_crc32,
@@ -87,6 +88,8 @@ def _read_shard(path: Path, n_bytes: int, crc: int) -> IndexEntry:
                 shape = f.get_slice(k).get_shape()
                 if not shape or shape[0] != n:
                     raise StoreFormatError(f"tensor {k!r} of {path} has {shape} rows for {n}")
+    except LayerTableError:
+        raise
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         raise StoreFormatError(f"{path} cannot be read: {e}") from None
     return entry_for(-1, header, n_bytes, crc)
@@ -132,6 +135,8 @@ def repair_partition(part: Partition) -> RepairReport:
                     continue
             try:
                 entry = _read_shard(directory / rel, *keys[rel])
+            except LayerTableError:
+                raise  # every shard of the schema would go: the table is to be restored
             except StoreFormatError as e:
                 _quarantine(directory, rel, str(e), report)
                 continue
