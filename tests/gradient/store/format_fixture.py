@@ -41,16 +41,22 @@ def fixture_records() -> list[Written]:
     gen = torch.Generator().manual_seed(0)
     kw_lin = {"in_features": 3, "out_features": 2, "bias": False, "_k": 2, "_d": 3}
     kw_emb = {"num_embeddings": 5, "embedding_dim": 3, "padding_idx": None, "_k": 5, "_d": 3}
-    kw_norm = {"normalized_shape": torch.Size([2]), "eps": 1e-5, "dims": (0, 1),
-               "dtype": torch.float64}  # fmt: skip
+    kw_norm = {
+        "normalized_shape": torch.Size([2]),
+        "eps": 1e-5,
+        "dims": (0, 1),
+        "dtype": torch.float64,
+    }
     out: list[Written] = []
     for step, n in ((0, 2), (1, 1)):
         tied = Shared(
             [
                 Factorized(
-                    torch.randint(0, 5, (n, 4), generator=gen), _exact(gen, n, 4, 5),
-                    "nn.Embedding", kw_emb,
-                ),  # fmt: skip
+                    torch.randint(0, 5, (n, 4), generator=gen),
+                    _exact(gen, n, 4, 5),
+                    "nn.Embedding",
+                    kw_emb,
+                ),
                 Factorized(_exact(gen, n, 4, 3), _exact(gen, n, 4, 5), "nn.Linear", kw_lin),
             ],
             ["emb", "head"],
@@ -58,8 +64,9 @@ def fixture_records() -> list[Written]:
         layers = {
             "emb": tied,
             "fc": Factorized(_exact(gen, n, 4, 3), _exact(gen, n, 4, 2), "nn.Linear", kw_lin),
-            "norm": Materialized(torch.randn(n, 4, generator=gen, dtype=torch.float64),
-                                 "nn.LayerNorm", kw_norm),  # fmt: skip
+            "norm": Materialized(
+                torch.randn(n, 4, generator=gen, dtype=torch.float64), "nn.LayerNorm", kw_norm
+            ),
         }
         hashes = [_hash(10 * step + i) for i in range(n)]
         record = GradientRecord(step, hashes, Gradient(layers), 0, {"loss_reduction": "sum"})
@@ -68,8 +75,11 @@ def fixture_records() -> list[Written]:
     dense = Materialized(_exact(gen, 2, 6), "nn.Linear", kw_lin)
     layers = {"fc": dense, "norm": Materialized(_exact(gen, 2, 4), "nn.LayerNorm", kw_norm)}
     record = GradientRecord(2, ["batch-a", "batch-b"], Gradient(layers), 1)
-    storage = {"dtype": "bfloat16", "capture_dtype": "float32",
-               "layers": {"fc": "dense", "norm": "captured dense"}}  # fmt: skip
+    storage = {
+        "dtype": "bfloat16",
+        "capture_dtype": "float32",
+        "layers": {"fc": "dense", "norm": "captured dense"},
+    }
     out.append((record, {"members": ["x", "y"]}, storage))
     return out
 
@@ -96,9 +106,12 @@ def write_v2_fixture(directory: Path) -> None:
     for record, extra, storage in fixture_records():
         if storage is not None:  # the store holds what OffloadCallback would: the cast tensors
             record = GradientRecord(
-                record.step, record.hashes, stored_form((record, extra, storage)),
-                record.checkpoint, record.metadata,
-            )  # fmt: skip
+                record.step,
+                record.hashes,
+                stored_form((record, extra, storage)),
+                record.checkpoint,
+                record.metadata,
+            )
         store.write(record, extra=extra, storage=storage)
     store.close()
 
