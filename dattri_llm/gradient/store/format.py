@@ -3,10 +3,12 @@
 One record is one safetensors file (a *shard*). Its tensors are named by layer position:
 ``"{i}.a"`` / ``"{i}.g"`` (factorised), ``"{i}.data"`` (materialised), ``"{i}.{j}.a"`` ... (site
 ``j`` of a shared layer). Its ``__metadata__`` holds one JSON string under
-:data:`SHARD_METADATA_KEY` with the layer schema (names, kinds, layer types, ``module_kwargs``)
-and the record's step, checkpoint and hashes, so every shard describes itself; the index
-records each shard's size and :func:`file_crc32`. The full specification is
-``docs/STORE_FORMAT.md``.
+:data:`SHARD_METADATA_KEY` with the record's step, checkpoint and hashes and its layer schema
+(names, kinds, layer types, ``module_kwargs``): inline up to version 2; from version 3 the
+digest of a *layer table*, a file of the partition written once per distinct schema
+(:data:`TABLE_DIR`), because the schema is the same in every record and outweighs a small
+record's numbers. The index records each shard's size and :func:`file_crc32`. The full
+specification is ``docs/STORE_FORMAT.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +42,9 @@ __all__ = [
     "SHARD_DIR",
     "SHARD_METADATA_KEY",
     "KRONECKER_FILE",
+    "TABLE_DIR",
     "StoreFormatError",
+    "LayerTableError",
     "read_meta",
     "write_meta",
     "encode_record",
@@ -51,23 +56,35 @@ __all__ = [
     "encode_json",
     "decode_json",
     "file_crc32",
+    "uses_tables",
+    "table_blob",
+    "read_table",
+    "resolve_tables",
+    "header_fingerprint",
 ]
 
 #: The format name written into ``meta.json``; readers refuse anything else.
 FORMAT_NAME = "dattri_llm.gradient_store"
 #: The format version this code writes and the newest it reads (1: the JSONL index only; 2: with
-#: the binary record and sample index, ``binary_index.py``).
-FORMAT_VERSION = 2
+#: the binary record and sample index, ``binary_index.py``; 3: shard headers refer to layer
+#: tables instead of holding the layer schema).
+FORMAT_VERSION = 3
 META_FILE = "meta.json"
 INDEX_FILE = "index.jsonl"
 SHARD_DIR = "shards"
 SHARD_METADATA_KEY = "dattri_llm"
 #: A partition's Kronecker statistics (``kronecker_stats.py``), beside its index.
 KRONECKER_FILE = "kronecker_statistics.safetensors"
+#: A partition's layer tables (version 3): ``<digest>.json``, one per distinct value.
+TABLE_DIR = "schemas"
 
 
 class StoreFormatError(ValueError):
     """A file of a gradient store is missing, corrupted or of an unsupported format."""
+
+
+class LayerTableError(StoreFormatError):
+    """A partition's layer table is missing or corrupted (its shards cannot be decoded)."""
 
 
 # ---- JSON with exact round trips of the values module_kwargs hold ---------------------------
@@ -270,24 +287,106 @@ def encode_record(record: GradientRecord) -> tuple[dict[str, torch.Tensor], dict
     return _unalias(tensors), header
 
 
-def schema_fingerprint(schema: list[dict]) -> str:
-    """A short digest of a layer schema (records with equal schemas share it)."""
-    blob = json.dumps(schema, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+def table_blob(value: Any) -> bytes:
+    """The canonical JSON bytes of a layer schema (or other table value): a table file's body."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def schema_fingerprint(schema: Any) -> str:
+    """A short digest of a layer schema (records with equal schemas share it).
+
+    It is also the name of the schema's layer table: the first 16 hex digits of the SHA-256
+    of :func:`table_blob`.
+    """
+    return hashlib.sha256(table_blob(schema)).hexdigest()[:16]
+
+
+# ---- layer tables (version 3) ----------------------------------------------------------------
+def uses_tables(meta: dict) -> bool:
+    """Whether a partition (its ``meta.json``) writes layer tables (format version >= 3)."""
+    return int(meta.get("version", 1)) >= 3
+
+
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+#: Tables read by this process: path -> (file identity, value). A table is immutable (its name
+#: is its content's digest), so a file is read and hashed once, and again only when replaced.
+_TABLES: dict[str, tuple[tuple[int, ...], Any]] = {}
+
+
+def read_table(directory: Path, digest: Any, shard: Path) -> Any:
+    """The value of the partition ``directory``'s layer table ``digest`` (checked, cached).
+
+    Raises:
+        StoreFormatError: naming ``shard`` and the table when the digest is malformed, the
+            table is missing, or its bytes do not hash to its name (a corrupted table).
+    """
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise StoreFormatError(f"shard {shard} has a corrupted header: table digest {digest!r}.")
+    path = directory / TABLE_DIR / f"{digest}.json"
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise LayerTableError(
+            f"shard {shard} refers to the layer table {path}, which is missing: a partition's "
+            f"{TABLE_DIR}/ directory belongs to it (copy or restore it with the shards)."
+        ) from None
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _TABLES.get(str(path))
+    if hit is not None and hit[0] == ident:
+        return hit[1]
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest()[:16] != digest:
+        raise LayerTableError(
+            f"layer table {path} is corrupted: its bytes do not have the SHA-256 its name gives "
+            "(the shards that refer to it cannot be read; restore the file)."
+        )
+    value = json.loads(raw)  # hashed bytes a writer produced with json.dumps
+    _TABLES[str(path)] = (ident, value)
+    return value
+
+
+def resolve_tables(header: dict, path: Path) -> dict:
+    """Replace a version-3 header's table digests by the tables (layers, storage choices).
+
+    Adds ``"schema"``: the layer schema's digest (the index line's ``schema``), known without
+    hashing the schema again when it came from a table; an inline (version 1 / 2) header gets
+    it computed on demand by :func:`header_fingerprint` instead.
+    """
+    header.pop("schema", None)  # never taken from the file
+    if isinstance(header.get("layers"), str):
+        digest = header["layers"]
+        header["layers"] = read_table(path.parent.parent, digest, path)
+        header["schema"] = digest
+    storage = header.get("storage")
+    if isinstance(storage, dict) and isinstance(storage.get("layers"), str):
+        choices = read_table(path.parent.parent, storage["layers"], path)
+        if not isinstance(choices, dict):
+            raise StoreFormatError(f"shard {path} has a corrupted header: storage layers.")
+        header["storage"] = {**storage, "layers": choices}
+    return header
+
+
+def header_fingerprint(header: dict) -> str:
+    """The digest of a decoded header's layer schema (from its table, or hashed)."""
+    return header.get("schema") or schema_fingerprint(header["layers"])
 
 
 def decode_schema(raw: str | None, path: Path) -> dict:
-    """Parse and check a shard's JSON header, naming ``path`` when it is unreadable."""
+    """Parse and check a shard's JSON header, naming ``path`` when it is unreadable.
+
+    A version-3 header's layer tables are read from the shard's partition (the directory
+    above ``shards/``) and put in place, so callers see the layer schema in every version.
+    """
     try:
         header = json.loads(raw) if raw is not None else None
     except json.JSONDecodeError as e:
         raise StoreFormatError(f"shard {path} has a corrupted header: {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("layers"), list):
+    if not isinstance(header, dict) or not isinstance(header.get("layers"), (list, str)):
         raise StoreFormatError(
             f"shard {path} has no dattri_llm header (metadata key {SHARD_METADATA_KEY!r}); it "
             "was not written by GradientStorageManager or is corrupted."
         )
-    return check_header(header, path)
+    return check_header(resolve_tables(header, path), path)
 
 
 def _check_leaf(spec: Any, where: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dattri_llm.gradient.store.format import StoreFormatError, schema_fingerprint
+from dattri_llm.gradient.store.format import StoreFormatError, header_fingerprint
 
 __all__ = [
     "IndexEntry",
@@ -69,7 +69,7 @@ def entry_for(seq: int, header: dict, size: int, crc: int) -> IndexEntry:
         "hashes": header["hashes"],
         "bytes": size,
         "crc32": crc,
-        "schema": schema_fingerprint(header["layers"]),
+        "schema": header_fingerprint(header),
     }
     for key in OPTIONAL_FIELDS:
         if key in header:

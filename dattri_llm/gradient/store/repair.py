@@ -1,14 +1,16 @@
 """Rebuilding a partition's index from its shards (``GradientStorageManager.repair(save_dir)``).
 
-Every shard carries its own header (layer schema, step, checkpoint, hashes, metadata), so a
-damaged index can be rebuilt from the shards: lost or duplicated lines, a truncated index, or
+Every shard carries its own header (layer schema, or from version 3 the digest of its
+partition's layer table; step, checkpoint, hashes, metadata), so a damaged index can be
+rebuilt from the shards: lost or duplicated lines, a truncated index, or
 lines that disagree with their shard. The old index still vouches for the data: a shard whose
 size and CRC-32 match one of its old lines is intact and is re-indexed from its header; a shard
 an old line names but whose CRC-32 matches no line is corrupted and moved to ``quarantine/``;
 a shard no line names (its line was lost) is re-indexed from its header when the header and
 tensors read back, else quarantined. Write order (``seq``) is kept; the shards are renumbered
 ``0..n-1`` and the index is replaced atomically, so a crash during repair leaves a store that
-readers refuse and a second repair finishes.
+readers refuse and a second repair finishes. A missing or corrupted layer table is not
+repaired (every shard of its schema would be quarantined): repair raises naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dattri_llm.gradient.store.format import (
     INDEX_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
+    LayerTableError,
     StoreFormatError,
     decode_schema,
     file_crc32,
@@ -87,6 +90,8 @@ def _read_shard(path: Path, n_bytes: int, crc: int) -> IndexEntry:
                 shape = f.get_slice(k).get_shape()
                 if not shape or shape[0] != n:
                     raise StoreFormatError(f"tensor {k!r} of {path} has {shape} rows for {n}")
+    except LayerTableError:
+        raise
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         raise StoreFormatError(f"{path} cannot be read: {e}") from None
     return entry_for(-1, header, n_bytes, crc)
@@ -132,6 +137,8 @@ def repair_partition(part: Partition) -> RepairReport:
                     continue
             try:
                 entry = _read_shard(directory / rel, *keys[rel])
+            except LayerTableError:
+                raise  # every shard of the schema would go: the table is to be restored
             except StoreFormatError as e:
                 _quarantine(directory, rel, str(e), report)
                 continue

@@ -29,7 +29,7 @@ from dattri_llm.gradient.store.format import (
     decode_json,
     decode_schema,
     file_crc32,
-    schema_fingerprint,
+    header_fingerprint,
     tensor_keys,
 )
 from dattri_llm.gradient.store.index import IndexEntry
@@ -83,7 +83,7 @@ def check_header_matches(
     diff = [k for k in _SHARED_FIELDS if header.get(k) != entry.get(k)]
     if len(header["hashes"]) != entry["n"]:
         diff.append("n")
-    if (fingerprint or schema_fingerprint(header["layers"])) != entry["schema"]:
+    if (fingerprint or header_fingerprint(header)) != entry["schema"]:
         diff.append("schema")
     if diff:
         shown = "; ".join(

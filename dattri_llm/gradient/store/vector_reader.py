@@ -37,6 +37,7 @@ from dattri_llm.gradient.store.format import (
     check_header,
     decode_json,
     decode_schema,
+    resolve_tables,
 )
 from dattri_llm.gradient.store.shard import capture_dtype, check_header_matches
 from dattri_llm.gradient.store.verified import identity
@@ -222,7 +223,12 @@ class VectorBlockReader:
                 header = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise StoreFormatError(f"shard {path} has a corrupted header: {e}") from None
-            if isinstance(header, dict) and header.get("layers") == known:
+            layers = header.get("layers") if isinstance(header, dict) else None
+            # the schema by its table's digest (version 3; the table was read and hashed when
+            # the schema became known) or inline and equal
+            if layers == entry["schema"] or layers == known:
+                header["layers"] = known
+                resolve_tables(header, path)  # a storage choices table
                 _check_fields(header, path)
                 check_header_matches(header, entry, path, fingerprint=entry["schema"])
                 return header

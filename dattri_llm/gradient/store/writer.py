@@ -6,6 +6,10 @@ Write protocol of one record (the order is what makes a crash lose at most that 
 2. it is renamed to ``shards/{seq}.safetensors`` and the directory is fsynced;
 3. the index line is appended to ``index.jsonl`` and fsynced.
 
+In a version-3 partition the shard header refers to layer tables by digest; a table the
+partition lacks is written (temp file, fsync, rename) before the first shard that refers to it,
+so a durable shard never refers to a table that is not.
+
 With ``async_write`` the three steps run on a background thread; at most ``max_pending``
 records (default 1) are accepted but not yet durable, so a crash loses at most that many.
 
@@ -42,14 +46,20 @@ from dattri_llm.gradient.store.format import (
     KRONECKER_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
+    TABLE_DIR,
+    StoreFormatError,
     encode_record,
     file_crc32,
     read_meta,
+    read_table,
+    schema_fingerprint,
+    table_blob,
+    uses_tables,
     write_meta,
 )
 from dattri_llm.gradient.store.index import IndexAppender, IndexEntry, entry_for, read_index
 from dattri_llm.gradient.store.partition import Partition, check_unindexed
-from dattri_llm.utils.files import fsync_dir
+from dattri_llm.utils.files import atomic_write, fsync_dir
 
 try:  # advisory lock against two writers on one partition (POSIX only)
     import fcntl
@@ -132,6 +142,23 @@ def write_shard(
     if fsync:
         fsync_dir(directory)
     return name, crc, size
+
+
+def write_table(directory: Path, value: object, fsync: bool) -> str:
+    """Write the layer table of ``value`` into the partition ``directory``; return its digest.
+
+    Crash-safe like a shard: a hidden temp file, fsynced, renamed, the directory fsynced.
+    """
+    digest = schema_fingerprint(value)
+    tables = directory / TABLE_DIR
+    new_dir = not tables.is_dir()
+    tables.mkdir(exist_ok=True)
+    if new_dir and fsync:
+        fsync_dir(directory)
+    atomic_write(tables / f"{digest}.json", table_blob(value), fsync=fsync)
+    if fsync:
+        fsync_dir(tables)
+    return digest
 
 
 def open_binary(
@@ -231,11 +258,18 @@ class PartitionWriter:
                 check_unindexed(Partition(0, directory), entries, torn=True)
             self._cleanup({e["shard"] for e in entries}, quiet=clear)
             self._index = IndexAppender(directory / INDEX_FILE, valid, fsync=fsync)
+            meta_now = read_meta(directory)
             self._binary = (
                 open_binary(directory, entries, valid, clear, fsync)
-                if uses_binary_index(read_meta(directory))
+                if uses_binary_index(meta_now)
                 else None
             )
+            # the digests of the layer tables checked present (None: an older partition, whose
+            # headers keep their schema inline so that older readers still read it)
+            self._tables: set[str] | None = set() if uses_tables(meta_now) else None
+            if clear and self._tables is not None:
+                for p in (directory / TABLE_DIR).glob("*.json"):
+                    p.unlink()  # of the deleted records
         except BaseException:
             if self._lock_file is not None:
                 self._lock_file.close()
@@ -279,6 +313,10 @@ class PartitionWriter:
         Temp files are the hidden ones: ours (``.{name}.tmp``) and safetensors' own (its
         ``save_file`` writes a ``.tmpXXXXXX`` file next to the target, then renames it).
         """
+        tables = self.directory / TABLE_DIR
+        for p in tables.iterdir() if tables.is_dir() else []:
+            if p.name.startswith(".") and p.is_file():
+                p.unlink()  # a killed writer's temp table (never referred to)
         removed = []
         for name in os.listdir(self.shard_dir):
             if name.startswith("."):
@@ -337,8 +375,35 @@ class PartitionWriter:
             self._cv.notify_all()
         return seq
 
+    def _table(self, value: object) -> str:
+        """The digest of ``value``'s layer table, written first if the partition lacks it."""
+        digest = schema_fingerprint(value)
+        if digest not in self._tables:
+            try:  # present and intact (an earlier writer's)?
+                read_table(self.directory, digest, self.directory)
+            except StoreFormatError:
+                write_table(self.directory, value, self.fsync)
+            self._tables.add(digest)
+        return digest
+
+    def _on_disk(self, header: dict) -> dict:
+        """The header as the shard holds it: layer schema and storage choices by table digest.
+
+        Sets ``header["schema"]`` (the schema's digest, for the index line) on the way.
+        """
+        if self._tables is None:
+            return header
+        header["schema"] = self._table(header["layers"])
+        disk = {k: v for k, v in header.items() if k != "schema"}
+        disk["layers"] = header["schema"]
+        storage = header.get("storage")
+        if isinstance(storage, dict) and isinstance(storage.get("layers"), dict):
+            disk["storage"] = {**storage, "layers": self._table(storage["layers"])}
+        return disk
+
     def _write_now(self, seq: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
-        meta = {SHARD_METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=True)}
+        disk = self._on_disk(header)
+        meta = {SHARD_METADATA_KEY: json.dumps(disk, separators=(",", ":"), allow_nan=True)}
         _, crc, size = write_shard(self.shard_dir, seq, tensors, self.fsync, meta)
         entry = entry_for(seq, header, size, crc)
         off, line = self._index.append(entry)

@@ -32,6 +32,7 @@ from dattri_llm import (
 )
 from dattri_llm.gradient import Factorized, Materialized, Shared
 from dattri_llm.gradient.store import FORMAT_VERSION
+from dattri_llm.gradient.store.format import decode_schema
 from tests.helpers.reference import assert_same_formula
 from tests.helpers.store import E, Net, V, args
 
@@ -87,7 +88,7 @@ def stored_layer_bytes(store: GradientStorageManager) -> list[dict[str, int]]:
     out = []
     for info in store.records():
         with safe_open(str(info.path), framework="pt") as f:
-            header = json.loads(f.metadata()["dattri_llm"])
+            header = decode_schema(f.metadata()["dattri_llm"], info.path)  # tables resolved
             per = {}
             for i, spec in enumerate(header["layers"]):
                 keys = [k for k in f.keys() if k.split(".")[0] == str(i)]  # noqa: SIM118
@@ -116,7 +117,7 @@ def test_default_store_keeps_the_smaller_form_of_every_layer(tmp_path):
     assert chose == {True, False}  # short batches keep factors, long ones are dense
     # the per-layer choice is recorded in every shard header and meta.json
     with safe_open(str(store.records()[-1].path), framework="pt") as f:
-        storage = json.loads(f.metadata()["dattri_llm"])["storage"]
+        storage = decode_schema(f.metadata()["dattri_llm"], store.records()[-1].path)["storage"]
     assert storage["layers"]["fc"] == "dense" and storage["capture_dtype"] == "float32"
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["version"] == FORMAT_VERSION and meta["storage"]["compact"] is True

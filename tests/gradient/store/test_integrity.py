@@ -3,6 +3,7 @@ metadata are refused naming the file, and ``repair`` rebuilds an index."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import warnings
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dattri_llm.gradient.store import GradientStorageManager, StoreFormatError
-from dattri_llm.gradient.store.format import file_crc32
+from dattri_llm.gradient.store.format import decode_schema, file_crc32
 from tests.helpers.store import assert_same_gradient, toy_record, write_ranks, write_store
 
 
@@ -239,7 +240,9 @@ def _rewrite_header(shard: Path, index_dir: Path, edit) -> None:
     from safetensors import safe_open
 
     with safe_open(str(shard), framework="pt") as f:
-        header = json.loads(f.metadata()["dattri_llm"])
+        # the schema inline (a copy: the table's value is cached for the process)
+        header = copy.deepcopy(decode_schema(f.metadata()["dattri_llm"], shard))
+    header.pop("schema")
     tensors = load_file(str(shard))
     edit(header)
     save_file(tensors, str(shard), metadata={"dattri_llm": json.dumps(header)})
