@@ -9,6 +9,8 @@ changed (one fit serves every damping).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -261,3 +263,26 @@ def test_keys_tell_apart_objects_record_shares_layers_tensors_and_live_data(tmp_
     key = live_key(data, config, task)
     task.checkpoints[0] = {"w": torch.zeros(2)}  # another state dict at the same position
     assert live_key(data, config, task) != key
+    key = live_key(data, config, task)
+    task.checkpoints[0]["w"].add_(1.0)  # its tensor changed in place
+    assert live_key(data, config, task) != key
+    # a checkpoint file: its path, and its size and modification time (rewritten in place)
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"12")
+    task = SimpleNamespace(checkpoints=[str(ckpt)])
+    key = live_key(data, config, task)
+    assert key == live_key(data, config, task)
+    then = ckpt.stat().st_mtime_ns
+    ckpt.write_bytes(b"123")
+    os.utime(ckpt, ns=(then, then))  # another size, the same modification time
+    assert live_key(data, config, task) != key
+    key = live_key(data, config, task)
+    os.utime(ckpt, ns=(0, 10**9))  # same size, another modification time
+    assert live_key(data, config, task) != key
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"123")
+    os.utime(other, ns=(0, 10**9))
+    key = live_key(data, config, task)
+    task.checkpoints[0] = str(other)  # another file of the same size and time
+    assert live_key(data, config, task) != key
+    assert live_key(data, config, SimpleNamespace(checkpoints=[str(tmp_path / "gone")]))
