@@ -251,6 +251,20 @@ def test_keys_tell_apart_objects_record_shares_layers_tensors_and_live_data(tmp_
     before = data_key(records)
     records[1] = toy_record(1, seed=9)  # another block in place: same list, length and labels
     assert data_key(records) != before
+    # (step, gradient, hashes, label) tuples: the label is read, so relabelling is a new key
+    g = records[0].gradient
+    tuples = [(0, g, ["x"], 0), (1, g, ["y"], 1)]
+    before = data_key(tuples)
+    assert before is not None and before == data_key(tuples)
+    tuples[0] = (0, g, ["x"], 1)
+    assert data_key(tuples) != before
+    assert data_key([(0, g, ["x"])]) is not None  # a 3-tuple: label 0
+
+    class UserSource:  # may yield other gradients on each pass: never a key
+        def __iter__(self):
+            return iter(records)
+
+    assert data_key(UserSource()) is None
 
     data, config = [1, 2], object()
     task = SimpleNamespace(checkpoints=[{"w": torch.ones(2)}])
