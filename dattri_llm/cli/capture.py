@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -27,7 +28,13 @@ completion's tokens do (the prompt is the user turn of the tokenizer's chat temp
 one). The store keeps each sample's text (texts.jsonl) and the capture settings (capture.json).
 
 Interrupted (Ctrl-C)? Run the same command with --resume: finished batches are kept and
-skipped. A store captured with another model, tokenizer, projection or layer set is refused."""
+skipped. A store captured with another model, tokenizer, projection or layer set is refused.
+
+Several processes: torchrun --nproc_per_node N -m dattri_llm capture MODEL DATA --out STORE ...
+Every rank reads DATA and captures its share (the k-th new distinct sample goes to rank
+k % N) into its own partition of STORE (rank_0/, rank_1/, ...); the store then holds the same
+samples, texts and settings as a one-process capture, and --resume works the same way (with any
+number of processes). --device cuda uses each rank's own GPU (cuda:LOCAL_RANK)."""
 
 
 def add_parser(sub: Any) -> None:
@@ -65,7 +72,11 @@ def add_parser(sub: Any) -> None:
         "(default: every supported layer)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--device", default="cpu", help="torch device of the model")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the model ('cuda' under torchrun: each rank's own GPU)",
+    )
     p.add_argument("--checkpoint", type=int, default=0, help="the checkpoint label of the records")
     p.add_argument(
         "--resume", action="store_true", help="continue an interrupted capture into --out"
@@ -161,8 +172,36 @@ def samples(args: argparse.Namespace) -> tuple[Iterator[tuple[str, str, str]], i
     return rows(), len(data)
 
 
+@contextlib.contextmanager
+def _torchrun_group() -> Iterator[bool]:
+    """A gloo process group while the command runs under ``torchrun`` (``WORLD_SIZE`` > 1).
+
+    Yields whether a group is initialised. A group that the caller already formed is used
+    as it is (and left open). The group only synchronises the ranks and sums their counts
+    (no tensor of the model travels), so gloo serves CPU and GPU captures alike.
+    """
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized() or world <= 1:
+        yield dist.is_initialized()
+        return
+    dist.init_process_group("gloo")  # rank, world size and rendezvous from torchrun's env
+    try:
+        yield True
+    finally:
+        dist.destroy_process_group()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the command."""
+    with _torchrun_group() as distributed:
+        if distributed and args.device == "cuda":  # one GPU per rank, as torchrun numbers them
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from dattri_llm.gradient.causal_lm import (
         CaptureSettings,
         capture_samples,
@@ -250,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if counts[k]
     ]
+    from dattri_llm.utils.distributed import get_rank
+
+    if get_rank() != 0:  # the counts are the whole store's on every rank: one line is enough
+        return 0
     proj = "none (exact)" if projection is None else args.projection
     print(
         f"captured {counts['captured']} samples into {args.out}"

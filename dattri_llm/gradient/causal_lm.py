@@ -22,6 +22,12 @@ computed live lives in the same space as the captured training gradients:
 A sample is identified by the content hash of its ``input_ids`` and ``labels``
 (:func:`~dattri_llm.hash_sample`), so the same text as a prompt and as a completion are two
 samples. The digest of the weights reads every parameter once (seconds for a 7B model).
+
+Under an initialised ``torch.distributed`` group (``torchrun``) every rank reads every sample
+and captures its share: the ``k``-th new distinct sample, in data order, goes to rank
+``k % world_size``. Each rank writes its own ``rank_N/`` partition (and its texts there, folded
+into the store's ``texts.jsonl`` when the capture ends), so the store holds the samples, texts
+and settings of a one-process capture.
 """
 
 from __future__ import annotations
@@ -43,6 +49,14 @@ from dattri_llm.gradient.gradient import GradientRecord
 from dattri_llm.gradient.hooks import REGISTER_ALL, HookManagerConfig
 from dattri_llm.gradient.ops.projection import ProjectionConfig
 from dattri_llm.gradient.streaming import GradientStreamer, sample_id
+from dattri_llm.utils.distributed import (
+    all_reduce_sum,
+    barrier,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
+from dattri_llm.utils.files import atomic_write
 from dattri_llm.utils.progress import progress_bar
 
 __all__ = [
@@ -64,6 +78,7 @@ __all__ = [
     "hook_config",
     "read_settings",
     "read_texts",
+    "fold_texts",
     "capture_samples",
 ]
 
@@ -279,7 +294,8 @@ class CaptureSettings:
     def write(self, store_dir: str | os.PathLike) -> None:
         """Write ``capture.json`` into ``store_dir`` (atomically)."""
         path = Path(store_dir) / MANIFEST_FILE
-        tmp = path.with_suffix(".json.tmp")
+        # one temporary file per process: the ranks of a distributed capture all write it
+        tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=1), encoding="utf-8")
         os.replace(tmp, path)
 
@@ -292,20 +308,58 @@ def read_settings(store_dir: str | os.PathLike) -> CaptureSettings | None:
     return CaptureSettings.from_json(json.loads(path.read_text(encoding="utf-8")))
 
 
+def _texts_files(store_dir: Path) -> list[Path]:
+    """The store's ``texts.jsonl``, then the ``rank_N/texts.jsonl`` of a distributed capture."""
+    ranks = sorted(
+        (p for p in store_dir.glob(f"rank_*/{TEXTS_FILE}") if p.parent.name[5:].isdigit()),
+        key=lambda p: int(p.parent.name[5:]),
+    )
+    return [store_dir / TEXTS_FILE, *ranks]
+
+
+def _text_rows(path: Path) -> Iterator[dict]:
+    if not path.is_file():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by an interrupted capture: its record is not kept
+
+
 def read_texts(store_dir: str | os.PathLike) -> dict[str, str]:
-    """``{sample hash: text}`` of a store's ``texts.jsonl`` (``{}`` when it has none)."""
-    path = Path(store_dir) / TEXTS_FILE
+    """``{sample hash: text}`` of a store's texts (``{}`` when it has none).
+
+    Read from ``texts.jsonl`` and from the ranks' ``rank_N/texts.jsonl`` that an interrupted
+    distributed capture leaves (a finished one folds them into ``texts.jsonl``).
+    """
     out: dict[str, str] = {}
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by an interrupted capture: its record is not kept
-                    out[row["id"]] = row["text"]
+    for path in _texts_files(Path(store_dir)):
+        for row in _text_rows(path):
+            out.setdefault(row["id"], row["text"])
     return out
+
+
+def fold_texts(store_dir: str | os.PathLike) -> None:
+    """Fold the ranks' ``rank_N/texts.jsonl`` into the store's ``texts.jsonl``, each id once.
+
+    Run by one process once every rank has finished writing. The new ``texts.jsonl`` replaces
+    the old one atomically before the rank files are removed, so a process killed in between
+    leaves every text readable (:func:`read_texts` reads both, each id once).
+    """
+    root, *ranks = _texts_files(Path(store_dir))
+    if not ranks:
+        return
+    rows: dict[str, str] = {}
+    for path in (root, *ranks):
+        for row in _text_rows(path):
+            rows.setdefault(row["id"], row["text"])
+    body = "".join(json.dumps({"id": h, "text": t}) + "\n" for h, t in rows.items())
+    atomic_write(root, body, fsync=True)
+    for path in ranks:
+        path.unlink()
 
 
 def hook_config(
@@ -380,6 +434,13 @@ def capture_samples(
     are samples with no predicted token. Records are durable one batch at a time, with their
     texts in ``texts.jsonl``; an interrupted capture keeps every finished batch.
 
+    Under an initialised ``torch.distributed`` group, call it on every rank with the same
+    samples and a manager of the same store, opened before the call: every rank reads every
+    sample, the ``k``-th new distinct one (in order) is captured by rank ``k % world_size``
+    into that rank's partition, and the ranks' texts are folded into ``texts.jsonl`` at the
+    end. The counts returned are the whole store's, on every rank, equal to a one-process
+    capture's.
+
     Args:
         model: The causal LM (put in eval mode; its weights are not changed).
         tokenizer: Its tokenizer.
@@ -397,12 +458,18 @@ def capture_samples(
     """
     config = hook_config(settings.layers, settings.projection, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rank, world = get_rank(), get_world_size()
     in_store = set(store.sample_hashes()) if len(store) else set()
+    # the shares depend on what the store holds: no rank writes before every rank has read it
+    barrier()
     seen = set(in_store)
     counts = {"captured": 0, "already": 0, "repeated": 0, "empty": 0}
+    new = [0]  # new distinct samples met so far (every rank meets the same ones, in order)
     step = max(store.available_steps(), default=-1) + 1
-    bar = progress_bar(show_progress, total=total, desc=desc, unit="sample")
+    bar = progress_bar(show_progress if rank == 0 else False, total=total, desc=desc, unit="sample")
     pending: dict[str, str] = {}  # hash -> text of the samples handed to the streamer
+    # a distributed rank keeps its texts in its own partition (one writer per file)
+    texts_dir = Path(store.save_dir) / f"rank_{rank}" if is_distributed() else store.save_dir
 
     def skip(kind: str) -> None:
         counts[kind] += 1
@@ -428,6 +495,11 @@ def capture_samples(
                     skip("already" if h in in_store else "repeated")
                     continue
                 seen.add(h)
+                new[0] += 1
+                if (new[0] - 1) % world != rank:  # another rank's share
+                    if bar is not None:
+                        bar.update(1)
+                    continue
                 pending[h] = text
                 yield item
 
@@ -450,7 +522,7 @@ def capture_samples(
             store.flush()  # the record is durable before its texts say it is there
             if texts is None:
                 settings.write(store.save_dir)
-                texts = open(Path(store.save_dir) / TEXTS_FILE, "a", encoding="utf-8")
+                texts = open(Path(texts_dir) / TEXTS_FILE, "a", encoding="utf-8")
             for h in hashes:
                 texts.write(json.dumps({"id": h, "text": pending.pop(h)}) + "\n")
             texts.flush()
@@ -464,4 +536,12 @@ def capture_samples(
         if bar is not None:
             bar.close()
         store.close()
+    if world > 1:  # the other counts are already the whole store's: every rank saw every row
+        device = next(iter(model.parameters())).device
+        captured = torch.tensor([counts["captured"]], dtype=torch.float64, device=device)
+        counts["captured"] = int(all_reduce_sum(captured).item())
+    barrier()  # every rank's texts are written
+    if rank == 0:
+        fold_texts(store.save_dir)
+    barrier()  # a rank returns once the store is whole
     return counts

@@ -6,7 +6,8 @@
 #   python -m venv --system-site-packages ../_venvs/mutmut && ../_venvs/mutmut/bin/pip install mutmut==3.8.1
 # Usage (from the repository root):
 #   MUTMUT=../_venvs/mutmut/bin/mutmut bash experiments/mutation/run_mutmut.sh [module.py ...]
-# Default modules: the ones listed in MODULES below; the tests run are TESTS. Prints mutmut's
+# Default modules: the ones listed in MODULES below; the tests run are TESTS (or the files
+# in MUTMUT_TESTS, space-separated: MUTMUT_TESTS="tests/a.py tests/b.py"). Prints mutmut's
 # summary and every surviving mutant's diff; CONTRIBUTING.md lists the survivors of the last
 # run and why each is equivalent or accepted.
 set -euo pipefail
@@ -22,13 +23,17 @@ if [ ${#MODULES[@]} -eq 0 ]; then
     dattri_llm/attribution/tracin.py
   )
 fi
-TESTS=(
-  tests/gradient/layers/test_rules.py
-  tests/gradient/ops/test_routing.py
-  tests/attribution/test_tracin.py
-  tests/gradient/test_capture_exactness.py
-  tests/test_mutation_kills.py
-)
+if [ -n "${MUTMUT_TESTS:-}" ]; then  # a space-separated list replaces the default tests
+  read -r -a TESTS <<<"$MUTMUT_TESTS"
+else
+  TESTS=(
+    tests/gradient/layers/test_rules.py
+    tests/gradient/ops/test_routing.py
+    tests/attribution/test_tracin.py
+    tests/gradient/test_capture_exactness.py
+    tests/test_mutation_kills.py
+  )
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/dattri_llm_mutmut.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 tar -C "$root" --exclude=.git --exclude=mutants --exclude='.venv*' --exclude='__pycache__' -cf - . |
@@ -47,7 +52,8 @@ tar -C "$root" --exclude=.git --exclude=mutants --exclude='.venv*' --exclude='__
   echo "    pyproject.toml"
 } >"$work/setup.cfg"
 cd "$work"
-"$MUTMUT" run --max-children 1 || true
+# MUTMUT_TIME_LIMIT (seconds) bounds the run; the mutants not reached are reported "not checked"
+timeout "${MUTMUT_TIME_LIMIT:-0}" "$MUTMUT" run --max-children 1 || true
 "$MUTMUT" results || true
 for m in $("$MUTMUT" results 2>/dev/null | awk -F: '/survived/ {print $1}'); do
   "$MUTMUT" show "$m" || true

@@ -66,3 +66,12 @@ def test_check_and_clamp_top_k():
     with pytest.raises(ValueError, match="^k must be a positive int"):
         check_top_k(0, "k")
     assert clamp_top_k(10**12, 8) == 8 and clamp_top_k(3, 8) == 3 and clamp_top_k(5, 0) == 1
+
+
+def test_rank_ranks_the_largest_first_by_default():
+    """``largest`` defaults to proponents (descending), with and without NaN."""
+    for x in (rows(), torch.tensor([[0.5, -1.0, 2.0, 1.0]], dtype=torch.float64)):
+        v, p = rank(x, 3)
+        w, q = rank(x, 3, True)
+        assert torch.equal(p, q) and torch.equal(v.nan_to_num(7.0), w.nan_to_num(7.0))
+    assert rank(torch.tensor([[0.5, -1.0, 2.0]]), 1)[0].item() == 2.0

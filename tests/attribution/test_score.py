@@ -322,3 +322,59 @@ def test_repeats_warnings_and_occurrences_round_trip(tmp_path):
     assert old.repeats == "sum" and old.warnings == []
     with pytest.raises(ValueError, match=r"repeats=\) must be one of"):
         AttributionScore(torch.zeros(1, 1), ["a"], [0], ["q"], repeats="max")
+
+
+def test_mean_of_a_sample_seen_twice_and_every_view_takes_the_rule_it_is_given():
+    """Every sample at most twice (the mean divides from two rows on), float32 scores; the rule
+    passed to ``agnostic_matrix`` / ``step_matrix`` / ``step_matrices`` / ``query`` overrides
+    the score's own."""
+    g = torch.Generator().manual_seed(4)
+    hashes, steps = ["a", "b", "a", "c"], [0, 0, 1, 1]
+    scores = torch.randn(4, 2, generator=g)
+    by_sum = AttributionScore(scores, hashes, steps, ["x", "y"])
+    by_mean = AttributionScore(scores, hashes, steps, ["x", "y"], repeats="mean")
+    want = {rule: brute(by_sum, rule) for rule in ("sum", "mean")}
+    assert torch.allclose(want["mean"]["a"], (scores[0] + scores[2]) / 2)  # the brute force
+    for s, own, other in ((by_sum, "sum", "mean"), (by_mean, "mean", "sum")):
+        for rule, kw in ((own, {}), (other, {"repeats": other})):
+            ids, m = s.agnostic_matrix(**kw)
+            assert m.dtype == torch.float32 and ids == ["a", "b", "c"]
+            for i, h in enumerate(ids):
+                assert torch.allclose(m[i], want[rule][h], rtol=0, atol=1e-6), (own, rule, h)
+            assert torch.allclose(s.query(["a"], **kw)[0], want[rule]["a"], atol=1e-6)
+            # each step's share: the steps add up to the agnostic matrix under the same rule
+            total = torch.zeros_like(m)
+            for sids, sm in s.step_matrices(**kw).values():
+                for j, h in enumerate(sids):
+                    total[ids.index(h)] += sm[j]
+            assert torch.allclose(total, m, atol=1e-6), (own, rule)
+            sids, sm = s.step_matrix(1, **kw)
+            a = sids.index("a")
+            share = scores[2] / 2 if rule == "mean" else scores[2]
+            assert torch.allclose(sm[a], share, atol=1e-6), (own, rule)
+
+
+def test_separate_duplicates_keep_one_row_per_occurrence():
+    scores = torch.tensor([[1.0, 2.0], [3.0, 5.0], [7.0, 11.0]], dtype=torch.float64)
+    s = AttributionScore(scores, ["a", "a", "b"], [0, 0, 0], ["x", "y"])
+    ids, m = s.agnostic_matrix(duplicates="separate")
+    assert ids == ["a", "a", "b"] and torch.equal(m, scores)
+    ids, m = s.step_matrix(0, duplicates="separate")
+    assert ids == ["a", "a", "b"] and torch.equal(m, scores)
+    ids, m = s.agnostic_matrix(duplicates="sum")
+    assert ids == ["a", "b"] and torch.equal(m, torch.stack([scores[0] + scores[1], scores[2]]))
+
+
+@pytest.mark.parametrize(
+    "rows, steps, ckpts, tests",
+    [
+        (["a", "b"], [0], None, ["x"]),  # one step short
+        (["a"], [0, 0], None, ["x"]),  # one hash short
+        (["a", "b"], [0, 0], [0], ["x"]),  # one checkpoint short
+        (["a", "b"], [0, 0], None, ["x", "y"]),  # a test hash too many
+    ],
+)
+def test_each_label_list_must_match_the_scores(rows, steps, ckpts, tests):
+    """One list of the wrong length would label the rows or columns wrongly: refused alone."""
+    with pytest.raises(ValueError, match="need"):
+        AttributionScore(torch.zeros(2, 1), rows, steps, tests, train_checkpoints=ckpts)

@@ -7,6 +7,10 @@ loss written here: the sum of the cross-entropies of its labelled tokens (the co
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ import torch
 
 from dattri_llm.cli import main
 from dattri_llm.gradient.sources import DiskGradientSource
+from dattri_llm.gradient.store import GradientStorageManager
 from tests.helpers.reference import captured_by_parameter, rel_err
 from tests.helpers.tiny_lm import corpus, save_tiny_lm, write_jsonl
 
@@ -249,7 +254,7 @@ def test_layer_globs_select_layers_and_logra_gives_norms_their_nearest_form(
     pytest.importorskip("dattri")  # logra's random matrices
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dattri_llm import AttributionArguments, Explorer, GradientStorageManager, TracInAttributor
+    from dattri_llm import AttributionArguments, Explorer, TracInAttributor
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(n_per_topic=3)])
     queries = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "cat", "completion": "purr meow"}])
@@ -272,3 +277,152 @@ def test_layer_globs_select_layers_and_logra_gives_norms_their_nearest_form(
         str(tmp_path / "train"), str(tmp_path / "query"), top_k=4
     )
     assert [r.id for r in got.results] == ref.top_k(4).proponent_hashes[0]
+
+
+# ---- under torch.distributed: every rank its share, the store a one-process capture's ---------
+def _capture_on_rank(
+    rank: int, world: int, workdir: str, argv: list[str], interrupt_at: int | None, code: int
+) -> None:
+    """One rank of a ``dattri-llm capture`` run (a ``tests.helpers.distributed`` rank body)."""
+    import contextlib
+
+    from dattri_llm.cli import capture
+    from tests.helpers.distributed import init_group
+
+    init_group(rank, world, workdir)
+    if interrupt_at is not None:  # Ctrl-C while the row interrupt_at is read, on every rank
+        real = capture.samples
+
+        def interrupted(args):
+            rows, n = real(args)
+
+            def gen():
+                for i, row in enumerate(rows):
+                    if i == interrupt_at:
+                        raise KeyboardInterrupt
+                    yield row
+
+            return gen(), n
+
+        capture.samples = interrupted
+    with open(Path(workdir, f"stdout.rank{rank}"), "w") as out, contextlib.redirect_stdout(out):
+        got = _capture(*argv)
+    assert got == code, f"rank {rank}: exit code {got}, expected {code}"
+
+
+def _run_capture_ranks(workdir: Path, argv: list, interrupt_at: int | None = None, code=0):
+    from tests.helpers.distributed import expect_ok, run_ranks
+
+    argv = [str(a) for a in argv]
+    expect_ok(run_ranks(_capture_on_rank, 2, workdir, argv, interrupt_at, code))
+    return [Path(workdir, f"stdout.rank{r}").read_text() for r in range(2)]
+
+
+def _texts_lines(store: Path) -> list[str]:
+    return sorted((store / "texts.jsonl").read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.distributed
+def test_under_torchrun_two_ranks_write_the_one_process_store(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``torchrun --nproc_per_node 2 -m dattri_llm capture ...``, as the help says: the
+    command forms its own gloo group from torchrun's environment."""
+    docs = corpus(n_per_topic=2)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in docs])
+    opts = ["--projection", "none", "--batch-size", "1", "--no-progress"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _capture(model_dir, data, "--out", one, *opts) == 0
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    argv = ["-m", "dattri_llm", "capture", str(model_dir), str(data), "--out", str(two), *opts]
+    run = subprocess.run(
+        [*torchrun, "2", *argv], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == [f"captured {len(set(docs))} samples into {two}; "
+                                       "projection none (exact), layers all"]  # fmt: skip
+    assert GradientStorageManager(two).ranks == [0, 1]
+    assert _texts_lines(two) == _texts_lines(one)
+    assert (two / "capture.json").read_text() == (one / "capture.json").read_text()
+    got, ref = _store_vectors(two), _store_vectors(one)
+    assert sorted(got) == sorted(ref)
+    for h, v in ref.items():
+        torch.testing.assert_close(got[h].double(), v.double(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_capture_their_shares_and_resume_to_the_one_process_store(
+    model_dir: Path, tmp_path: Path, capsys
+) -> None:
+    from dattri_llm import AttributionArguments, TracInAttributor
+    from dattri_llm.gradient.causal_lm import read_texts
+
+    docs = corpus(n_per_topic=4)
+    # a repeated document and one with no token to predict: skipped the same way on every rank
+    rows = [{"text": t} for t in [*docs[:6], docs[2], "cat", *docs[6:]]]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"text": t} for t in corpus(2, seed=5)])
+    # batches of one: a sample's float32 arithmetic is then the same in every process, so the
+    # two stores must agree to float64 rounding, not only to float32's
+    opts = ["--projection", "none", "--batch-size", "1"]
+    one, two, query = tmp_path / "one", tmp_path / "two", tmp_path / "query"
+    assert _capture(model_dir, data, "--out", one, *opts) == 0
+    summary = capsys.readouterr().out
+    assert "(1 repeated, 1 with no token to predict skipped)" in summary
+    assert _capture(model_dir, queries, "--out", query, *opts) == 0
+    capsys.readouterr()
+
+    # interrupted on both ranks while the 9th row is read: each keeps its finished samples
+    argv = [model_dir, data, "--out", two, *opts]
+    _run_capture_ranks(tmp_path / "run1", argv, interrupt_at=8, code=130)
+    kept = GradientStorageManager(two)
+    assert kept.ranks == [0, 1] and 0 < kept.num_samples < len(docs)
+    assert set(kept.sample_hashes()) <= set(GradientStorageManager(one).sample_hashes())
+    assert len(read_texts(two)) == kept.num_samples  # the ranks' texts, read before the fold
+    # one process resumes a copy of it: the same store and the same counts as two ranks
+    shutil.copytree(two, tmp_path / "two_by_one")
+    assert _capture(model_dir, data, "--out", tmp_path / "two_by_one", *opts, "--resume") == 0
+    alone = capsys.readouterr().out
+    out = _run_capture_ranks(tmp_path / "run2", [*argv, "--resume"])
+    assert out[1] == ""  # one summary line, from rank 0, counting every rank's samples
+    assert out[0].replace(str(two), "S") == alone.replace(str(tmp_path / "two_by_one"), "S")
+    assert f"captured {len(docs) - kept.num_samples} samples" in out[0], out[0]
+
+    ref = GradientStorageManager(one)
+    vec_one = _store_vectors(one)
+    for store in (two, tmp_path / "two_by_one"):
+        got = GradientStorageManager(store)
+        assert sorted(got.sample_hashes()) == sorted(ref.sample_hashes())
+        assert got.num_samples == len(docs)  # each sample captured once, by one rank
+        assert _texts_lines(store) == _texts_lines(one)
+        assert not list(store.glob("rank_*/texts.jsonl"))  # folded into texts.jsonl
+        settings = json.loads((store / "capture.json").read_text())
+        assert settings == json.loads((one / "capture.json").read_text())
+        vectors = _store_vectors(store)
+        for h, v in vec_one.items():
+            torch.testing.assert_close(vectors[h].double(), v.double(), rtol=1e-12, atol=0)
+    assert GradientStorageManager(two).ranks == [0, 1]  # both partitions hold records
+
+    # the scores of both stores, against the brute-force dot products of the stored vectors
+    q = _store_vectors(query)
+    train_ids, test_ids = sorted(vec_one), sorted(q)
+    brute = (
+        torch.stack([vec_one[h].double() for h in train_ids])
+        @ torch.stack([q[k].double() for k in test_ids]).T
+    )
+    matrices = []
+    for store in (one, two):
+        args = AttributionArguments(output_dir=str(tmp_path / f"s_{store.name}"))
+        args.show_progress = False
+        score = TracInAttributor(args).attribute_from_cache(str(store), str(query))
+        ids, matrix = score.agnostic_matrix()
+        assert sorted(ids) == train_ids and sorted(score.test_hashes) == test_ids
+        rows = [ids.index(h) for h in train_ids]
+        cols = [score.test_hashes.index(k) for k in test_ids]
+        matrices.append(matrix[rows][:, cols].double())
+        assert rel_err(matrices[-1], brute) < 1e-5, store.name  # the scorer sums in float32
+    torch.testing.assert_close(matrices[1], matrices[0], rtol=1e-12, atol=0)

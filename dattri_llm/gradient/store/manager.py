@@ -259,7 +259,10 @@ class GradientStorageManager:
                 else:  # a version-1 partition: the JSONL index alone
                     found, _, torn = parse_index(path)
                     check_sequence(found, path)
-                check_unindexed(part, found, torn)
+                # another rank of this run may be writing its partition right now
+                live = is_distributed() and part.directory != self.save_dir
+                live = live and part.rank != get_rank() and part.rank < get_world_size()
+                check_unindexed(part, found, torn, live=live)
                 sources.append((part, found))
             if not self.allow_duplicate_records and _shared_keys(sources):
                 check_duplicate_records([(p, e) for p, src in sources for e in src])

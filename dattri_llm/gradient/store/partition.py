@@ -110,13 +110,17 @@ def shard_files(directory: Path) -> list[str]:
     )
 
 
-def check_unindexed(part: Partition, entries: Sequence[IndexEntry], torn: bool) -> list[str]:
+def check_unindexed(
+    part: Partition, entries: Sequence[IndexEntry], torn: bool, *, live: bool = False
+) -> list[str]:
     """Check that the index accounts for every shard of a partition.
 
     A killed writer can leave exactly one shard without its index line: the next one in
     sequence (it died between renaming the shard and appending the line, or inside the
     append). That record is ignored with a warning and removed by the next writer. Any other
-    unindexed shard means index lines were lost.
+    unindexed shard means index lines were lost. ``live``: the partition's writer may be
+    running (another rank of this ``torch.distributed`` run), so that one shard is the record
+    it is indexing now: ignored without a warning.
 
     Returns:
         The unindexed shard a killed writer left (``[]`` or one name).
@@ -146,7 +150,7 @@ def check_unindexed(part: Partition, entries: Sequence[IndexEntry], torn: bool) 
         return []
     index = part.directory / INDEX_FILE
     if orphans == [shard_name(len(entries))]:
-        if not torn:  # a torn line already warned about this record
+        if not torn and not live:  # a torn line already warned about this record
             warnings.warn(
                 f"{part.directory / orphans[0]} is not listed in {index}: the last record of a "
                 "writer that was killed before indexing it. It is ignored (and removed by the "

@@ -562,3 +562,50 @@ def test_a_callable_preconditioner_as_the_shape_refusal_offers(stores):
     got = index.search(root / "test", k=3, preconditioner=lambda q: q @ p).top_k(3)
     want = (test @ p @ train.T).topk(3, dim=1)
     assert got.proponent_hashes == [[f"t{i}" for i in r] for r in want.indices.tolist()]
+
+
+def test_three_partitions_of_unequal_sizes_merge_to_every_exact_score(tmp_path):
+    """Each partition's local ids are offset by every partition before it (not only the last
+    one): with k the whole store, every kept score is TracIn's, on the right sample."""
+    root = tmp_path / "train"
+    root.mkdir()
+    write_meta(root, {"layout": "ranks"})
+    sizes = [7, 13, 10]
+    vecs = train_vectors(sum(sizes))
+    lo = 0
+    for r, n in enumerate(sizes):
+        w = PartitionWriter(root / f"rank_{r}", {"rank": r, "world_size": 3}, lambda e: None)
+        w.write(record(0, vecs[lo : lo + n], [f"t{i}" for i in range(lo, lo + n)]))
+        w.close()
+        lo += n
+    write(tmp_path / "test", train_vectors(3, seed=9), prefix="q")
+    index = GradientIndex.build(root, tmp_path / "idx")
+    assert len(index.meta["parts"]) == 3
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=sum(sizes))
+    want = TracInAttributor(args(tmp_path)).attribute_from_cache(root, tmp_path / "test")
+    ids, full = want.agnostic_matrix()
+    assert sorted(got.train_hashes) == sorted(ids)
+    for q in got.test_hashes:
+        col = got.query(ids, [q]).flatten().double()
+        ref = full[:, want.test_hashes.index(q)].double()
+        torch.testing.assert_close(col, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_an_ivf_search_that_finds_fewer_than_k_keeps_only_exact_scores(tmp_path):
+    """One list of many visited: faiss pads with id -1 and a finite stand-in value. No padded
+    entry may land on a sample: every kept score is that sample's exact score."""
+    train = clustered(400, 8, 32, seed=0)
+    queries = clustered(4, 8, 32, seed=1)
+    write(tmp_path / "train", train, batch=100)
+    write(tmp_path / "test", queries, prefix="q")
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", "dot", "ivf", nlist=16)
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=200, nprobe=1)
+    exact = queries.double() @ train.double().T
+    kept = 0
+    for q in got.test_hashes:
+        col = got.query(got.train_hashes, [q]).flatten().double()
+        for h, v in zip(got.train_hashes, col.tolist()):
+            if v == v:  # NaN: not kept for this query
+                kept += 1
+                assert v == pytest.approx(float(exact[int(q[1:]), int(h[1:])]), rel=1e-4, abs=1e-4)
+    assert 0 < kept < 2 * 200 * len(got.test_hashes)  # fewer than k found: padding was there

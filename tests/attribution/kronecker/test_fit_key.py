@@ -9,6 +9,8 @@ changed (one fit serves every damping).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -207,3 +209,94 @@ def test_a_preconditioner_is_only_that_of_a_fitted_checkpoint(stores):
     # a fit given without a label serves every label
     att.load_factors(att.factors[1])
     assert att.preconditioner(checkpoint=5).factors is att.factors[0]
+
+
+# ---- the keys themselves: what tells two reads apart -------------------------------------------
+def test_keys_tell_apart_objects_record_shares_layers_tensors_and_live_data(tmp_path):
+    """Each part of a key separates two reads that a stale fit would confuse: equal-looking
+    objects, another share of a store's records or layers, an in-place change of any block's
+    tensor (factors and dense data), a dataset grown in place, a task's checkpoints changed."""
+    from types import SimpleNamespace
+
+    from dattri_llm.attribution.engine.units import RecordSource, Unit
+    from dattri_llm.attribution.kronecker.fit_key import Same, data_key, live_key
+    from dattri_llm.gradient.store import GradientStorageManager
+    from tests.helpers.store import toy_record, write_store
+
+    a, b = [1], [1]
+    assert Same(a) == Same(a) and Same(a) != Same(b) and Same(a) != a
+
+    write_store(tmp_path / "s", steps=(0, 1))
+    store = GradientStorageManager(tmp_path / "s")
+    assert data_key(str(tmp_path / "s")) == data_key(store) != data_key(tmp_path / "other")
+
+    def share(indices, rows=None, layers=None):
+        units = [Unit(i, ["x"], i, 0, rows) for i in indices]
+        return data_key(RecordSource(store, units, layers=layers))
+
+    assert share([0]) == share([0])
+    assert len({share([0]), share([1]), share([0], rows=[0]), share([0], rows=[1])}) == 4
+    assert share([0], layers=["lin"]) != share([0])
+
+    records = [toy_record(0), toy_record(1)]
+    before = data_key(records)
+    assert before == data_key(records) != data_key(list(records))  # the list, by identity
+    for get in (lambda g: g.layers["lin"].a, lambda g: g.layers["lin"].g):
+        get(records[0].gradient).mul_(2.0)  # the first block's factors: not only the last's
+        assert data_key(records) != before
+        before = data_key(records)
+    dense = next(lg for lg in records[0].gradient.layers.values() if hasattr(lg, "data"))
+    dense.data.mul_(2.0)
+    assert data_key(records) != before
+    before = data_key(records)
+    records[1] = toy_record(1, seed=9)  # another block in place: same list, length and labels
+    assert data_key(records) != before
+    # (step, gradient, hashes, label) tuples: the label is read, so relabelling is a new key
+    g = records[0].gradient
+    tuples = [(0, g, ["x"], 0), (1, g, ["y"], 1)]
+    before = data_key(tuples)
+    assert before is not None and before == data_key(tuples)
+    tuples[0] = (0, g, ["x"], 1)
+    assert data_key(tuples) != before
+    assert data_key([(0, g, ["x"])]) is not None  # a 3-tuple: label 0
+
+    class UserSource:  # may yield other gradients on each pass: never a key
+        def __iter__(self):
+            return iter(records)
+
+    assert data_key(UserSource()) is None
+
+    data, config = [1, 2], object()
+    task = SimpleNamespace(checkpoints=[{"w": torch.ones(2)}])
+    key = live_key(data, config, task)
+    assert key == live_key(data, config, task)
+    assert key != live_key([1, 2], config, task) and key != live_key(data, object(), task)
+    assert key != live_key(data, config, SimpleNamespace(checkpoints=task.checkpoints))
+    data.append(3)  # grown in place: the same object, more samples
+    assert live_key(data, config, task) != key
+    key = live_key(data, config, task)
+    task.checkpoints[0] = {"w": torch.zeros(2)}  # another state dict at the same position
+    assert live_key(data, config, task) != key
+    key = live_key(data, config, task)
+    task.checkpoints[0]["w"].add_(1.0)  # its tensor changed in place
+    assert live_key(data, config, task) != key
+    # a checkpoint file: its path, and its size and modification time (rewritten in place)
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"12")
+    task = SimpleNamespace(checkpoints=[str(ckpt)])
+    key = live_key(data, config, task)
+    assert key == live_key(data, config, task)
+    then = ckpt.stat().st_mtime_ns
+    ckpt.write_bytes(b"123")
+    os.utime(ckpt, ns=(then, then))  # another size, the same modification time
+    assert live_key(data, config, task) != key
+    key = live_key(data, config, task)
+    os.utime(ckpt, ns=(0, 10**9))  # same size, another modification time
+    assert live_key(data, config, task) != key
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"123")
+    os.utime(other, ns=(0, 10**9))
+    key = live_key(data, config, task)
+    task.checkpoints[0] = str(other)  # another file of the same size and time
+    assert live_key(data, config, task) != key
+    assert live_key(data, config, SimpleNamespace(checkpoints=[str(tmp_path / "gone")]))

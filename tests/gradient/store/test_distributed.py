@@ -89,3 +89,36 @@ def test_two_gloo_ranks_merge_into_the_single_process_store(tmp_path):
         assert Path(root / "meta.json").is_file()
     finally:
         torch.set_default_dtype(old)
+
+
+def _reader_beside_a_writing_rank(rank: int, world: int, workdir: str, root: str) -> None:
+    import shutil
+    import warnings
+
+    from tests.helpers.store import toy_record
+
+    init_group(rank, world, workdir)
+    part = Path(root, f"rank_{rank}")
+    if rank == 1:  # a record durable, then the next one renamed into place but not yet indexed
+        with GradientStorageManager(root) as store:
+            store.write(toy_record(0, hashes=["a", "b", "c"]))
+        shutil.copy(part / "shards/000000000.safetensors", part / "shards/000000001.safetensors")
+    barrier()
+    if rank == 0:  # opening the store and a writer reads rank 1's partition mid-write
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with GradientStorageManager(root) as store:
+                store.write(toy_record(1, hashes=["d", "e", "f"]))
+            assert GradientStorageManager(root).num_samples == 6
+        assert [str(w.message) for w in caught] == []
+    barrier()
+
+
+def test_a_rank_does_not_warn_about_the_record_another_rank_is_indexing(tmp_path):
+    """Rank 1's shard without its index line is the record it is writing now, not a killed
+    writer's: rank 0 reads past it silently. Read outside the run, it is a killed writer's."""
+    root = tmp_path / "store"
+    outcomes = run_ranks(_reader_beside_a_writing_rank, WORLD, tmp_path / "ranks", str(root))
+    expect_ok(outcomes)
+    with pytest.warns(UserWarning, match=r"rank_1/shards/000000001.safetensors is not listed"):
+        assert GradientStorageManager(root).num_samples == 6
