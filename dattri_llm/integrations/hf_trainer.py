@@ -149,6 +149,8 @@ class _PerSampleScale:
     def __init__(self, per_sample_loss: str) -> None:
         self.per_sample_loss = per_sample_loss
         self.manager: HookManager | None = None
+        # GRPO: how TRL normalises the advantage-weighted log-likelihood of each completion
+        self.grpo: _GRPONormaliser | None = None
         self.shift: bool | None = None  # decided (and checked) at the first captured forward
         self._counts: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
@@ -216,6 +218,9 @@ class _PerSampleScale:
 
     def _from_token_grads(self, grad: torch.Tensor, mask: torch.Tensor) -> None:
         grad = grad.detach().reshape(grad.shape[0], -1).to(torch.float64)
+        if self.grpo is not None:
+            self._scale = self._finish(self.grpo.scales(grad, mask, self._counts))
+            return
         coef = torch.zeros(grad.shape[0], dtype=torch.float64, device=grad.device)
         for i in range(grad.shape[0]):
             g = -grad[i][mask[i]]  # the weight of each label token's -log p in the loss
@@ -267,17 +272,118 @@ _NO_LOSS = (
 )
 
 
-def _refuse_rl(args: Any) -> None:
-    """TRL's RL trainers' losses are no per-sample log-likelihood."""
+#: TRL GRPO ``loss_type`` values whose per-completion normaliser the callback can observe.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+class _GRPONormaliser:
+    """The factor TRL's GRPO loss puts on each completion's advantage-weighted log-likelihood.
+
+    On-policy (``num_iterations=1``, ``beta=0``, ...: :func:`_check_grpo`), every importance
+    ratio is 1 and the gradient reaching completion ``i``'s per-token log-probabilities is
+    ``-A_i / Z_i`` on each of its ``T_i`` tokens, with ``A_i`` its advantage and ``Z_i`` the
+    loss type's normaliser (``G`` the micro-batches of this optimizer step, ``B`` the rows of
+    the micro-batch, ``N`` its completion tokens): ``"grpo"``: ``T_i B G``; ``"bnpo"`` and
+    ``"dapo"`` (one micro-batch per generation batch, one process): ``N G``; ``"dr_grpo"``:
+    ``B max_completion_length G``. The captured row is ``-A_i / Z_i Σ_t ∇log π(c_it)``, so
+    ``Z_i`` times it is the gradient of ``-A_i Σ_t log π(c_it)`` whatever ``A_i`` is (zero
+    included): no advantage needs to be observed, only the normaliser.
+    """
+
+    def __init__(self, loss_type: str, max_completion_length: int) -> None:
+        self.loss_type = loss_type
+        self.max_completion_length = int(max_completion_length)
+        self.accumulation = 1  # micro-batches of the current optimizer step (set per step)
+
+    def scales(self, grad: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``Z_i`` per row, after checking each completion's tokens share one weight."""
+        for i in range(grad.shape[0]):
+            g = grad[i][mask[i]]
+            # one weight per completion, of either sign (the advantage's) or zero
+            tol = 1e-6 * float(g.abs().max()) if g.numel() else 0.0
+            if g.numel() and float((g - g[0]).abs().max()) > tol:
+                raise ValueError(
+                    "AttributionCallback: the GRPO loss weighs the completion tokens of one "
+                    "rollout differently (importance ratios of an older policy, a KL term, "
+                    "clipping, a tool or entropy mask), so no per-completion loss describes its "
+                    "gradient. Train on-policy: GRPOConfig(num_iterations=1, beta=0.0, "
+                    "steps_per_generation <= gradient_accumulation_steps)."
+                )
+        counts = counts.to(device=grad.device, dtype=torch.float64)
+        rows, g_steps = float(grad.shape[0]), float(self.accumulation)
+        if self.loss_type == "grpo":
+            z = counts.clamp_min(1.0) * rows * g_steps
+        elif self.loss_type in ("bnpo", "dapo"):
+            z = torch.full_like(counts, float(counts.sum().clamp_min(1.0)) * g_steps)
+        else:  # dr_grpo
+            z = torch.full_like(counts, rows * self.max_completion_length * g_steps)
+        return z
+
+
+def _check_grpo(args: Any) -> _GRPONormaliser:
+    """Refuse the GRPO configurations whose per-completion loss cannot be recovered exactly."""
+    fixes = []
+    loss_type = getattr(args, "loss_type", "grpo")
+    if loss_type not in GRPO_LOSS_TYPES:
+        fixes.append(f"loss_type={loss_type!r} (use loss_type='grpo')")
+    if loss_type == "dapo" and (
+        int(getattr(args, "steps_per_generation", 1) or 1) != 1 or int(args.world_size) != 1
+    ):
+        # dapo divides by the completion tokens of the whole generation batch on all ranks,
+        # a count no single micro-batch sees
+        fixes.append(
+            "loss_type='dapo' with several micro-batches per generation batch or several "
+            "processes (use loss_type='grpo' or 'bnpo')"
+        )
+    if float(getattr(args, "beta", 0.0)) != 0.0:
+        fixes.append(f"beta={args.beta} (a KL term; use beta=0.0)")
+    if int(getattr(args, "num_iterations", 1)) != 1:
+        fixes.append(f"num_iterations={args.num_iterations} (use num_iterations=1)")
+    spg = getattr(args, "steps_per_generation", None)
+    if spg is not None and int(spg) > int(args.gradient_accumulation_steps):
+        fixes.append(
+            f"steps_per_generation={spg} > gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} (completions of an older policy; use "
+            "steps_per_generation <= gradient_accumulation_steps)"
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        fixes.append("top_entropy_quantile < 1 (use top_entropy_quantile=1.0)")
+    if float(getattr(args, "entropy_coef", 0.0)) != 0.0 or getattr(
+        args, "use_adaptive_entropy", False
+    ):
+        # the entropy bonus reaches the weights outside the log-probabilities the callback reads
+        fixes.append("an entropy bonus (use entropy_coef=0.0, use_adaptive_entropy=False)")
+    if getattr(args, "use_vllm", False) and getattr(
+        args, "vllm_importance_sampling_correction", False
+    ):
+        fixes.append(
+            "vLLM importance-sampling correction (vllm_importance_sampling_correction=False)"
+        )
+    if float(getattr(args, "temperature", 1.0)) != 1.0:
+        # the loss's log-probabilities would be of the tempered policy, the queries' are not
+        fixes.append(f"temperature={args.temperature} (use temperature=1.0)")
+    if fixes:
+        raise ValueError(
+            "AttributionCallback: this GRPOConfig makes the per-completion loss unrecoverable "
+            "from what the trainer backpropagates: " + "; ".join(fixes) + "."
+        )
+    return _GRPONormaliser(loss_type, int(args.max_completion_length))
+
+
+def _trainer_kind(args: Any) -> str:
+    """``"lm"`` (Trainer, SFTTrainer) or ``"grpo"``; TRL's other RL trainers are refused."""
     cls = type(args)
     names = {c.__name__ for c in cls.__mro__}
-    if cls.__module__.startswith("trl") and "SFTConfig" not in names:
-        raise ValueError(
-            f"AttributionCallback: {cls.__name__} trains with a loss that is not a per-sample "
-            "log-likelihood (advantages, preferences), so no per_sample_loss convention "
-            "describes its gradients. Capture them as they are with a HookManager and an "
-            "OffloadCallback (examples/trainers/trl_grpo.py)."
-        )
+    if not cls.__module__.startswith("trl") or "SFTConfig" in names:
+        return "lm"
+    if "GRPOConfig" in names:
+        return "grpo"
+    raise ValueError(
+        f"AttributionCallback: {cls.__name__} trains with a loss that is not a per-sample "
+        "log-likelihood or a GRPO policy gradient (preferences, a value model), so no "
+        "per_sample_loss convention describes its gradients. Capture them as they are with a "
+        "HookManager and an OffloadCallback."
+    )
 
 
 class AttributionCallback(TrainerCallback):
@@ -339,16 +445,23 @@ class AttributionCallback(TrainerCallback):
         self._written_at_label = 0
         self._declared = False
         self._accumulation = 1
+        self._steps_in_epoch: int | None = None
 
     # ---- the trainer's events --------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         """Build the manager on the trainer's model and start capturing."""
-        del state, control, kw
-        _refuse_rl(args)
+        del state, control
+        kind = _trainer_kind(args)
+        self._scale.grpo = _check_grpo(args) if kind == "grpo" else None
         if model is None:
             raise ValueError("AttributionCallback: the trainer passed no model to on_train_begin.")
         self.close()
         self._accumulation = int(args.gradient_accumulation_steps)
+        loader = kw.get("train_dataloader")
+        try:  # the micro-batches of an epoch: its last optimizer step may take fewer
+            self._steps_in_epoch = len(loader) if loader is not None else None
+        except TypeError:  # an iterable dataset: every step takes gradient_accumulation_steps
+            self._steps_in_epoch = None
         self.store = GradientStorageManager(self.store_dir, mode=self.mode)
         self._offload = OffloadCallback(
             file_manager=self.store,
@@ -383,6 +496,17 @@ class AttributionCallback(TrainerCallback):
         del args, control, kw
         if self.manager is not None:
             self.manager.step = int(state.global_step) * self._accumulation
+        if self._scale.grpo is not None:
+            self._scale.grpo.accumulation = self._micro_batches(int(state.global_step))
+
+    def _micro_batches(self, step: int) -> int:
+        """Micro-batches of optimizer step ``step``, as the Trainer chunks an epoch."""
+        ga, n = self._accumulation, self._steps_in_epoch
+        if not n:
+            return ga
+        per_epoch = max(-(-n // ga), 1)
+        last = n % ga or ga
+        return last if step % per_epoch == per_epoch - 1 else ga
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any):
         """Close the epoch's label (``checkpoint_every="epoch"``)."""
@@ -436,6 +560,11 @@ class AttributionCallback(TrainerCallback):
                 facts.update(
                     per_sample_loss=self.per_sample_loss, checkpoint_every=self.checkpoint_every
                 )
+                grpo = self._scale.grpo
+                # what a row is the gradient of: the sample's NLL, or GRPO's -A_i x its NLL
+                facts["objective"] = "grpo" if grpo is not None else "log_likelihood"
+                if grpo is not None:
+                    facts["grpo_loss_type"] = grpo.loss_type
                 if self.mode != "append":
                     facts["checkpoints"] = {}
                 declare_capture(self.store_dir, **facts)

@@ -9,6 +9,7 @@ float32, which would cap the agreement at ~1e-7).
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -294,10 +295,228 @@ def test_refuses_a_loss_computed_outside_the_model(tmp_path):
         trainer.train()
 
 
-def test_refuses_trl_reinforcement_learning_trainers(tmp_path):
+def test_refuses_trl_preference_trainers(tmp_path):
     trl = pytest.importorskip("trl")
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    args = trl.DPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
     callback = AttributionCallback(tmp_path / "train")
-    with pytest.raises(ValueError, match="GRPOConfig trains with a loss that is not a per-sample"):
+    with pytest.raises(ValueError, match="DPOConfig trains with a loss that is not"):
         callback.on_train_begin(args, None, None, model=_model())
     assert callback.manager is None and not (tmp_path / "train").exists()
+
+
+# ---- TRL GRPOTrainer ---------------------------------------------------------------------------
+GRPO_PROMPTS = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10", "w3 w3", "w11 w12 w2", "w9", "w2 w5"]
+
+
+def _grpo_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "[UNK]"] + [f"w{i}" for i in range(21)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>", eos_token="<eos>"
+    )
+
+
+def _grpo_reward(completions, **kwargs):
+    """Rewards that differ within a group (non-zero advantages of both signs)."""
+    return [c.count("w1") / max(len(c.split()), 1) + 0.1 * len(c.split()) for c in completions]
+
+
+def _grpo_model() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        vocab_size=24,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        tie_word_embeddings=False,  # TRL's fused head bypasses the lm_head module
+    )
+    return GPT2LMHeadModel(config).double()
+
+
+def _grpo_train(tmp: Path, per_sample_loss: str = "sum", **config):
+    """A GRPO run with the callback; every loss call's inputs and every step's weights kept."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from dattri_llm import REGISTER_ALL, HookManagerConfig
+
+    seen: list[dict[str, torch.Tensor]] = []
+
+    class Recording(trl.GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            seen.append({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)})
+            return super()._compute_loss(model, inputs)
+
+    torch.manual_seed(0)
+    model = _grpo_model()
+    snaps = _Snapshots()
+    settings = dict(
+        output_dir=str(tmp / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=5,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        bf16=False,  # GRPOConfig's default autocasts to bfloat16: compare in float64
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(config)
+    trainer = Recording(
+        model=model,
+        reward_funcs=_grpo_reward,
+        args=trl.GRPOConfig(**settings),
+        train_dataset=Dataset.from_dict({"prompt": GRPO_PROMPTS}),
+        processing_class=_grpo_tokenizer(),
+        callbacks=[snaps],
+    )
+    callback = AttributionCallback(
+        tmp / "train",
+        per_sample_loss=per_sample_loss,
+        config=HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r"lm_head"]),
+    )
+    trainer.add_callback(callback)  # the whole integration: one line
+    trainer.train()
+    return model, callback, seen, snaps
+
+
+def _grpo_reference(model, row: dict[str, torch.Tensor], per_sample_loss: str):
+    """One-sample backward of -A (Σ or mean over the completion) of log pi(completion)."""
+    ids, attn = row["ids"][None], row["attn"][None]  # the trainer's own padded row
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[0, :-1], -1)
+    picked = logp.gather(1, ids[0, 1:, None])[:, 0]
+    completion = row["completion_mask"].to(torch.bool)
+    k = completion.numel()
+    loglik = picked[-k:][completion].sum()
+    if per_sample_loss == "mean":
+        loglik = loglik / completion.sum().clamp_min(1)
+    loss = -row["advantage"] * loglik
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _grpo_rows(seen) -> dict[str, dict[str, torch.Tensor]]:
+    from dattri_llm import hash_batch
+
+    rows = {}
+    for inputs in seen:
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        for j, h in enumerate(hash_batch({"input_ids": ids})):
+            rows[h] = {
+                "ids": ids[j],
+                "attn": attn[j],
+                "completion_mask": inputs["completion_mask"][j],
+                "advantage": inputs["advantages"][j].double(),
+            }
+    return rows
+
+
+def _check_grpo_store(tmp: Path, seen, snaps, per_sample_loss: str) -> int:
+    store = GradientStorageManager(tmp / "train")
+    rows = _grpo_rows(seen)
+    ref = _grpo_model()
+    compared = 0
+    for i, info in enumerate(store.records()):
+        record = store.load_record(i)
+        ref.load_state_dict(snaps.at[info.step])
+        mat = record.gradient.materialize()
+        for j, h in enumerate(record.hashes):
+            want = _grpo_reference(ref, rows[h], per_sample_loss)
+            for name in mat.layer_names:
+                for p, got in mat.layers[name].parameters().items():
+                    expected = want[f"{name}.{p}"]
+                    # TRL's fused head takes its log-softmax in float32
+                    scale = float(expected.abs().max()) + 1e-12
+                    torch.testing.assert_close(got[j], expected, rtol=1e-5, atol=1e-5 * scale)
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "accumulation", "per_generation"),
+    [("grpo", 2, 2), ("bnpo", 2, 2), ("dr_grpo", 1, 1), ("dapo", 2, 1)],
+)
+def test_grpo_rows_are_one_sample_backward_of_the_advantage_weighted_loss(
+    tmp_path, loss_type, accumulation, per_generation
+):
+    """Row = ∇(-A_i Σ_t log pi(c_it)) at the step's weights, whatever TRL's normaliser."""
+    _, callback, seen, snaps = _grpo_train(
+        tmp_path,
+        loss_type=loss_type,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=per_generation,
+    )
+    assert _check_grpo_store(tmp_path, seen, snaps, "sum") == sum(
+        len(s["advantages"]) for s in seen
+    )
+    assert any(bool((s["advantages"] != 0).any()) for s in seen)  # a test that can fail
+    facts = callback.checkpoints
+    assert facts and all(v["reason"] in ("epoch", "end") for v in facts.values())
+
+
+def test_grpo_mean_convention_and_queries_at_the_final_label(tmp_path):
+    model, callback, seen, snaps = _grpo_train(tmp_path, per_sample_loss="mean")
+    assert _check_grpo_store(tmp_path, seen, snaps, "mean") > 0
+    from dattri_llm.gradient.store.checkpoints import read_checkpoints_file
+
+    facts = read_checkpoints_file(tmp_path / "train")
+    assert facts["objective"] == "grpo" and facts["grpo_loss_type"] == "dapo"
+    # the queries at the final weights get the last label: scored without any warning
+    row = next(iter(_grpo_rows(seen).values()))
+    prompt = torch.zeros(len(row["ids"]) - len(row["completion_mask"]), dtype=torch.long)
+    labels = row["ids"].masked_fill(torch.cat([prompt, row["completion_mask"]]) == 0, -100)
+    query = {"input_ids": row["ids"], "attention_mask": row["attn"], "labels": labels}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qstore = callback.capture_queries(model, [query], tmp_path / "test")
+        args = AttributionArguments(output_dir=str(tmp_path / "scores"), show_progress=False)
+        TracInAttributor(args).attribute_from_cache(tmp_path / "train", tmp_path / "test")
+    assert [str(w.message) for w in caught] == []
+    assert [r.checkpoint for r in qstore.records()] == [max(callback.checkpoints)]
+
+
+@pytest.mark.parametrize(
+    ("option", "fix", "fixed"),
+    [
+        ({"beta": 0.1}, "beta=0.0", {"beta": 0.0}),
+        ({"num_iterations": 2}, "num_iterations=1", {"num_iterations": 1}),
+        ({"loss_type": "sapo"}, "loss_type='grpo'", {"loss_type": "grpo"}),
+        (
+            {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+            "loss_type='grpo' or 'bnpo'",
+            {"loss_type": "bnpo", "gradient_accumulation_steps": 2},
+        ),
+        ({"entropy_coef": 0.01}, "entropy_coef=0.0", {"entropy_coef": 0.0}),
+        ({"temperature": 0.7}, "temperature=1.0", {"temperature": 1.0}),
+    ],
+)
+def test_grpo_refuses_what_cannot_be_rescaled_and_the_named_fix_works(tmp_path, option, fix, fixed):
+    """Each refusal names the option; the configuration with it applied is accepted (and the
+    accepted loss types are exact: the parametrized test above)."""
+    trl = pytest.importorskip("trl")
+    base = dict(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    base.update(per_device_train_batch_size=4, num_generations=2)
+    callback = AttributionCallback(tmp_path / "train")
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        callback.on_train_begin(trl.GRPOConfig(**base, **option), None, None, model=_model())
+    assert callback.manager is None and not (tmp_path / "train").exists()
+    accepted = trl.GRPOConfig(**base, **{**option, **fixed})
+    callback.on_train_begin(accepted, None, None, model=_model())
+    assert callback.manager is not None and callback.manager.capturing
+    callback.close()
