@@ -343,7 +343,7 @@ def _grpo_model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config).double()
 
 
-def _grpo_train(tmp: Path, per_sample_loss: str = "sum", **config):
+def _grpo_train(tmp: Path, per_sample_loss: str = "sum", prompts: int = 8, **config):
     """A GRPO run with the callback; every loss call's inputs and every step's weights kept."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
@@ -380,7 +380,7 @@ def _grpo_train(tmp: Path, per_sample_loss: str = "sum", **config):
         model=model,
         reward_funcs=_grpo_reward,
         args=trl.GRPOConfig(**settings),
-        train_dataset=Dataset.from_dict({"prompt": GRPO_PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": GRPO_PROMPTS[:prompts]}),
         processing_class=_grpo_tokenizer(),
         callbacks=[snaps],
     )
@@ -449,15 +449,22 @@ def _check_grpo_store(tmp: Path, seen, snaps, per_sample_loss: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "accumulation", "per_generation"),
-    [("grpo", 2, 2), ("bnpo", 2, 2), ("dr_grpo", 1, 1), ("dapo", 2, 1)],
+    ("loss_type", "accumulation", "per_generation", "prompts"),
+    [
+        ("grpo", 2, 2, 8),
+        ("bnpo", 2, 2, 8),
+        ("dr_grpo", 1, 1, 8),
+        ("dapo", 2, 1, 8),
+        ("bnpo", 2, 1, 6),  # 3 micro-batches an epoch: the last step accumulates only one
+    ],
 )
 def test_grpo_rows_are_one_sample_backward_of_the_advantage_weighted_loss(
-    tmp_path, loss_type, accumulation, per_generation
+    tmp_path, loss_type, accumulation, per_generation, prompts
 ):
     """Row = ∇(-A_i Σ_t log pi(c_it)) at the step's weights, whatever TRL's normaliser."""
     _, callback, seen, snaps = _grpo_train(
         tmp_path,
+        prompts=prompts,
         loss_type=loss_type,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=per_generation,
@@ -466,6 +473,10 @@ def test_grpo_rows_are_one_sample_backward_of_the_advantage_weighted_loss(
         len(s["advantages"]) for s in seen
     )
     assert any(bool((s["advantages"] != 0).any()) for s in seen)  # a test that can fail
+    steps = [r.step for r in GradientStorageManager(tmp_path / "train").records()]
+    assert len(steps) == len(seen)
+    if prompts == 6:
+        assert steps == [0, 0, 1]
     facts = callback.checkpoints
     assert facts and all(v["reason"] in ("epoch", "end") for v in facts.values())
 
