@@ -126,8 +126,10 @@ class GradientIndex:
 
     @property
     def repeats(self) -> str:
-        """How a sample's rows under one checkpoint label were combined (``build(repeats=)``;
-        an index written before the option summed them)."""
+        """How a sample's rows under one checkpoint label were combined (``build(repeats=)``).
+
+        An index written before the option summed them.
+        """
         return self.meta.get("repeats", "sum")
 
     @property
