@@ -80,6 +80,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
     ) from err
 
 from dattri_llm.gradient.callbacks.offload import OffloadCallback
+from dattri_llm.gradient.callbacks.optimizer_state import OptimizerStateCallback
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
@@ -96,16 +97,26 @@ from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["AttributionCallback", "capture_queries", "PER_SAMPLE_LOSSES"]
 
-#: The per-sample loss conventions: a sum, or a mean over the sample's own label tokens.
-PER_SAMPLE_LOSSES = ("sum", "mean")
+#: The per-sample loss conventions: a sum, or a mean over the sample's own label tokens, or
+#: the sample's share of the gradient the optimizer applied (the trajectory methods' input).
+PER_SAMPLE_LOSSES = ("sum", "mean", "share")
+#: What a query's loss can be (a query has no batch, so no share of one).
+QUERY_LOSSES = ("sum", "mean")
 _EVERY = ("epoch", "save")
 
 
-def _check_loss(per_sample_loss: str, where: str) -> str:
-    if per_sample_loss not in PER_SAMPLE_LOSSES:
+def _check_loss(
+    per_sample_loss: str, where: str, allowed: Sequence[str] = PER_SAMPLE_LOSSES
+) -> str:
+    if per_sample_loss not in allowed:
+        share = (
+            ", or 'share' (its share of the gradient the optimizer applied)"
+            if "share" in allowed
+            else ""
+        )
         raise ValueError(
             f"{where}(per_sample_loss={per_sample_loss!r}): expected 'sum' (the sample's "
-            "label-token losses summed) or 'mean' (averaged over its own label tokens)."
+            f"label-token losses summed) or 'mean' (averaged over its own label tokens){share}."
         )
     return per_sample_loss
 
@@ -239,6 +250,9 @@ class _PerSampleScale:
 
     def _finish(self, to_sum: torch.Tensor) -> torch.Tensor:
         """Row scales to the sum convention, then to the mean one if declared."""
+        if self.per_sample_loss == "share":
+            # as backpropagated: the rows of one update sum to the gradient the optimizer reads
+            return torch.ones_like(to_sum)
         if self.per_sample_loss == "mean":
             counts = self._counts.to(to_sum)
             to_sum = torch.where(counts > 0, to_sum / counts.clamp_min(1), torch.zeros_like(to_sum))
@@ -396,7 +410,10 @@ class AttributionCallback(TrainerCallback):
 
     Args:
         store_dir: The train gradient store's directory.
-        per_sample_loss: ``"sum"`` (default) or ``"mean"`` over the sample's label tokens.
+        per_sample_loss: ``"sum"`` (default) or ``"mean"`` over the sample's label tokens, or
+            ``"share"``: each row as the trainer backpropagated it, the sample's share of the
+            gradient the optimizer applied (the rows of one update sum to it; the store
+            declares ``loss_reduction="sum"``). Required by ``optimizer_state``.
         checkpoint_every: ``"epoch"`` (default): one checkpoint label per epoch; ``"save"``:
             one per interval between two saves (``save_strategy``), the last one ending with
             training.
@@ -405,6 +422,15 @@ class AttributionCallback(TrainerCallback):
         mode: The store's mode (``"create"``, ``"append"``, ``"overwrite"``).
         keep_token_factors: As ``OffloadCallback(keep_token_factors=)``.
         storage_dtype: As ``OffloadCallback(storage_dtype=)``.
+        optimizer_state: Also record the trainer's optimizer moments around every update
+            (an :class:`~dattri_llm.OptimizerStateCallback`), for AdamW-influence and DVEmb:
+            ``AdamWInfluenceAttributor(args).attribute_from_cache(store, queries,
+            dynamics=callback.dynamics())``. Needs ``per_sample_loss="share"`` and no gradient
+            clipping (``TrainingArguments(max_grad_norm=0.0)``): a clipped update is no sum of
+            the stored rows.
+        snapshots: With ``optimizer_state``: write the recorded moments to this directory (a
+            :class:`~dattri_llm.TrajectorySnapshots`) as each step completes, instead of
+            keeping them in memory.
 
     Attributes:
         manager: The hook manager (built at ``on_train_begin``).
@@ -423,8 +449,21 @@ class AttributionCallback(TrainerCallback):
         mode: str = "create",
         keep_token_factors: bool | Sequence[str] = False,
         storage_dtype: str | torch.dtype | None = None,
+        optimizer_state: bool = False,
+        snapshots: str | os.PathLike | None = None,
     ) -> None:
         self.per_sample_loss = _check_loss(per_sample_loss, "AttributionCallback")
+        if (optimizer_state or snapshots is not None) and per_sample_loss != "share":
+            raise ValueError(
+                f"AttributionCallback(optimizer_state=True, per_sample_loss={per_sample_loss!r}): "
+                "the trajectory methods model each update as the sum of the stored rows, and a "
+                "trainer's token-weighted loss is no sum of per-sample sums or means. Pass "
+                "per_sample_loss='share' (each row the sample's share of the applied gradient)."
+            )
+        self.optimizer_state = bool(optimizer_state or snapshots is not None)
+        self.snapshots = snapshots
+        self.recorder: OptimizerStateCallback | None = None
+        self._optimizer: Any = None
         if checkpoint_every not in _EVERY:
             raise ValueError(
                 f"AttributionCallback(checkpoint_every={checkpoint_every!r}): expected 'epoch' "
@@ -455,7 +494,14 @@ class AttributionCallback(TrainerCallback):
         self._scale.grpo = _check_grpo(args) if kind == "grpo" else None
         if model is None:
             raise ValueError("AttributionCallback: the trainer passed no model to on_train_begin.")
+        if self.optimizer_state and float(args.max_grad_norm or 0.0) > 0.0:
+            raise ValueError(
+                f"AttributionCallback(optimizer_state=True): the trainer clips the gradient norm "
+                f"to max_grad_norm={args.max_grad_norm}, so an update is not the sum of the "
+                "stored rows. Train with TrainingArguments(max_grad_norm=0.0)."
+            )
         self.close()
+        self._optimizer = kw.get("optimizer")
         self._accumulation = int(args.gradient_accumulation_steps)
         loader = kw.get("train_dataloader")
         try:  # the micro-batches of an epoch: its last optimizer step may take fewer
@@ -468,8 +514,20 @@ class AttributionCallback(TrainerCallback):
             gradient_accumulation_steps=self._accumulation,
             keep_token_factors=self.keep_token_factors,
             storage_dtype=self.storage_dtype,
+            # the rows of an update sum to the applied gradient: what the trajectory methods read
+            loss_reduction="sum" if self.per_sample_loss == "share" else None,
         )
-        manager = HookManager(model, config=self.config, callbacks=[self._offload])
+        callbacks: list[Any] = [self._offload]
+        self.recorder = None
+        if self.optimizer_state:
+            self.recorder = OptimizerStateCallback(
+                model,
+                self._trainer_optimizer,
+                snapshots=self.snapshots,
+                gradient_accumulation_steps=self._accumulation,
+            )
+            callbacks.append(self.recorder)
+        manager = HookManager(model, config=self.config, callbacks=callbacks)
         batched = [s.name for s in manager.layers if s.hook_type == "param_grad"]
         if batched:
             manager.remove()
@@ -493,7 +551,8 @@ class AttributionCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any):
         """The stored step of this update's micro-batches: the trainer's optimizer step."""
-        del args, control, kw
+        del args, control
+        self._optimizer = kw.get("optimizer", self._optimizer)
         if self.manager is not None:
             self.manager.step = int(state.global_step) * self._accumulation
         if self._scale.grpo is not None:
@@ -507,6 +566,38 @@ class AttributionCallback(TrainerCallback):
         per_epoch = max(-(-n // ga), 1)
         last = n % ga or ga
         return last if step % per_epoch == per_epoch - 1 else ga
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any):
+        """Record the moments the update left (``optimizer_state``)."""
+        del args, control, kw
+        if self.recorder is not None and self._stack is not None:
+            self.recorder.record_post(int(state.global_step))  # incremented after this event
+
+    def _trainer_optimizer(self) -> torch.optim.Optimizer:
+        """The trainer's optimizer (unwrapped from accelerate's ``AcceleratedOptimizer``)."""
+        opt = self._optimizer
+        if opt is None:
+            raise RuntimeError(
+                "AttributionCallback(optimizer_state=True): the trainer passed no optimizer to "
+                "its callbacks."
+            )
+        return getattr(opt, "optimizer", opt)
+
+    def dynamics(self) -> Any:
+        """The recorded optimizer dynamics (``optimizer_state=True``).
+
+        What ``AdamWInfluenceAttributor`` / ``DVEmbAttributor(...).attribute_from_cache(...,
+        dynamics=...)`` take.
+
+        Raises:
+            RuntimeError: the callback records no optimizer state, or nothing was recorded.
+        """
+        if self.recorder is None:
+            raise RuntimeError(
+                "AttributionCallback.dynamics(): no optimizer state was recorded; build the "
+                "callback with optimizer_state=True, per_sample_loss='share'."
+            )
+        return self.recorder.dynamics()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any):
         """Close the epoch's label (``checkpoint_every="epoch"``)."""
@@ -588,7 +679,10 @@ class AttributionCallback(TrainerCallback):
             data,
             store_dir,
             train_store=self.store_dir,
-            per_sample_loss=self.per_sample_loss,
+            # a share store's queries take their own loss (kwargs may choose "mean")
+            per_sample_loss=kwargs.pop(
+                "per_sample_loss", None if self.per_sample_loss == "share" else self.per_sample_loss
+            ),
             **kwargs,
         )
 
@@ -648,9 +742,11 @@ def capture_queries(
     if train_store is not None:
         store = GradientStorageManager(train_store)
         declared = read_checkpoints_file(train_store).get("per_sample_loss")
+    if declared == "share":  # a query has no batch to have a share of: its own loss
+        declared = None
     if per_sample_loss is None:
         per_sample_loss = declared or "sum"
-    _check_loss(per_sample_loss, "capture_queries")
+    _check_loss(per_sample_loss, "capture_queries", QUERY_LOSSES)
     if declared is not None and per_sample_loss != declared:
         raise ValueError(
             f"capture_queries(per_sample_loss={per_sample_loss!r}): the train store {train_store} "

@@ -531,3 +531,143 @@ def test_grpo_refuses_what_cannot_be_rescaled_and_the_named_fix_works(tmp_path, 
     callback.on_train_begin(accepted, None, None, model=_model())
     assert callback.manager is not None and callback.manager.capturing
     callback.close()
+
+
+# ---- optimizer state for the trajectory methods ------------------------------------------------
+class _Batches(TrainerCallback):
+    """Every differentiated forward's inputs, grouped by optimizer step (a forward pre-hook)."""
+
+    def __init__(self, model) -> None:
+        self.steps: list[list[dict]] = []
+        self.handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.steps.append([])
+
+    def _see(self, module, args, kwargs):
+        if torch.is_grad_enabled() and "labels" in kwargs:
+            self.steps[-1].append({k: v for k, v in kwargs.items() if v is not None})
+
+
+def _hand_loop(tmp: Path, initial, steps, optim: str, lr: float, accumulation: int):
+    """The same run, written out: the replayed micro-batches, the optimizer, the recorders."""
+    from dattri_llm import HookManager, OffloadCallback, OptimizerStateCallback
+
+    model = _model()
+    model.load_state_dict(initial)
+    if optim == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    else:  # the Trainer's AdamW defaults
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+    store = GradientStorageManager(tmp / "loop")
+    rec = OptimizerStateCallback(model, opt, gradient_accumulation_steps=accumulation)
+    offload = OffloadCallback(
+        file_manager=store, gradient_accumulation_steps=accumulation, loss_reduction="sum"
+    )
+    manager = HookManager(model, callbacks=[offload, rec])
+    with manager.collect(deregister_on_exit=True):
+        for t, micro in enumerate(steps):
+            manager.step = t * accumulation
+            for kwargs in micro:  # the trainer's loss: Σ_i S_i / num_items_in_batch
+                model(**kwargs).loss.backward()
+            opt.step()
+            rec.record_post(t)
+            opt.zero_grad(set_to_none=True)
+    store.close()
+    return model, rec
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "sgd"])
+def test_optimizer_state_through_the_callback_equals_a_hand_written_loop(tmp_path, optim):
+    """AdamW-influence (AdamW) and DVEmb (SGD) from a Trainer run through the callback equal
+    the same methods on a hand-written loop that replays the run's micro-batches."""
+    from dattri_llm import AdamWInfluenceAttributor, DVEmbAttributor
+
+    torch.manual_seed(0)
+    data = [_sample(n) for n in LENGTHS]
+    model = _model()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = _Batches(model)
+    # AdamW's moments written to disk as the run goes (snapshots=), the others kept in memory
+    on_disk = tmp_path / "trajectory" if optim == "adamw_torch" else None
+    callback = AttributionCallback(
+        tmp_path / "train", per_sample_loss="share", optimizer_state=True, snapshots=on_disk
+    )
+    lr, accumulation = 1e-2, 2
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=3,  # 4 micro-batches: 2 updates of unequal token counts
+            gradient_accumulation_steps=accumulation,
+            num_train_epochs=1,
+            learning_rate=lr,
+            lr_scheduler_type="constant",
+            optim=optim,
+            max_grad_norm=0.0,  # an update must be the sum of the stored rows
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        ),
+        train_dataset=data,
+        callbacks=[batches],
+    )
+    trainer.add_callback(callback)
+    trainer.train()
+    batches.handle.remove()
+    loop_model, rec = _hand_loop(tmp_path, initial, batches.steps, optim, lr, accumulation)
+    for (name, a), b in zip(model.state_dict().items(), loop_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)  # the same run
+    # the stored rows: the same shares, summing to the applied gradients
+    got = GradientStorageManager(tmp_path / "train")
+    want = GradientStorageManager(tmp_path / "loop")
+    assert [(r.step, r.hashes) for r in got.records()] == [
+        (r.step, r.hashes) for r in want.records()
+    ]
+    for i in range(len(want)):
+        a, b = got.load_record(i).gradient.materialize(), want.load_record(i).gradient.materialize()
+        for name in b.layer_names:
+            x, y = a.layers[name].data, b.layers[name].data
+            # fused AdamW rounds its update differently: weights equal to ~1e-16 after a step
+            torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12 * float(y.abs().max()))
+    queries = [{"input_ids": d["input_ids"][: int(d["attention_mask"].sum())]} for d in data[:3]]
+    callback.capture_queries(model, queries, tmp_path / "test")  # the final label
+    args = AttributionArguments(output_dir=str(tmp_path / "scores"), show_progress=False)
+    method = DVEmbAttributor if optim == "sgd" else AdamWInfluenceAttributor
+    # loss_reduction is not passed: the store declares "sum"
+    ours = method(args).attribute_from_cache(
+        tmp_path / "train", tmp_path / "test", dynamics=callback.dynamics()
+    )
+    theirs = method(args).attribute_from_cache(
+        tmp_path / "loop", tmp_path / "test", dynamics=rec.dynamics()
+    )
+    assert ours.train_hashes == theirs.train_hashes and ours.train_steps == theirs.train_steps
+    assert float(theirs.scores.abs().max()) > 0
+    torch.testing.assert_close(ours.scores, theirs.scores, rtol=1e-9, atol=0)
+    if on_disk is not None:
+        assert any(on_disk.iterdir())
+
+
+def test_optimizer_state_needs_the_share_convention_and_no_clipping(tmp_path):
+    with pytest.raises(ValueError, match="per_sample_loss='share'"):
+        AttributionCallback(tmp_path / "train", optimizer_state=True)
+    callback = AttributionCallback(
+        tmp_path / "train", per_sample_loss="share", optimizer_state=True
+    )
+    clipped = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"max_grad_norm=0\.0"):
+        callback.on_train_begin(clipped, None, None, model=_model())
+    assert callback.manager is None and not (tmp_path / "train").exists()
+    # the remedy: no clipping (a full run with it: the test above)
+    unclipped = TrainingArguments(
+        output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_grad_norm=0.0
+    )
+    callback.on_train_begin(unclipped, None, None, model=_model())
+    assert callback.recorder is not None
+    callback.close()
+    with pytest.raises(RuntimeError, match="optimizer_state=True"):
+        AttributionCallback(tmp_path / "other").dynamics()
