@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` / TRL ``SFTTrainer``: capture per-sample gradients that mean one thing.
+"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` / ``GRPOTrainer``: one-meaning per-sample gradients.
 
 Attach one callback and train as usual; capture the queries with one call::
 
@@ -21,7 +21,10 @@ is the gradient of the declared per-sample loss:
 
 * ``per_sample_loss="sum"`` — ``Σ_t ℓ_it`` over the sample's label tokens (``labels != -100``,
   after the causal shift): every token counts once, wherever it was batched;
-* ``per_sample_loss="mean"`` — ``(1/T_i) Σ_t ℓ_it`` over its own ``T_i`` label tokens.
+* ``per_sample_loss="mean"`` — ``(1/T_i) Σ_t ℓ_it`` over its own ``T_i`` label tokens;
+* ``per_sample_loss="share"`` — the row as the trainer backpropagated it: the sample's share of
+  the gradient the optimizer applied (the rows of one update sum to it). What the trajectory
+  methods read (below); it weighs samples by their batches, so prefer ``"sum"`` otherwise.
 
 Both sides use it: :func:`capture_queries` backpropagates the same per-sample loss for the
 queries, in eval mode (no dropout), with the train store's layers, and labels them with the
@@ -40,16 +43,35 @@ Steps. The stored step is the trainer's optimizer step (``state.global_step`` wh
 began); the micro-batches of one accumulation step share it
 (``TrainingArguments.gradient_accumulation_steps`` is declared to the store).
 
+TRL's ``GRPOTrainer``. A sample is a rollout: a prompt and one sampled completion ``c_i`` of
+``T_i`` tokens, with its advantage ``A_i`` (as the trainer computed it, group-normalised
+rewards). Its loss is the advantage-weighted negative log-likelihood of the completion:
+``"sum"``: ``-A_i Σ_t log π(c_it | prompt_i, c_i<t)``; ``"mean"``: the same over ``T_i``
+(GRPO's own per-sequence term). On-policy (``num_iterations=1``, completions of the current
+weights) every importance ratio is 1, so the gradient TRL backpropagates for a rollout is that
+loss's, divided by a normaliser of its ``loss_type`` that the callback undoes exactly
+(``"grpo"``, ``"bnpo"``, ``"dr_grpo"``; ``"dapo"``, TRL's default, with one micro-batch per
+generation batch on one process). Refused, with the option that makes it exact: a KL term
+(``beta=0.0``), ``num_iterations > 1`` or ``steps_per_generation >
+gradient_accumulation_steps`` (an older policy's completions), the other loss types, an
+entropy bonus or mask, vLLM's importance-sampling correction, and ``temperature != 1`` (the
+queries' log-probabilities are untempered). A query's loss is its labels' negative
+log-likelihood (``capture_queries``). Note that ``GRPOConfig`` autocasts to bfloat16 by default
+(``bf16=True``): the captured gradients are those of that computation.
+
 What is refused: a loss the model does not compute itself (``compute_loss_func``, label
 smoothing) or that is not a mean of the label tokens' cross-entropy (checked against the logits
 at the first step), per-token weights that differ within a sample (TRL's ``"dft"`` loss), and
-TRL's reinforcement-learning trainers (a GRPO loss is no per-sample log-likelihood: capture
-those with a :class:`~dattri_llm.HookManager` as ``examples/trainers/trl_grpo.py`` does).
+TRL's other reinforcement-learning and preference trainers.
 
-Not for the trajectory methods: AdamW-influence and DVEmb model each update as the sum or the
-mean over the batch's samples of the stored gradients, and a trainer's token-weighted mean is
-neither, so the callback records no optimizer state; record those runs with a
-:class:`~dattri_llm.HookManager`, an ``OptimizerStateCallback`` and a summed loss.
+The trajectory methods. AdamW-influence and DVEmb model each update as the sum of the stored
+rows of its step; a trainer's token-weighted mean is no sum of per-sample sums or means, but it
+is the sum of the shares it backpropagated. ``AttributionCallback(per_sample_loss="share",
+optimizer_state=True)`` stores those shares (declaring ``loss_reduction="sum"`` to the store),
+records the optimizer's moments around every update (an
+:class:`~dattri_llm.OptimizerStateCallback`, in memory or under ``snapshots=``), and hands
+them to the methods with :meth:`AttributionCallback.dynamics`. Gradient clipping makes an
+update no sum of the rows: it is refused (``TrainingArguments(max_grad_norm=0.0)``).
 
 TRL computes the SFT loss with a fused LM head that uses ``lm_head.weight`` without calling the
 ``lm_head`` module, so hooks cannot see the head: exclude it
