@@ -9,6 +9,7 @@ float32, which would cap the agreement at ~1e-7).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -671,3 +672,69 @@ def test_optimizer_state_needs_the_share_convention_and_no_clipping(tmp_path):
     callback.close()
     with pytest.raises(RuntimeError, match="optimizer_state=True"):
         AttributionCallback(tmp_path / "other").dynamics()
+
+
+# ---- a multi-process Trainer -------------------------------------------------------------------
+def _ddp_rank(rank: int, world: int, workdir: str) -> None:
+    """One rank of a 2-process (gloo) Trainer run with the callback, as torchrun would start it."""
+    from tests.helpers.distributed import init_group
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    init_group(rank, world, workdir)  # the Trainer takes the formed group
+    torch.manual_seed(0)
+    data = [_sample(n) for n in LENGTHS]
+    snaps = _Snapshots()
+    trainer = Trainer(
+        model=_model(),
+        args=TrainingArguments(
+            output_dir=str(Path(workdir) / "run"),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            learning_rate=1e-2,
+            use_cpu=True,
+            ddp_backend="gloo",
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        ),
+        train_dataset=data,
+        callbacks=[snaps],
+    )
+    assert trainer.args.world_size == world
+    trainer.add_callback(AttributionCallback(Path(workdir) / "train"))
+    trainer.train()
+    from safetensors.torch import save_file
+
+    flat = {f"{step}|{k}": v.contiguous() for step, sd in snaps.at.items() for k, v in sd.items()}
+    save_file(flat, str(Path(workdir) / f"weights.rank{rank}.safetensors"))
+
+
+@pytest.mark.distributed
+def test_two_process_trainer_stores_the_one_sample_gradients(tmp_path):
+    """Each rank's rows are the one-sample backward of the summed loss at the step's weights:
+    ``num_items_in_batch`` counted over both ranks and DDP's loss factor are undone."""
+    from tests.helpers.distributed import expect_ok, run_ranks
+
+    expect_ok(run_ranks(_ddp_rank, 2, tmp_path))
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(tmp_path / f"weights.rank{r}.safetensors")) for r in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # DDP: in step
+    snaps = _Snapshots()
+    for key, value in weights[0].items():
+        step, name = key.split("|")
+        snaps.at.setdefault(int(step), {})[name] = value
+    torch.manual_seed(0)
+    data = [_sample(n) for n in LENGTHS]
+    store = GradientStorageManager(tmp_path / "train")
+    ranks = {r.path.parent.parent.name for r in store.records()}
+    assert ranks == {"rank_0", "rank_1"}
+    # the distributed sampler pads 10 samples to 12 (2 repeated): every row is checked
+    assert _check_store(store, data, snaps, "sum") == 12
+    assert {hash_sample({"input_ids": d["input_ids"]}) for d in data} == set(store.sample_hashes())
+    assert store.available_checkpoints() == [0]
