@@ -78,6 +78,12 @@ def _model(dropout: float = 0.0) -> GPT2LMHeadModel:
     return model
 
 
+def _args(output_dir, **options) -> TrainingArguments:
+    """Quiet CPU training arguments (no saves, logs or reports) with ``options`` on top."""
+    quiet = dict(use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no")
+    return TrainingArguments(output_dir=str(output_dir), disable_tqdm=True, **{**quiet, **options})
+
+
 class _Snapshots(TrainerCallback):
     """The weights at the start of every optimizer step."""
 
@@ -96,17 +102,12 @@ def _train(tmp: Path, per_sample_loss: str = "sum", epochs: int = 2, **cb_kwargs
     callback = AttributionCallback(tmp / "train", per_sample_loss=per_sample_loss, **cb_kwargs)
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(
-            output_dir=str(tmp / "run"),
+        args=_args(
+            tmp / "run",
             per_device_train_batch_size=3,  # batches of 3, 3, 3, 1 rows: unequal label counts
             gradient_accumulation_steps=2,
             num_train_epochs=epochs,
             learning_rate=1e-2,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
         ),
         train_dataset=data,
         callbacks=[snaps],
@@ -130,24 +131,34 @@ def _one_sample_grads(model, sample, per_sample_loss: str) -> dict[str, torch.Te
     return {k: p.grad for k, p in model.named_parameters()}
 
 
-def _check_store(store, data, snaps, per_sample_loss: str) -> int:
-    by_hash = {hash_sample({"input_ids": d["input_ids"]}): d for d in data}
-    ref = _model()
+def _compare_store(store, snaps, ref, reference, rtol: float) -> int:
+    """Every stored row against ``reference(ref, hash)`` at its step's weights; rows compared."""
     compared = 0
     for i, info in enumerate(store.records()):
         record = store.load_record(i)
         ref.load_state_dict(snaps.at[info.step])
         mat = record.gradient.materialize()
         for j, h in enumerate(record.hashes):
-            want = _one_sample_grads(ref, by_hash[h], per_sample_loss)
+            want = reference(ref, h)
             for name in mat.layer_names:
                 for p, got in mat.layers[name].parameters().items():
                     expected = want[f"{name}.{p}"]
                     torch.testing.assert_close(
-                        got[j], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max())
+                        got[j], expected, rtol=rtol, atol=rtol * float(expected.abs().max())
                     )
             compared += 1
     return compared
+
+
+def _check_store(store, data, snaps, per_sample_loss: str) -> int:
+    by_hash = {hash_sample({"input_ids": d["input_ids"]}): d for d in data}
+    return _compare_store(
+        store,
+        snaps,
+        _model(),
+        lambda ref, h: _one_sample_grads(ref, by_hash[h], per_sample_loss),
+        rtol=1e-10,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -278,15 +289,10 @@ def test_refuses_a_loss_computed_outside_the_model(tmp_path):
     model = _model()
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(
-            output_dir=str(tmp_path / "run"),
+        args=_args(
+            tmp_path / "run",
             per_device_train_batch_size=2,
             max_steps=1,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
             label_smoothing_factor=0.1,
         ),
         train_dataset=[_sample(n) for n in (3, 5)],
@@ -429,24 +435,14 @@ def _grpo_rows(seen) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _check_grpo_store(tmp: Path, seen, snaps, per_sample_loss: str) -> int:
-    store = GradientStorageManager(tmp / "train")
     rows = _grpo_rows(seen)
-    ref = _grpo_model()
-    compared = 0
-    for i, info in enumerate(store.records()):
-        record = store.load_record(i)
-        ref.load_state_dict(snaps.at[info.step])
-        mat = record.gradient.materialize()
-        for j, h in enumerate(record.hashes):
-            want = _grpo_reference(ref, rows[h], per_sample_loss)
-            for name in mat.layer_names:
-                for p, got in mat.layers[name].parameters().items():
-                    expected = want[f"{name}.{p}"]
-                    # TRL's fused head takes its log-softmax in float32
-                    scale = float(expected.abs().max()) + 1e-12
-                    torch.testing.assert_close(got[j], expected, rtol=1e-5, atol=1e-5 * scale)
-            compared += 1
-    return compared
+    return _compare_store(
+        GradientStorageManager(tmp / "train"),
+        snaps,
+        _grpo_model(),
+        lambda ref, h: _grpo_reference(ref, rows[h], per_sample_loss),
+        rtol=1e-5,  # TRL's fused head takes its log-softmax in float32
+    )
 
 
 @pytest.mark.parametrize(
@@ -599,8 +595,8 @@ def test_optimizer_state_through_the_callback_equals_a_hand_written_loop(tmp_pat
     lr, accumulation = 1e-2, 2
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(
-            output_dir=str(tmp_path / "run"),
+        args=_args(
+            tmp_path / "run",
             per_device_train_batch_size=3,  # 4 micro-batches: 2 updates of unequal token counts
             gradient_accumulation_steps=accumulation,
             num_train_epochs=1,
@@ -608,11 +604,6 @@ def test_optimizer_state_through_the_callback_equals_a_hand_written_loop(tmp_pat
             lr_scheduler_type="constant",
             optim=optim,
             max_grad_norm=0.0,  # an update must be the sum of the stored rows
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
         ),
         train_dataset=data,
         callbacks=[batches],
@@ -659,14 +650,12 @@ def test_optimizer_state_needs_the_share_convention_and_no_clipping(tmp_path):
     callback = AttributionCallback(
         tmp_path / "train", per_sample_loss="share", optimizer_state=True
     )
-    clipped = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[])
+    clipped = _args(tmp_path / "run")  # max_grad_norm=1.0, the default
     with pytest.raises(ValueError, match=r"max_grad_norm=0\.0"):
         callback.on_train_begin(clipped, None, None, model=_model())
     assert callback.manager is None and not (tmp_path / "train").exists()
     # the remedy: no clipping (a full run with it: the test above)
-    unclipped = TrainingArguments(
-        output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_grad_norm=0.0
-    )
+    unclipped = _args(tmp_path / "run", max_grad_norm=0.0)
     callback.on_train_begin(unclipped, None, None, model=_model())
     assert callback.recorder is not None
     callback.close()
@@ -688,18 +677,13 @@ def _ddp_rank(rank: int, world: int, workdir: str) -> None:
     snaps = _Snapshots()
     trainer = Trainer(
         model=_model(),
-        args=TrainingArguments(
-            output_dir=str(Path(workdir) / "run"),
+        args=_args(
+            Path(workdir) / "run",
             per_device_train_batch_size=2,
             gradient_accumulation_steps=2,
             num_train_epochs=1,
             learning_rate=1e-2,
-            use_cpu=True,
             ddp_backend="gloo",
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
         ),
         train_dataset=data,
         callbacks=[snaps],
