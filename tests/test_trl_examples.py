@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -182,7 +183,16 @@ def grpo(tmp_path_factory):
     argv = ["--steps", "2", "--prompts-per-step", "2", "--num-generations", "4"]
     argv += ["--max-completion-length", "6", "--dtype", "float64"]
     argv += ["--workdir", str(tmp_path_factory.mktemp("trl_grpo"))]
-    return module.main(argv)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = module.main(argv)
+    out["warnings"] = [w for w in caught if issubclass(w.category, UserWarning)]
+    return out
+
+
+def test_grpo_example_runs_warning_free(grpo):
+    """The callback labels the run's weights and the queries are captured at the final label."""
+    assert [str(w.message) for w in grpo["warnings"]] == []
 
 
 def test_grpo_store_holds_every_rollout(grpo):
@@ -198,12 +208,13 @@ def test_grpo_store_holds_every_rollout(grpo):
 
 
 def test_grpo_per_rollout_gradients_are_the_policy_gradient(grpo):
-    """Step 0 (initial weights): row j = -A_j / N * grad log pi(completion_j | prompt_j).
+    """Step 0 (initial weights): row j = -A_j * grad log pi(completion_j | prompt_j).
 
-    ``A_j`` is the group-normalised reward (recomputed here from the completion text), ``N``
-    the number of completion tokens of the generation batch (TRL's default ``"dapo"`` loss).
-    TRL's fused LM head computes the log-softmax in float32, hence the 1e-5 tolerances; a
-    gradient leaking between rollouts would be off by O(1).
+    ``A_j`` is the group-normalised reward (recomputed here from the completion text); TRL's
+    default ``"dapo"`` loss divides it by the completion tokens of the generation batch, which
+    the callback undoes (the declared per-sample loss is ``-A_j`` times the completion's summed
+    log-likelihood). TRL's fused LM head computes the log-softmax in float32, hence the 1e-5
+    tolerances; a gradient leaking between rollouts would be off by O(1).
     """
     store = GradientStorageManager(grpo["train_dir"])
     rec = store.load_record(0)
@@ -218,7 +229,6 @@ def test_grpo_per_rollout_gradients_are_the_policy_gradient(grpo):
     for members in groups.values():
         r = rewards[members]
         advantages[members] = ((r - r.mean()) / (r.std() + 1e-4)).double()
-    n_tokens = sum(int(r["completion_mask"].sum()) for r in rows)
 
     model = _reference_model(grpo)
     params = dict(model.named_parameters())
@@ -233,7 +243,7 @@ def test_grpo_per_rollout_gradients_are_the_policy_gradient(grpo):
         loglik.backward()
         got = torch.cat([g.flatten() for g in _param_grads(mat, j, names).values()])
         ref = torch.cat([params[n].grad.flatten() for n in _param_grads(mat, j, names)])
-        expected = -float(advantages[j]) / n_tokens
+        expected = -float(advantages[j])
         torch.testing.assert_close(got, expected * ref, rtol=1e-5, atol=1e-5 * abs(expected))
     assert (advantages != 0).any()
 
@@ -242,7 +252,7 @@ def test_grpo_tracin_scores_from_cache(grpo):
     train = GradientStorageManager(grpo["train_dir"])
     test = GradientStorageManager(grpo["test_dir"])
     q = test.load_record(0).gradient
-    assert q.batch_size == 1 and test.sample_hashes() == [grpo["query_hash"]]
+    assert q.batch_size == 1 and test.sample_hashes() == [grpo["query_store_hash"]]
     query = _flat(q, 0)
     expected = torch.zeros(len(grpo["train_hashes"]), dtype=torch.float64)
     row_of = {h: i for i, h in enumerate(grpo["train_hashes"])}

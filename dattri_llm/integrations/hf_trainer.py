@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` / TRL ``SFTTrainer``: capture per-sample gradients that mean one thing.
+"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` / ``GRPOTrainer``: one-meaning per-sample gradients.
 
 Attach one callback and train as usual; capture the queries with one call::
 
@@ -21,7 +21,10 @@ is the gradient of the declared per-sample loss:
 
 * ``per_sample_loss="sum"`` — ``Σ_t ℓ_it`` over the sample's label tokens (``labels != -100``,
   after the causal shift): every token counts once, wherever it was batched;
-* ``per_sample_loss="mean"`` — ``(1/T_i) Σ_t ℓ_it`` over its own ``T_i`` label tokens.
+* ``per_sample_loss="mean"`` — ``(1/T_i) Σ_t ℓ_it`` over its own ``T_i`` label tokens;
+* ``per_sample_loss="share"`` — the row as the trainer backpropagated it: the sample's share of
+  the gradient the optimizer applied (the rows of one update sum to it). What the trajectory
+  methods read (below); it weighs samples by their batches, so prefer ``"sum"`` otherwise.
 
 Both sides use it: :func:`capture_queries` backpropagates the same per-sample loss for the
 queries, in eval mode (no dropout), with the train store's layers, and labels them with the
@@ -40,16 +43,35 @@ Steps. The stored step is the trainer's optimizer step (``state.global_step`` wh
 began); the micro-batches of one accumulation step share it
 (``TrainingArguments.gradient_accumulation_steps`` is declared to the store).
 
+TRL's ``GRPOTrainer``. A sample is a rollout: a prompt and one sampled completion ``c_i`` of
+``T_i`` tokens, with its advantage ``A_i`` (as the trainer computed it, group-normalised
+rewards). Its loss is the advantage-weighted negative log-likelihood of the completion:
+``"sum"``: ``-A_i Σ_t log π(c_it | prompt_i, c_i<t)``; ``"mean"``: the same over ``T_i``
+(GRPO's own per-sequence term). On-policy (``num_iterations=1``, completions of the current
+weights) every importance ratio is 1, so the gradient TRL backpropagates for a rollout is that
+loss's, divided by a normaliser of its ``loss_type`` that the callback undoes exactly
+(``"grpo"``, ``"bnpo"``, ``"dr_grpo"``; ``"dapo"``, TRL's default, with one micro-batch per
+generation batch on one process). Refused, with the option that makes it exact: a KL term
+(``beta=0.0``), ``num_iterations > 1`` or ``steps_per_generation >
+gradient_accumulation_steps`` (an older policy's completions), the other loss types, an
+entropy bonus or mask, vLLM's importance-sampling correction, and ``temperature != 1`` (the
+queries' log-probabilities are untempered). A query's loss is its labels' negative
+log-likelihood (``capture_queries``). Note that ``GRPOConfig`` autocasts to bfloat16 by default
+(``bf16=True``): the captured gradients are those of that computation.
+
 What is refused: a loss the model does not compute itself (``compute_loss_func``, label
 smoothing) or that is not a mean of the label tokens' cross-entropy (checked against the logits
 at the first step), per-token weights that differ within a sample (TRL's ``"dft"`` loss), and
-TRL's reinforcement-learning trainers (a GRPO loss is no per-sample log-likelihood: capture
-those with a :class:`~dattri_llm.HookManager` as ``examples/trainers/trl_grpo.py`` does).
+TRL's other reinforcement-learning and preference trainers.
 
-Not for the trajectory methods: AdamW-influence and DVEmb model each update as the sum or the
-mean over the batch's samples of the stored gradients, and a trainer's token-weighted mean is
-neither, so the callback records no optimizer state; record those runs with a
-:class:`~dattri_llm.HookManager`, an ``OptimizerStateCallback`` and a summed loss.
+The trajectory methods. AdamW-influence and DVEmb model each update as the sum of the stored
+rows of its step; a trainer's token-weighted mean is no sum of per-sample sums or means, but it
+is the sum of the shares it backpropagated. ``AttributionCallback(per_sample_loss="share",
+optimizer_state=True)`` stores those shares (declaring ``loss_reduction="sum"`` to the store),
+records the optimizer's moments around every update (an
+:class:`~dattri_llm.OptimizerStateCallback`, in memory or under ``snapshots=``), and hands
+them to the methods with :meth:`AttributionCallback.dynamics`. Gradient clipping makes an
+update no sum of the rows: it is refused (``TrainingArguments(max_grad_norm=0.0)``).
 
 TRL computes the SFT loss with a fused LM head that uses ``lm_head.weight`` without calling the
 ``lm_head`` module, so hooks cannot see the head: exclude it
@@ -80,6 +102,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
     ) from err
 
 from dattri_llm.gradient.callbacks.offload import OffloadCallback
+from dattri_llm.gradient.callbacks.optimizer_state import OptimizerStateCallback
 from dattri_llm.gradient.gradient import Gradient
 from dattri_llm.gradient.hooks import HookManager, HookManagerConfig
 from dattri_llm.gradient.hooks.fingerprint import weights_fingerprint
@@ -96,16 +119,26 @@ from dattri_llm.utils.hashing import hash_sample
 
 __all__ = ["AttributionCallback", "capture_queries", "PER_SAMPLE_LOSSES"]
 
-#: The per-sample loss conventions: a sum, or a mean over the sample's own label tokens.
-PER_SAMPLE_LOSSES = ("sum", "mean")
+#: The per-sample loss conventions: a sum, or a mean over the sample's own label tokens, or
+#: the sample's share of the gradient the optimizer applied (the trajectory methods' input).
+PER_SAMPLE_LOSSES = ("sum", "mean", "share")
+#: What a query's loss can be (a query has no batch, so no share of one).
+QUERY_LOSSES = ("sum", "mean")
 _EVERY = ("epoch", "save")
 
 
-def _check_loss(per_sample_loss: str, where: str) -> str:
-    if per_sample_loss not in PER_SAMPLE_LOSSES:
+def _check_loss(
+    per_sample_loss: str, where: str, allowed: Sequence[str] = PER_SAMPLE_LOSSES
+) -> str:
+    if per_sample_loss not in allowed:
+        share = (
+            ", or 'share' (its share of the gradient the optimizer applied)"
+            if "share" in allowed
+            else ""
+        )
         raise ValueError(
             f"{where}(per_sample_loss={per_sample_loss!r}): expected 'sum' (the sample's "
-            "label-token losses summed) or 'mean' (averaged over its own label tokens)."
+            f"label-token losses summed) or 'mean' (averaged over its own label tokens){share}."
         )
     return per_sample_loss
 
@@ -149,6 +182,8 @@ class _PerSampleScale:
     def __init__(self, per_sample_loss: str) -> None:
         self.per_sample_loss = per_sample_loss
         self.manager: HookManager | None = None
+        # GRPO: how TRL normalises the advantage-weighted log-likelihood of each completion
+        self.grpo: _GRPONormaliser | None = None
         self.shift: bool | None = None  # decided (and checked) at the first captured forward
         self._counts: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
@@ -216,6 +251,9 @@ class _PerSampleScale:
 
     def _from_token_grads(self, grad: torch.Tensor, mask: torch.Tensor) -> None:
         grad = grad.detach().reshape(grad.shape[0], -1).to(torch.float64)
+        if self.grpo is not None:
+            self._scale = self._finish(self.grpo.scales(grad, mask, self._counts))
+            return
         coef = torch.zeros(grad.shape[0], dtype=torch.float64, device=grad.device)
         for i in range(grad.shape[0]):
             g = -grad[i][mask[i]]  # the weight of each label token's -log p in the loss
@@ -234,6 +272,9 @@ class _PerSampleScale:
 
     def _finish(self, to_sum: torch.Tensor) -> torch.Tensor:
         """Row scales to the sum convention, then to the mean one if declared."""
+        if self.per_sample_loss == "share":
+            # as backpropagated: the rows of one update sum to the gradient the optimizer reads
+            return torch.ones_like(to_sum)
         if self.per_sample_loss == "mean":
             counts = self._counts.to(to_sum)
             to_sum = torch.where(counts > 0, to_sum / counts.clamp_min(1), torch.zeros_like(to_sum))
@@ -267,17 +308,118 @@ _NO_LOSS = (
 )
 
 
-def _refuse_rl(args: Any) -> None:
-    """TRL's RL trainers' losses are no per-sample log-likelihood."""
+#: TRL GRPO ``loss_type`` values whose per-completion normaliser the callback can observe.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+class _GRPONormaliser:
+    """The factor TRL's GRPO loss puts on each completion's advantage-weighted log-likelihood.
+
+    On-policy (``num_iterations=1``, ``beta=0``, ...: :func:`_check_grpo`), every importance
+    ratio is 1 and the gradient reaching completion ``i``'s per-token log-probabilities is
+    ``-A_i / Z_i`` on each of its ``T_i`` tokens, with ``A_i`` its advantage and ``Z_i`` the
+    loss type's normaliser (``G`` the micro-batches of this optimizer step, ``B`` the rows of
+    the micro-batch, ``N`` its completion tokens): ``"grpo"``: ``T_i B G``; ``"bnpo"`` and
+    ``"dapo"`` (one micro-batch per generation batch, one process): ``N G``; ``"dr_grpo"``:
+    ``B max_completion_length G``. The captured row is ``-A_i / Z_i Σ_t ∇log π(c_it)``, so
+    ``Z_i`` times it is the gradient of ``-A_i Σ_t log π(c_it)`` whatever ``A_i`` is (zero
+    included): no advantage needs to be observed, only the normaliser.
+    """
+
+    def __init__(self, loss_type: str, max_completion_length: int) -> None:
+        self.loss_type = loss_type
+        self.max_completion_length = int(max_completion_length)
+        self.accumulation = 1  # micro-batches of the current optimizer step (set per step)
+
+    def scales(self, grad: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``Z_i`` per row, after checking each completion's tokens share one weight."""
+        for i in range(grad.shape[0]):
+            g = grad[i][mask[i]]
+            # one weight per completion, of either sign (the advantage's) or zero
+            tol = 1e-6 * float(g.abs().max()) if g.numel() else 0.0
+            if g.numel() and float((g - g[0]).abs().max()) > tol:
+                raise ValueError(
+                    "AttributionCallback: the GRPO loss weighs the completion tokens of one "
+                    "rollout differently (importance ratios of an older policy, a KL term, "
+                    "clipping, a tool or entropy mask), so no per-completion loss describes its "
+                    "gradient. Train on-policy: GRPOConfig(num_iterations=1, beta=0.0, "
+                    "steps_per_generation <= gradient_accumulation_steps)."
+                )
+        counts = counts.to(device=grad.device, dtype=torch.float64)
+        rows, g_steps = float(grad.shape[0]), float(self.accumulation)
+        if self.loss_type == "grpo":
+            z = counts.clamp_min(1.0) * rows * g_steps
+        elif self.loss_type in ("bnpo", "dapo"):
+            z = torch.full_like(counts, float(counts.sum().clamp_min(1.0)) * g_steps)
+        else:  # dr_grpo
+            z = torch.full_like(counts, rows * self.max_completion_length * g_steps)
+        return z
+
+
+def _check_grpo(args: Any) -> _GRPONormaliser:
+    """Refuse the GRPO configurations whose per-completion loss cannot be recovered exactly."""
+    fixes = []
+    loss_type = getattr(args, "loss_type", "grpo")
+    if loss_type not in GRPO_LOSS_TYPES:
+        fixes.append(f"loss_type={loss_type!r} (use loss_type='grpo')")
+    if loss_type == "dapo" and (
+        int(getattr(args, "steps_per_generation", 1) or 1) != 1 or int(args.world_size) != 1
+    ):
+        # dapo divides by the completion tokens of the whole generation batch on all ranks,
+        # a count no single micro-batch sees
+        fixes.append(
+            "loss_type='dapo' with several micro-batches per generation batch or several "
+            "processes (use loss_type='grpo' or 'bnpo')"
+        )
+    if float(getattr(args, "beta", 0.0)) != 0.0:
+        fixes.append(f"beta={args.beta} (a KL term; use beta=0.0)")
+    if int(getattr(args, "num_iterations", 1)) != 1:
+        fixes.append(f"num_iterations={args.num_iterations} (use num_iterations=1)")
+    spg = getattr(args, "steps_per_generation", None)
+    if spg is not None and int(spg) > int(args.gradient_accumulation_steps):
+        fixes.append(
+            f"steps_per_generation={spg} > gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} (completions of an older policy; use "
+            "steps_per_generation <= gradient_accumulation_steps)"
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        fixes.append("top_entropy_quantile < 1 (use top_entropy_quantile=1.0)")
+    if float(getattr(args, "entropy_coef", 0.0)) != 0.0 or getattr(
+        args, "use_adaptive_entropy", False
+    ):
+        # the entropy bonus reaches the weights outside the log-probabilities the callback reads
+        fixes.append("an entropy bonus (use entropy_coef=0.0, use_adaptive_entropy=False)")
+    if getattr(args, "use_vllm", False) and getattr(
+        args, "vllm_importance_sampling_correction", False
+    ):
+        fixes.append(
+            "vLLM importance-sampling correction (vllm_importance_sampling_correction=False)"
+        )
+    if float(getattr(args, "temperature", 1.0)) != 1.0:
+        # the loss's log-probabilities would be of the tempered policy, the queries' are not
+        fixes.append(f"temperature={args.temperature} (use temperature=1.0)")
+    if fixes:
+        raise ValueError(
+            "AttributionCallback: this GRPOConfig makes the per-completion loss unrecoverable "
+            "from what the trainer backpropagates: " + "; ".join(fixes) + "."
+        )
+    return _GRPONormaliser(loss_type, int(args.max_completion_length))
+
+
+def _trainer_kind(args: Any) -> str:
+    """``"lm"`` (Trainer, SFTTrainer) or ``"grpo"``; TRL's other RL trainers are refused."""
     cls = type(args)
     names = {c.__name__ for c in cls.__mro__}
-    if cls.__module__.startswith("trl") and "SFTConfig" not in names:
-        raise ValueError(
-            f"AttributionCallback: {cls.__name__} trains with a loss that is not a per-sample "
-            "log-likelihood (advantages, preferences), so no per_sample_loss convention "
-            "describes its gradients. Capture them as they are with a HookManager and an "
-            "OffloadCallback (examples/trainers/trl_grpo.py)."
-        )
+    if not cls.__module__.startswith("trl") or "SFTConfig" in names:
+        return "lm"
+    if "GRPOConfig" in names:
+        return "grpo"
+    raise ValueError(
+        f"AttributionCallback: {cls.__name__} trains with a loss that is not a per-sample "
+        "log-likelihood or a GRPO policy gradient (preferences, a value model), so no "
+        "per_sample_loss convention describes its gradients. Capture them as they are with a "
+        "HookManager and an OffloadCallback."
+    )
 
 
 class AttributionCallback(TrainerCallback):
@@ -290,7 +432,10 @@ class AttributionCallback(TrainerCallback):
 
     Args:
         store_dir: The train gradient store's directory.
-        per_sample_loss: ``"sum"`` (default) or ``"mean"`` over the sample's label tokens.
+        per_sample_loss: ``"sum"`` (default) or ``"mean"`` over the sample's label tokens, or
+            ``"share"``: each row as the trainer backpropagated it, the sample's share of the
+            gradient the optimizer applied (the rows of one update sum to it; the store
+            declares ``loss_reduction="sum"``). Required by ``optimizer_state``.
         checkpoint_every: ``"epoch"`` (default): one checkpoint label per epoch; ``"save"``:
             one per interval between two saves (``save_strategy``), the last one ending with
             training.
@@ -299,6 +444,15 @@ class AttributionCallback(TrainerCallback):
         mode: The store's mode (``"create"``, ``"append"``, ``"overwrite"``).
         keep_token_factors: As ``OffloadCallback(keep_token_factors=)``.
         storage_dtype: As ``OffloadCallback(storage_dtype=)``.
+        optimizer_state: Also record the trainer's optimizer moments around every update
+            (an :class:`~dattri_llm.OptimizerStateCallback`), for AdamW-influence and DVEmb:
+            ``AdamWInfluenceAttributor(args).attribute_from_cache(store, queries,
+            dynamics=callback.dynamics())``. Needs ``per_sample_loss="share"`` and no gradient
+            clipping (``TrainingArguments(max_grad_norm=0.0)``): a clipped update is no sum of
+            the stored rows.
+        snapshots: With ``optimizer_state``: write the recorded moments to this directory (a
+            :class:`~dattri_llm.TrajectorySnapshots`) as each step completes, instead of
+            keeping them in memory.
 
     Attributes:
         manager: The hook manager (built at ``on_train_begin``).
@@ -317,8 +471,21 @@ class AttributionCallback(TrainerCallback):
         mode: str = "create",
         keep_token_factors: bool | Sequence[str] = False,
         storage_dtype: str | torch.dtype | None = None,
+        optimizer_state: bool = False,
+        snapshots: str | os.PathLike | None = None,
     ) -> None:
         self.per_sample_loss = _check_loss(per_sample_loss, "AttributionCallback")
+        if (optimizer_state or snapshots is not None) and per_sample_loss != "share":
+            raise ValueError(
+                f"AttributionCallback(optimizer_state=True, per_sample_loss={per_sample_loss!r}): "
+                "the trajectory methods model each update as the sum of the stored rows, and a "
+                "trainer's token-weighted loss is no sum of per-sample sums or means. Pass "
+                "per_sample_loss='share' (each row the sample's share of the applied gradient)."
+            )
+        self.optimizer_state = bool(optimizer_state or snapshots is not None)
+        self.snapshots = snapshots
+        self.recorder: OptimizerStateCallback | None = None
+        self._optimizer: Any = None
         if checkpoint_every not in _EVERY:
             raise ValueError(
                 f"AttributionCallback(checkpoint_every={checkpoint_every!r}): expected 'epoch' "
@@ -339,24 +506,50 @@ class AttributionCallback(TrainerCallback):
         self._written_at_label = 0
         self._declared = False
         self._accumulation = 1
+        self._steps_in_epoch: int | None = None
 
     # ---- the trainer's events --------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         """Build the manager on the trainer's model and start capturing."""
-        del state, control, kw
-        _refuse_rl(args)
+        del state, control
+        kind = _trainer_kind(args)
+        self._scale.grpo = _check_grpo(args) if kind == "grpo" else None
         if model is None:
             raise ValueError("AttributionCallback: the trainer passed no model to on_train_begin.")
+        if self.optimizer_state and float(args.max_grad_norm or 0.0) > 0.0:
+            raise ValueError(
+                f"AttributionCallback(optimizer_state=True): the trainer clips the gradient norm "
+                f"to max_grad_norm={args.max_grad_norm}, so an update is not the sum of the "
+                "stored rows. Train with TrainingArguments(max_grad_norm=0.0)."
+            )
         self.close()
+        self._optimizer = kw.get("optimizer")
         self._accumulation = int(args.gradient_accumulation_steps)
+        loader = kw.get("train_dataloader")
+        try:  # the micro-batches of an epoch: its last optimizer step may take fewer
+            self._steps_in_epoch = len(loader) if loader is not None else None
+        except TypeError:  # an iterable dataset: every step takes gradient_accumulation_steps
+            self._steps_in_epoch = None
         self.store = GradientStorageManager(self.store_dir, mode=self.mode)
         self._offload = OffloadCallback(
             file_manager=self.store,
             gradient_accumulation_steps=self._accumulation,
             keep_token_factors=self.keep_token_factors,
             storage_dtype=self.storage_dtype,
+            # the rows of an update sum to the applied gradient: what the trajectory methods read
+            loss_reduction="sum" if self.per_sample_loss == "share" else None,
         )
-        manager = HookManager(model, config=self.config, callbacks=[self._offload])
+        callbacks: list[Any] = [self._offload]
+        self.recorder = None
+        if self.optimizer_state:
+            self.recorder = OptimizerStateCallback(
+                model,
+                self._trainer_optimizer,
+                snapshots=self.snapshots,
+                gradient_accumulation_steps=self._accumulation,
+            )
+            callbacks.append(self.recorder)
+        manager = HookManager(model, config=self.config, callbacks=callbacks)
         batched = [s.name for s in manager.layers if s.hook_type == "param_grad"]
         if batched:
             manager.remove()
@@ -380,9 +573,53 @@ class AttributionCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any):
         """The stored step of this update's micro-batches: the trainer's optimizer step."""
-        del args, control, kw
+        del args, control
+        self._optimizer = kw.get("optimizer", self._optimizer)
         if self.manager is not None:
             self.manager.step = int(state.global_step) * self._accumulation
+        if self._scale.grpo is not None:
+            self._scale.grpo.accumulation = self._micro_batches(int(state.global_step))
+
+    def _micro_batches(self, step: int) -> int:
+        """Micro-batches of optimizer step ``step``, as the Trainer chunks an epoch."""
+        ga, n = self._accumulation, self._steps_in_epoch
+        if not n:
+            return ga
+        per_epoch = max(-(-n // ga), 1)
+        last = n % ga or ga
+        return last if step % per_epoch == per_epoch - 1 else ga
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any):
+        """Record the moments the update left (``optimizer_state``)."""
+        del args, control, kw
+        if self.recorder is not None and self._stack is not None:
+            self.recorder.record_post(int(state.global_step))  # incremented after this event
+
+    def _trainer_optimizer(self) -> torch.optim.Optimizer:
+        """The trainer's optimizer (unwrapped from accelerate's ``AcceleratedOptimizer``)."""
+        opt = self._optimizer
+        if opt is None:
+            raise RuntimeError(
+                "AttributionCallback(optimizer_state=True): the trainer passed no optimizer to "
+                "its callbacks."
+            )
+        return getattr(opt, "optimizer", opt)
+
+    def dynamics(self) -> Any:
+        """The recorded optimizer dynamics (``optimizer_state=True``).
+
+        What ``AdamWInfluenceAttributor`` / ``DVEmbAttributor(...).attribute_from_cache(...,
+        dynamics=...)`` take.
+
+        Raises:
+            RuntimeError: the callback records no optimizer state, or nothing was recorded.
+        """
+        if self.recorder is None:
+            raise RuntimeError(
+                "AttributionCallback.dynamics(): no optimizer state was recorded; build the "
+                "callback with optimizer_state=True, per_sample_loss='share'."
+            )
+        return self.recorder.dynamics()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any):
         """Close the epoch's label (``checkpoint_every="epoch"``)."""
@@ -436,6 +673,11 @@ class AttributionCallback(TrainerCallback):
                 facts.update(
                     per_sample_loss=self.per_sample_loss, checkpoint_every=self.checkpoint_every
                 )
+                grpo = self._scale.grpo
+                # what a row is the gradient of: the sample's NLL, or GRPO's -A_i x its NLL
+                facts["objective"] = "grpo" if grpo is not None else "log_likelihood"
+                if grpo is not None:
+                    facts["grpo_loss_type"] = grpo.loss_type
                 if self.mode != "append":
                     facts["checkpoints"] = {}
                 declare_capture(self.store_dir, **facts)
@@ -459,7 +701,10 @@ class AttributionCallback(TrainerCallback):
             data,
             store_dir,
             train_store=self.store_dir,
-            per_sample_loss=self.per_sample_loss,
+            # a share store's queries take their own loss (kwargs may choose "mean")
+            per_sample_loss=kwargs.pop(
+                "per_sample_loss", None if self.per_sample_loss == "share" else self.per_sample_loss
+            ),
             **kwargs,
         )
 
@@ -519,9 +764,11 @@ def capture_queries(
     if train_store is not None:
         store = GradientStorageManager(train_store)
         declared = read_checkpoints_file(train_store).get("per_sample_loss")
+    if declared == "share":  # a query has no batch to have a share of: its own loss
+        declared = None
     if per_sample_loss is None:
         per_sample_loss = declared or "sum"
-    _check_loss(per_sample_loss, "capture_queries")
+    _check_loss(per_sample_loss, "capture_queries", QUERY_LOSSES)
     if declared is not None and per_sample_loss != declared:
         raise ValueError(
             f"capture_queries(per_sample_loss={per_sample_loss!r}): the train store {train_store} "

@@ -1,13 +1,15 @@
 """Capture per-rollout gradients from a TRL ``GRPOTrainer`` run, then attribute from disk.
 
-The training code is the stock ``GRPOTrainer``: dattri_llm only wraps ``trainer.train()`` in a
-``HookManager`` context with an ``OffloadCallback``. Each training row of GRPO is a rollout
-(prompt + sampled completion); its stored gradient is that of the GRPO loss, i.e. the
-advantage-weighted log-likelihood gradient of the completion. Offline: a tiny GPT-2 built from
+The training code is the stock ``GRPOTrainer``: dattri_llm only adds one callback,
+``AttributionCallback``. Each training sample of GRPO is a rollout (prompt + sampled
+completion); its stored gradient is that of ``-A_i Σ_t log π(c_it | prompt_i, c_i<t)``, its
+advantage times its completion's negative log-likelihood, whatever normaliser TRL's
+``loss_type`` divides the batch's loss by. Offline: a tiny GPT-2 built from
 a config, a byte-level BPE tokenizer trained on the fly on Python's documentation topics, a
 handful of prompts and a programmatic reward (the share of a letter in the completion).
 
-The query is the best-rewarded rollout: its log-likelihood gradient at the final weights is
+The query is the best-rewarded rollout: its completion's negative log-likelihood gradient at the
+final weights (``capture_queries``, labelled with the train checkpoint of those weights) is
 attributed to the training rollouts with TracIn from the two gradient stores. Positive scores
 mark rollouts whose updates made the query more likely.
 
@@ -32,12 +34,12 @@ from dattri_llm import (
     REGISTER_ALL,
     AttributionArguments,
     GradientStorageManager,
-    HookManager,
     HookManagerConfig,
-    OffloadCallback,
     TracInAttributor,
     hash_batch,
+    hash_sample,
 )
+from dattri_llm.integrations.hf_trainer import AttributionCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_sft import build_model, build_tokenizer  # noqa: E402  (the sibling example's builders)
@@ -158,36 +160,27 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
     handle = model.register_forward_pre_hook(remember, with_kwargs=True)
 
-    # (1) wrap the unchanged training run: per-rollout gradients go to disk as it trains
-    capture = HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r"lm_head"])
-    train_store = GradientStorageManager(str(work / "train_grads"))
-    hm = HookManager(
-        model,
-        config=capture,
-        callbacks=[OffloadCallback(file_manager=train_store, recording_type="per_sample")],
+    # (1) attach one callback: per-rollout gradients of -A_i x log pi(completion_i | prompt_i)
+    #     go to disk as it trains, one checkpoint label per epoch
+    capture = AttributionCallback(
+        work / "train_grads", config=HookManagerConfig(linear_io=REGISTER_ALL, exclude=[r"lm_head"])
     )
-    with hm.collect(deregister_on_exit=True):
-        trainer.train()
-    train_store.close()
+    trainer.add_callback(capture)
+    trainer.train()
     handle.remove()
+    train_store = GradientStorageManager(str(work / "train_grads"))
 
-    # (2) the query: the best-rewarded rollout's log-likelihood gradient at the final weights
+    # (2) the query: the best-rewarded rollout's completion log-likelihood gradient at the final
+    #     weights, labelled with the train label that stands for them
     train_hashes = train_store.sample_hashes()
     best = max(train_hashes, key=lambda h: rollouts[h]["reward"])
     q = rollouts[best]
-    test_store = GradientStorageManager(str(work / "test_grads"))
-    hm = HookManager(model, config=capture, callbacks=[OffloadCallback(file_manager=test_store)])
-    model.train()
-    with hm.collect(deregister_on_exit=True):
-        labels = q["input_ids"].masked_fill(~q["completion_mask"], -100)
-        out = model(
-            input_ids=q["input_ids"][None],
-            attention_mask=q["attention_mask"][None],
-            labels=labels[None],
-        )
-        out.loss.backward()
-    model.zero_grad(set_to_none=True)
-    test_store.close()
+    query = {
+        "input_ids": q["input_ids"],
+        "attention_mask": q["attention_mask"],
+        "labels": q["input_ids"].masked_fill(~q["completion_mask"], -100),
+    }
+    capture.capture_queries(model, [query], work / "test_grads")
 
     # (3) attribute from the cache: no model needed
     score = TracInAttributor(
@@ -214,6 +207,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "rollouts": rollouts,
         "train_hashes": train_hashes,
         "query_hash": best,
+        "query": query,
+        "query_store_hash": hash_sample(query),
         "scores": scores,
         "initial_state": initial_state,
         "model_config": model.config,

@@ -71,7 +71,7 @@ from dattri_llm.attribution.index.vectors import (
     unit_rows,
 )
 from dattri_llm.attribution.ranking import check_top_k, clamp_top_k, rank
-from dattri_llm.attribution.score import AttributionScore
+from dattri_llm.attribution.score import AttributionScore, check_repeats
 from dattri_llm.gradient.gradient import Gradient, Materialized
 from dattri_llm.utils.progress import progress_bar
 
@@ -152,6 +152,14 @@ class GradientIndex:
         return self.meta["metric"]
 
     @property
+    def repeats(self) -> str:
+        """How a sample's rows under one checkpoint label were combined (``build(repeats=)``).
+
+        An index written before the option summed them.
+        """
+        return self.meta.get("repeats", "sum")
+
+    @property
     def kind(self) -> str:
         """The built kind: ``"flat"``, ``"ivf"`` or ``"hnsw"``."""
         return self.meta["kind"]
@@ -200,6 +208,7 @@ class GradientIndex:
         overwrite: bool = False,
         show_progress: bool | None = None,
         block_rows: int = BLOCK_ROWS,
+        repeats: str | None = None,
         **params: Any,
     ) -> GradientIndex:
         """Build an index over a projected train store and write it to ``index_dir``.
@@ -226,6 +235,11 @@ class GradientIndex:
                 ``block_rows * D * 12`` bytes) and the samples' ids; see
                 :mod:`dattri_llm.attribution.index.builder`. Any value gives the same index;
                 one beyond the store's rows is clamped to them.
+            repeats: How a sample's rows under one checkpoint label combine (a loop captured
+                over several epochs under one label), as the attributors' ``repeats=``:
+                ``"sum"`` or ``"mean"``; default ``"mean"`` for ``"cosine"`` (Grad-Cos's
+                default, so a score stays a cosine per label) and ``"sum"`` for ``"dot"``.
+                Checkpoint labels are always summed.
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
                 ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
@@ -244,6 +258,9 @@ class GradientIndex:
         if kind not in kinds.KINDS:
             raise ValueError(f"kind must be one of {kinds.KINDS}, got {kind!r}.")
         block_rows = check_block_rows(block_rows)
+        if repeats is None:
+            repeats = "mean" if metric == "cosine" else "sum"
+        repeats = check_repeats(repeats, "GradientIndex.build(repeats=)")
         store = _open_store(train_store)
         directory = Path(index_dir)
         if (directory / META_NAME).exists() and not overwrite:
@@ -299,6 +316,7 @@ class GradientIndex:
             stream = train_parts(
                 store, layers, metric, wanted, weight,
                 rows=rows, plan=plan, parts=builders, block_rows=block_rows,
+                repeats=repeats,
             )  # fmt: skip
             for _, done, _, _ in stream:
                 if bar is not None:
@@ -326,6 +344,7 @@ class GradientIndex:
             "num_samples": n_total,
             "checkpoints": sorted(wanted) if wanted is not None else None,
             "checkpoint_weights": saved_weights,
+            "repeats": repeats,
             "capture_fingerprint": facts.fingerprint,
             "store": {
                 "path": os.path.relpath(os.path.abspath(store.save_dir), directory.absolute()),
@@ -664,6 +683,7 @@ class GradientIndex:
             train_checkpoints=[all_ckpts[i] for i in keep],
             top_k_kept=k,
             num_train=len(all_hashes),
+            repeats=self.repeats,
         )
 
 

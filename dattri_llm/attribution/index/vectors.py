@@ -214,6 +214,7 @@ def train_parts(
     plan: tuple[dict[str, str], dict[str, int], dict[str, int]] | None = None,
     parts: Mapping[str, PartVectors] | None = None,
     block_rows: int | None = None,
+    repeats: str = "sum",
 ) -> Iterator[tuple[str, int, int, Any]]:
     """Stream the records; yield progress ``(part, rows done, rows total, None)``.
 
@@ -237,9 +238,18 @@ def train_parts(
             :class:`PartVectors` per partition, kept in memory. A sample
             with several rows is held (one float64 vector) until its last row is read.
         block_rows: Rows per block read from the store (default :data:`BLOCK_ROWS`).
+        repeats: How a sample's rows under one checkpoint label combine, as the attributors'
+            ``repeats=``: ``"sum"``, or ``"mean"`` (each row divided by the sample's number
+            of rows under its label; the labels are still summed).
     """
     if rows is None:
         rows = unit_rows(store, checkpoints)
+    per_label: dict[tuple[str, int], int] = {}  # (sample, label) -> its rows, for "mean"
+    if repeats == "mean":
+        for _, _, rec in rows:
+            for h in rec.hashes:
+                key = (h, int(rec.checkpoint))
+                per_label[key] = per_label.get(key, 0) + 1
     owner, left, counts = plan or plan_parts(rows)  # left: consumed
     if parts is None:
         parts = {part: PartVectors() for part in counts}
@@ -252,6 +262,11 @@ def train_parts(
         w = float(weight(rec.checkpoint))
         if w != 1.0:
             vec = vec * w
+        if per_label:
+            c = int(rec.checkpoint)
+            n = torch.tensor([per_label[(h, c)] for h in rec.hashes], dtype=vec.dtype)
+            if bool((n > 1).any()):
+                vec = vec / n.to(vec.device).unsqueeze(1)
         finished: dict[str, list[str]] = {}  # owner part -> hashes whose rows are all in
         direct: dict[str, list[int]] = {}  # owner part -> rows of single-row samples
         for r, h in enumerate(rec.hashes):
@@ -270,8 +285,8 @@ def train_parts(
                     warned = True
                     warnings.warn(
                         f"train sample {h!r} occurs more than once at step {key[0]}: identical "
-                        "samples share one id, so the index sums their rows (the influence of "
-                        "all the copies together), as TracIn's top_k does. Deduplicate the "
+                        "samples share one id, so the index combines their rows by "
+                        f"repeats={repeats!r}, as TracIn's top_k does. Deduplicate the "
                         "train set to silence this.",
                         UserWarning,
                         stacklevel=3,

@@ -35,7 +35,9 @@ def test_small_blocks_give_the_one_go_index(tmp_path, kind, params):
     assert faiss_bytes(small) == faiss_bytes(big)
     # and the in-memory build the library made before streaming: all vectors, then make_index
     store = small.store
-    *_, (_, _, _, parts) = train_parts(store, small.layers, "cosine", None, lambda c: 1.0)
+    *_, (_, _, _, parts) = train_parts(
+        store, small.layers, "cosine", None, lambda c: 1.0, repeats=small.repeats
+    )
     for (rel, pv), entry, got in zip(parts.items(), small.meta["parts"], faiss_bytes(big)):
         assert rel == entry["partition"]
         ref = K.make_index(kind, small.dim, entry["params"], pv.matrix(small.dim))

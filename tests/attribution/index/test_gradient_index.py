@@ -108,6 +108,56 @@ def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, 
     assert all(steps.get(f"t{i}", -1) == -1 for i in range(4, 8))  # several steps: -1
 
 
+@pytest.mark.parametrize(
+    ("metric", "repeats"), [("cosine", None), ("cosine", "sum"), ("dot", None), ("dot", "mean")]
+)
+def test_a_sample_repeated_under_one_label_combines_like_the_attributors_default(
+    tmp_path, metric, repeats
+):
+    """Two epochs under one label: a cosine index averages a sample's normalized rows
+    (Grad-Cos's default ``repeats="mean"``), a dot index sums them; ``repeats=`` overrides."""
+    vecs = train_vectors(20, seed=7)
+    with GradientStorageManager(tmp_path / "train") as store:
+        store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)]))
+        store.write(record(1, vecs[8:16], [f"t{i}" for i in range(4, 12)]))  # t4..t7 again
+        store.write(record(2, vecs[16:20], [f"t{i}" for i in range(4)], checkpoint=1))
+    queries = train_vectors(3, seed=8)
+    write(tmp_path / "test", queries, prefix="q")
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, repeats=repeats)
+    index = GradientIndex.open(tmp_path / "idx")
+    rule = repeats or ("mean" if metric == "cosine" else "sum")
+    assert index.repeats == rule
+    got = index.search(tmp_path / "test", k=12)
+    assert got.repeats == rule
+    # brute force, written out: per label, the sum or the mean of each sample's rows
+    rows = {0: [(i, vecs[i]) for i in range(8)] + [(i - 4, vecs[i]) for i in range(8, 16)]}
+    rows[1] = [(i, vecs[16 + i]) for i in range(4)]
+    want = torch.zeros(12, queries.shape[1], dtype=torch.float64)
+    for items in rows.values():
+        per = torch.zeros_like(want)
+        n = torch.zeros(12, dtype=torch.float64)
+        for i, v in items:
+            per[i] += v / v.norm() if metric == "cosine" else v
+            n[i] += 1
+        want += per / n.clamp_min(1).unsqueeze(1) if rule == "mean" else per
+    q = queries / queries.norm(dim=1, keepdim=True) if metric == "cosine" else queries
+    full = q @ want.T  # (3, 12)
+    top = got.top_k(12)
+    for j in range(3):
+        order = full[j].argsort(descending=True)
+        assert top.proponent_hashes[j] == [f"t{i}" for i in order.tolist()]
+        torch.testing.assert_close(
+            top.proponent_scores[j].double(), full[j, order], rtol=1e-5, atol=1e-5
+        )
+    # and Grad-Cos / Grad-Dot (TracIn over the labels) with the same rule: its default for
+    # the default index
+    att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine", repeats=repeats)
+    with pytest.warns(UserWarning, match="occur several times under one checkpoint label"):
+        want_top = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=12)
+    assert want_top.repeats == rule
+    same_top(got, want_top, 12)
+
+
 def test_multi_partition_merge_is_exact(tmp_path):
     root = tmp_path / "train"
     root.mkdir()
