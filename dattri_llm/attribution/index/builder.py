@@ -30,6 +30,7 @@ same vectors in the same order): ``tests/attribution/index/test_builder.py`` che
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ class PartBuilder(PartVectors):
         self._filled = 0
         self._flat = kinds.flat_storage(self.index, n) if kind == "flat" else None
         self.calibration: dict[str, Any] | None = None  # ivf: the measured recall
+        self.calibration_seconds = 0.0  # its searches (not in index.json's parts: same bytes)
         self.spill = spill if kind == "ivf" else None
         self._file = open(spill, "wb") if self.spill is not None else None  # noqa: SIM115
 
@@ -202,7 +204,9 @@ class PartBuilder(PartVectors):
         if exact is None:
             return
         vectors = open_rerank_file(self.spill, self.n, self.dim) if self.keeps_spill else None
+        started = time.perf_counter()
         nprobe, self.calibration = calibrate(self.index, self.params, vectors, exact)
+        self.calibration_seconds = time.perf_counter() - started
         self.params = {**self.params, "nprobe": nprobe}  # a copy: may be the build's dict
 
     @property

@@ -23,7 +23,6 @@ usually harder (``docs/benchmarks/index.md`` measures both).
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any
 
@@ -131,7 +130,6 @@ def calibrate(
         ``target_recall``, else ``nlist``; without a target, the given one) and the
         ``"calibration"`` entry of ``index.json``.
     """
-    started = time.perf_counter()
     nlist = int(kinds.import_faiss().downcast_index(index).nlist)
     target = params.get("target_recall")
     if target is None:
@@ -168,6 +166,5 @@ def calibrate(
         "opponents": chosen["opponents"],
         "reached": None if target is None else chosen["recall"] >= target,
         "sweep": measured,
-        "seconds": time.perf_counter() - started,
     }
     return chosen["nprobe"], record

@@ -303,6 +303,7 @@ class GradientIndex:
             del rows, plan, stream
             read_s = time.perf_counter() - started
             entries, opened, rerank = write_parts(builders, number, directory)
+            calibrate_s = sum(pb.calibration_seconds for pb in builders.values())
         finally:
             if bar is not None:
                 bar.close()
@@ -335,7 +336,11 @@ class GradientIndex:
             },
             "parts": entries,
             "expected_recall": min(recalls) if recalls else None,
-            "build_seconds": {"read": read_s, "total": time.perf_counter() - started},
+            "build_seconds": {
+                "read": read_s,
+                "calibrate": calibrate_s,  # this rank's parts
+                "total": time.perf_counter() - started,
+            },
             "faiss_version": getattr(faiss, "__version__", "unknown"),
         }
         if not dd.active():
