@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         res["search"] = rows
+        res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
