@@ -19,7 +19,9 @@ sample vectors are buffered up to ``block_rows`` rows, then handed to FAISS:
   training sample (``train_size * D * 4`` bytes) and one block; disk: the vectors once more
   while building. With product quantization (``pq_m``) the spill file is kept: fsynced and
   renamed to the part's re-rank file (``part_search``), whose rows the search re-ranks
-  exactly.
+  exactly. The add pass also computes the exact top-10 of a few held-out vectors of the part,
+  and the built part is then searched with them to measure its recall and, with
+  ``target_recall``, choose its ``nprobe`` (:mod:`~dattri_llm.attribution.index.calibrate`).
 
 The result is the index an in-memory build of the same vectors gives (same training sample,
 same vectors in the same order): ``tests/attribution/index/test_builder.py`` checks identical top-k.
@@ -28,6 +30,7 @@ same vectors in the same order): ``tests/attribution/index/test_builder.py`` che
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,12 @@ import numpy as np
 import torch
 
 from dattri_llm.attribution.index import kinds
+from dattri_llm.attribution.index.calibrate import (
+    CALIBRATION_K,
+    ExactTopK,
+    calibrate,
+    calibration_rows,
+)
 from dattri_llm.attribution.index.format import part_files, rerank_file, write_json
 from dattri_llm.attribution.index.part_search import open_rerank_file, uses_rerank_file
 from dattri_llm.attribution.index.vectors import PartVectors
@@ -110,6 +119,8 @@ class PartBuilder(PartVectors):
         self._buffered = 0
         self._filled = 0
         self._flat = kinds.flat_storage(self.index, n) if kind == "flat" else None
+        self.calibration: dict[str, Any] | None = None  # ivf: the measured recall
+        self.calibration_seconds = 0.0  # its searches (not in index.json's parts: same bytes)
         self.spill = spill if kind == "ivf" else None
         self._file = open(spill, "wb") if self.spill is not None else None  # noqa: SIM115
 
@@ -170,13 +181,33 @@ class PartBuilder(PartVectors):
             self._file.close()
             self._file = None
             if self.n:
-                self.index = kinds.train_index(self.index, self.params, self._sample())
-                for chunk in self._spilled():
-                    self.index.add(chunk)
+                self._train_fill_calibrate()
             if not self.keeps_spill:
                 self.close()
         kinds.set_search_params(self.index, self.kind, self.params)
         return self.index
+
+    def _train_fill_calibrate(self) -> None:
+        """Train on the sample, add the spilled blocks, then measure the part's recall."""
+        k = min(CALIBRATION_K, self.n - 1)
+        rows = calibration_rows(self.n, self.params) if k > 0 else np.zeros(0, np.int64)
+        sample, queries = self._gather(kinds.training_rows(self.n, self.params), rows)
+        self.index = kinds.train_index(self.index, self.params, sample)
+        del sample
+        exact = ExactTopK(queries, rows, k) if len(rows) else None
+        r0 = 0
+        for chunk in self._spilled():
+            self.index.add(chunk)
+            if exact is not None:
+                exact.update(chunk, r0)  # the same pass: the store is not read again
+            r0 += len(chunk)
+        if exact is None:
+            return
+        vectors = open_rerank_file(self.spill, self.n, self.dim) if self.keeps_spill else None
+        started = time.perf_counter()
+        nprobe, self.calibration = calibrate(self.index, self.params, vectors, exact)
+        self.calibration_seconds = time.perf_counter() - started
+        self.params = {**self.params, "nprobe": nprobe}  # a copy: may be the build's dict
 
     @property
     def keeps_spill(self) -> bool:
@@ -189,19 +220,20 @@ class PartBuilder(PartVectors):
         os.replace(self.spill, path)
         self.spill = None
 
-    def _sample(self) -> np.ndarray:
-        """The training sample, gathered in one pass over the spill file."""
-        rows = kinds.training_rows(self.n, self.params)
-        picked = []
+    def _gather(self, *row_sets: np.ndarray | None) -> list[np.ndarray]:
+        """The spilled rows of each sorted set (``None``: all), in one pass over the file."""
+        picked: list[list[np.ndarray]] = [[] for _ in row_sets]
         r0 = 0
         for chunk in self._spilled():
-            if rows is None:
-                picked.append(chunk)
-            else:
-                lo, hi = np.searchsorted(rows, [r0, r0 + len(chunk)])
-                picked.append(chunk[rows[lo:hi] - r0])
+            for rows, out in zip(row_sets, picked):
+                if rows is None:
+                    out.append(chunk)
+                else:
+                    lo, hi = np.searchsorted(rows, [r0, r0 + len(chunk)])
+                    out.append(chunk[rows[lo:hi] - r0])
             r0 += len(chunk)
-        return np.ascontiguousarray(np.concatenate(picked), dtype=np.float32)
+        empty = np.zeros((0, self.dim), np.float32)
+        return [np.ascontiguousarray(np.concatenate([empty, *out]), np.float32) for out in picked]
 
     def close(self) -> None:
         """Remove the spill file (after the build, or when it failed)."""
@@ -242,6 +274,8 @@ def write_parts(
             "params": pb.params,
             "bytes": faiss_path.stat().st_size,
         }
+        if pb.calibration is not None:
+            entry["calibration"] = pb.calibration
         vectors = None
         if pb.keeps_spill:
             path = rerank_file(directory, i)

@@ -170,6 +170,21 @@ class GradientIndex:
         return dict(self.meta["params"])
 
     @property
+    def expected_recall(self) -> float | None:
+        """The recall@10 measured at build (``ivf``), ``1.0`` for ``flat``, else ``None``.
+
+        For ``ivf``: the lowest over the partitions of the recall@10 (proponents and
+        opponents, the lower) of held-out train vectors searched with the build's ``nprobe``
+        against their exact top-10 (:mod:`~dattri_llm.attribution.index.calibrate`; each
+        part's record is its ``meta["parts"][i]["calibration"]``). Test queries from
+        another distribution usually reach less (``docs/benchmarks/index.md``). ``None``
+        for ``hnsw`` and for indexes built before the measurement existed.
+        """
+        if self.kind == "flat":
+            return 1.0
+        return self.meta.get("expected_recall")
+
+    @property
     def layers(self) -> list[str]:
         """The indexed layers, in vector order."""
         return list(self.meta["layers"])
@@ -188,9 +203,12 @@ class GradientIndex:
         return self.num_samples
 
     def __repr__(self) -> str:
+        recall = self.expected_recall
         return (
             f"GradientIndex({str(self.directory)!r}, samples={self.num_samples}, "
-            f"metric={self.metric!r}, kind={self.kind!r}, dim={self.dim}, parts={len(self._parts)})"
+            f"metric={self.metric!r}, kind={self.kind!r}, dim={self.dim}, parts={len(self._parts)}"
+            + ("" if recall is None else f", expected_recall={recall:.3f}")
+            + ")"
         )
 
     # ---- build -----------------------------------------------------------------------------
@@ -221,8 +239,10 @@ class GradientIndex:
             metric: ``"dot"`` (TracIn / Grad-Dot inner products) or ``"cosine"`` (Grad-Cos).
             kind: ``"auto"`` (exact ``flat`` for small stores, see
                 :data:`~dattri_llm.attribution.index.kinds.AUTO_FLAT_MAX`; above it IVF-PQ
-                with exact re-ranking, :func:`~dattri_llm.attribution.index.kinds.auto_ivf_params`),
-                ``"flat"``, ``"ivf"`` or ``"hnsw"``.
+                with exact re-ranking, :func:`~dattri_llm.attribution.index.kinds.auto_ivf_params`,
+                its ``nprobe`` chosen at build to reach ``target_recall``, recall@10 0.95 on
+                held-out train vectors, reported as :attr:`expected_recall`), ``"flat"``,
+                ``"ivf"`` or ``"hnsw"``.
             layers: Index only these layers (default: all, in the store's order).
             checkpoints: Index only records with these checkpoint labels (default: all).
             checkpoint_weights: TracIn's ``w_c`` per checkpoint label (a sequence or mapping).
@@ -241,7 +261,10 @@ class GradientIndex:
                 default, so a score stays a cosine per label) and ``"sum"`` for ``"dot"``.
                 Checkpoint labels are always summed.
             **params: The kind's parameters (``nlist``, ``nprobe``, ``train_size``, ``seed``,
-                ``pq_m``, ``pq_bits``, ``rerank`` for ``ivf``; ``M``, ``efConstruction``,
+                ``pq_m``, ``pq_bits``, ``rerank``, ``target_recall`` (choose ``nprobe`` at
+                build: the smallest power of two, or ``nlist``, whose measured recall@10
+                reaches it; warns when even ``nlist`` does not), ``calibration_queries``
+                (held-out vectors it is measured on, 128) for ``ivf``; ``M``, ``efConstruction``,
                 ``efSearch`` for ``hnsw``; see :mod:`dattri_llm.attribution.index.kinds`).
 
         Returns:
@@ -325,12 +348,18 @@ class GradientIndex:
             del rows, plan, stream
             read_s = time.perf_counter() - started
             entries, opened, rerank = write_parts(builders, number, directory)
+            calibrate_s = sum(pb.calibration_seconds for pb in builders.values())
         finally:
             if bar is not None:
                 bar.close()
             for pb in builders.values():
                 pb.close()
         entries = dd.gather_entries(entries)
+        recalls = [e["calibration"]["recall"] for e in entries if "calibration" in e]
+        if built_kind == "ivf" and full.get("target_recall") is not None and entries:
+            # the parts' nprobe were calibrated: the index's is the largest (the one that
+            # reaches the target in every part); each part searches with its own
+            full = {**full, "nprobe": max(int(e["params"]["nprobe"]) for e in entries)}
         meta = {
             "format": INDEX_FORMAT_NAME,
             "version": INDEX_FORMAT_VERSION,
@@ -352,7 +381,12 @@ class GradientIndex:
                 "fingerprint": fingerprint,
             },
             "parts": entries,
-            "build_seconds": {"read": read_s, "total": time.perf_counter() - started},
+            "expected_recall": min(recalls) if recalls else None,
+            "build_seconds": {
+                "read": read_s,
+                "calibrate": calibrate_s,  # this rank's parts
+                "total": time.perf_counter() - started,
+            },
             "faiss_version": getattr(faiss, "__version__", "unknown"),
         }
         if not dd.active():

@@ -23,8 +23,14 @@ kind       FAISS index                                   parameters (defaults)
 about 12 ms per query in a batch of 100 on one core; 4.9 ms measured at 1e5 x 1024, see
 ``docs/benchmarks/index.md``), and above it ``ivf`` with :func:`auto_ivf_params` (IVF-PQ,
 4-bit fast scan, exact re-ranking from the re-rank file): its memory is the PQ codes (256 B
-per vector at D = 2048) where ``hnsw`` and IVF-Flat hold every vector, and on 1M real
-projected gradients it reached recall@10 0.972 at 17x the exact ``top_k``'s throughput.
+per vector at D = 2048) where ``hnsw`` and IVF-Flat hold every vector. Its ``nprobe`` is not
+a fixed fraction of ``nlist`` (how many lists a query must visit depends on the data): the
+build measures recall@10 on held-out queries and keeps the smallest ``nprobe`` (a power of
+two, or ``nlist``) that reaches ``target_recall`` (0.95;
+:mod:`~dattri_llm.attribution.index.calibrate`), and the index reports the recall it
+measured (``GradientIndex.expected_recall``).
+``ivf`` also takes ``target_recall`` (default ``None``: the given ``nprobe``, measured only)
+and ``calibration_queries`` (128).
 ``pq_bits=4`` always builds FAISS's fast-scan layout (``IndexIVFPQFastScan``: the same codes,
 scanned with SIMD), which wants an even ``pq_m``.
 ``nprobe`` and ``efSearch`` can also be given to each search.
@@ -44,6 +50,7 @@ __all__ = [
     "KINDS",
     "METRICS",
     "AUTO_FLAT_MAX",
+    "AUTO_TARGET_RECALL",
     "import_faiss",
     "resolve",
     "resolve_kind",
@@ -61,10 +68,22 @@ KINDS = ("auto", "flat", "ivf", "hnsw")
 METRICS = ("dot", "cosine")
 #: ``kind="auto"`` builds an exact flat index up to this many numbers (``n * D``).
 AUTO_FLAT_MAX = 250_000_000
+#: The recall@10 (on held-out queries) a ``kind="auto"`` IVF build calibrates ``nprobe`` to.
+AUTO_TARGET_RECALL = 0.95
 
 _PARAMS = {
     "flat": (),
-    "ivf": ("nlist", "nprobe", "train_size", "seed", "pq_m", "pq_bits", "rerank"),
+    "ivf": (
+        "nlist",
+        "nprobe",
+        "train_size",
+        "seed",
+        "pq_m",
+        "pq_bits",
+        "rerank",
+        "target_recall",
+        "calibration_queries",
+    ),
     "hnsw": ("M", "efConstruction", "efSearch"),
 }
 
@@ -100,35 +119,41 @@ def auto_ivf_params(n: int, dim: int) -> dict[str, Any]:
     IVF-PQ in FAISS's 4-bit fast-scan layout with ``D / 4`` sub-quantizers (one bit per
     number: 256 B per vector at ``D = 2048``), ``sqrt(n)`` lists trained on 40 vectors per
     list (a one-core build of about 3 minutes at 1M, not the hour ``4·sqrt(n)`` lists on 64
-    per list would take), a sixteenth of the lists probed, and a short list of ``25·k``
-    re-ranked exactly from the re-rank file. Measured on 1M real projected gradients (GPT-2,
-    2048 numbers, cosine; docs/benchmarks/index.md): recall@10 0.972 at 17x the exact
-    ``top_k``'s throughput per query in CPU time (11x in wall time); ``nprobe=nlist // 8``
-    at search time gives 0.987 at 14x.
+    per list would take), and a short list of ``25·k`` re-ranked exactly from the re-rank
+    file. ``nprobe`` is calibrated at build to :data:`AUTO_TARGET_RECALL` (see
+    :mod:`~dattri_llm.attribution.index.calibrate`); a fixed fraction of the lists does not
+    hold one recall across sizes (a sixteenth gave recall@10 0.97 on 1M real projected
+    gradients, 0.85 on 200k and 0.91 on 500k; calibrated: 0.95 and 0.98 on real test queries).
+    Measured recall and speed: ``docs/benchmarks/index.md``.
     """
     nlist = max(1, min(max(1, n // 39), int(math.sqrt(max(n, 1)))))
     even = [m for m in range(2, dim // 4 + 1, 2) if dim % m == 0]
     return {
         "nlist": nlist,
-        "nprobe": min(nlist, max(8, nlist // 16)),
         "train_size": min(n, 40 * nlist),
         "pq_m": max(even) if even else None,
         "pq_bits": 4,
         "rerank": 25,
+        "target_recall": AUTO_TARGET_RECALL,
     }
 
 
 def resolve(kind: str, n: int, dim: int, given: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The concrete kind and full parameters a build of ``n`` vectors of ``dim`` uses.
 
-    ``kind="auto"`` above :data:`AUTO_FLAT_MAX` takes :func:`auto_ivf_params` as its defaults.
+    ``kind="auto"`` above :data:`AUTO_FLAT_MAX` takes :func:`auto_ivf_params` as its defaults;
+    an ``nprobe`` given to it replaces the calibration (``target_recall`` then defaults to
+    ``None``).
 
     Raises:
         ValueError: an unknown kind, a parameter the kind does not take, an invalid value.
     """
     built = resolve_kind(kind, n, dim)
     if kind == "auto" and built == "ivf":
-        given = {**auto_ivf_params(n, dim), **given}
+        defaults = auto_ivf_params(n, dim)
+        if "nprobe" in given:
+            defaults["target_recall"] = None
+        given = {**defaults, **given}
     return built, resolve_params(built, n, dim, given)
 
 
@@ -152,8 +177,11 @@ def resolve_params(kind: str, n: int, dim: int, given: dict[str, Any]) -> dict[s
         p.setdefault("pq_m", None)
         p.setdefault("pq_bits", 8)
         p.setdefault("rerank", 4)
-        for key in ("nlist", "nprobe", "train_size", "pq_bits", "rerank"):
+        p.setdefault("target_recall", None)
+        p.setdefault("calibration_queries", 128)
+        for key in ("nlist", "nprobe", "train_size", "pq_bits", "rerank", "calibration_queries"):
             _positive(key, p[key])
+        _target(p["target_recall"], "nprobe" in given)
         if p["nlist"] > n:
             raise ValueError(f"nlist={p['nlist']} exceeds the {n} vectors to index; lower it.")
         if p["pq_m"] is not None:
@@ -174,6 +202,20 @@ def resolve_params(kind: str, n: int, dim: int, given: dict[str, Any]) -> dict[s
         for key in ("M", "efConstruction", "efSearch"):
             _positive(key, p[key])
     return p
+
+
+def _target(value: Any, nprobe_given: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(
+            f"target_recall must be a recall@10 in (0, 1] (e.g. 0.95) or None, got {value!r}."
+        )
+    if nprobe_given:
+        raise ValueError(
+            "target_recall chooses nprobe at build; give one of them, not both (pass "
+            "target_recall=None to keep the given nprobe)."
+        )
 
 
 def _positive(key: str, value: Any) -> None:
