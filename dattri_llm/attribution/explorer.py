@@ -208,7 +208,7 @@ class Explorer:
                 f"index='auto' searches Grad-Cos or Grad-Dot scores; the method "
                 f"{self.method_name} scores otherwise: pass index=None to scan the store."
             )
-        first = self.store.load_record(self.store.index_entries()[0][0]).gradient
+        first = self.store.load_record(0).gradient
         dim = sum(int(lg.materialize().data[0].numel()) for lg in first.layers.values())
         if not wants_index(self.num_train, dim):
             return None
