@@ -22,9 +22,11 @@ from typing import Any
 
 __all__ = ["SCAN_MAX_NUMBERS", "index_directory", "wants_index", "cached_index"]
 
-#: ``index="auto"`` scans a store of at most this many numbers (200 MB of float32: ~0.1 s a
-#: query on one core); above it, it searches an index.
-SCAN_MAX_NUMBERS = 50_000_000
+#: ``index="auto"`` scans a store of at most this many numbers (40 MB of float32); above it, it
+#: searches an index. A scan reads and normalizes every row per query: about 45 ms per
+#: 1.5e7 numbers on one core (docs/benchmarks/serve.md), where a flat index holding the unit
+#: vectors in memory answers in a few.
+SCAN_MAX_NUMBERS = 10_000_000
 
 
 def index_directory(store_dir: str | os.PathLike, metric: str, fingerprint: dict) -> Path:

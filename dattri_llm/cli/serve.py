@@ -25,7 +25,7 @@ sample's, and the top-k training samples are ranked as dattri-llm attribute rank
   GET  /api/health       {"status": "ok", "method", "train_samples", "index", "exact"}
   GET  /api/sample/ID    {"id", "text"} of one training sample
 
-A store of more than 5e7 numbers (samples x numbers per sample) is searched through an index
+A store of more than 1e7 numbers (samples x numbers per sample) is searched through an index
 (--index auto, the default): built on the first start into STORE.index/ (a flat exact index
 while small, IVF with exact re-ranking when large) and reopened by later starts while the store
 is unchanged. Answers through an IVF or HNSW index carry "exact": false. --index none scans the
@@ -130,6 +130,22 @@ def _parse(body: bytes, max_k: int) -> tuple[str, str | None, int]:
     return prompt, completion, k
 
 
+def answer_json(result: Any) -> dict[str, Any]:
+    """The JSON object ``POST /api/attribute`` answers for an :class:`~dattri_llm.Attribution`."""
+    return {
+        "completion": result.completion,
+        "generated": result.generated,
+        "method": result.method,
+        "query_id": result.query_id,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+        "exact": result.exact,
+        "expected_recall": result.expected_recall,
+        "results": [
+            {"rank": r.rank, "id": r.id, "score": r.score, "text": r.text} for r in result.results
+        ],
+    }
+
+
 def build_app(
     explorer: Any, *, token: str | None = None, max_k: int = 100, max_body: int = MAX_BODY
 ) -> Any:
@@ -182,21 +198,7 @@ def build_app(
         except ValueError as e:  # e.g. a completion with no token to predict
             msg = str(e)
             return error(msg.split(":", 1)[0] if ":" in msg[:12] else "prompt", msg, 422)
-        return JSONResponse(
-            {
-                "completion": result.completion,
-                "generated": result.generated,
-                "method": result.method,
-                "query_id": result.query_id,
-                "elapsed_ms": round(result.elapsed_ms, 3),
-                "exact": result.exact,
-                "expected_recall": result.expected_recall,
-                "results": [
-                    {"rank": r.rank, "id": r.id, "score": r.score, "text": r.text}
-                    for r in result.results
-                ],
-            }
-        )
+        return JSONResponse(answer_json(result))
 
     async def health(request: Request) -> JSONResponse:
         index = getattr(explorer, "index", None)
