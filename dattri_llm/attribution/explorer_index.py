@@ -1,8 +1,9 @@
 """The index an :class:`~dattri_llm.Explorer` searches on a large store, kept beside the store.
 
 ``Explorer(..., index="auto")`` (``dattri-llm serve``'s default) scans a store of at most
-:data:`SCAN_MAX_NUMBERS` numbers (samples x numbers per sample): reading it per query stays
-within tens of milliseconds. A larger store is searched through a
+:data:`SCAN_MAX_SAMPLES` samples and :data:`SCAN_MAX_NUMBERS` numbers (samples x numbers per
+sample): reading it per query stays within tens of milliseconds. A larger store is searched
+through a
 :class:`~dattri_llm.GradientIndex` with ``kind="auto"`` (exact ``flat`` while it holds little
 memory, IVF with exact re-ranking above; see :mod:`dattri_llm.attribution.index.kinds`), built on
 the first start and kept in ``STORE.index/METRIC-DIGEST``, where the digest is that of the store's
@@ -20,13 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCAN_MAX_NUMBERS", "index_directory", "wants_index", "cached_index"]
+__all__ = ["SCAN_MAX_NUMBERS", "SCAN_MAX_SAMPLES", "index_directory", "wants_index", "cached_index"]
 
-#: ``index="auto"`` scans a store of at most this many numbers (40 MB of float32); above it, it
-#: searches an index. A scan reads and normalizes every row per query: about 45 ms per
-#: 1.5e7 numbers on one core (docs/benchmarks/serve.md), where a flat index holding the unit
-#: vectors in memory answers in a few.
+#: ``index="auto"`` scans a store of at most this many numbers (40 MB of float32) and
+#: :data:`SCAN_MAX_SAMPLES` samples; above either, it searches an index. A scan reads, decodes
+#: and normalizes every record per query (~0.1 ms per sample even when narrow, more when wide:
+#: docs/benchmarks/serve.md), where a flat index holds the unit vectors in memory.
 SCAN_MAX_NUMBERS = 10_000_000
+#: See :data:`SCAN_MAX_NUMBERS`.
+SCAN_MAX_SAMPLES = 500
 
 
 def index_directory(store_dir: str | os.PathLike, metric: str, fingerprint: dict) -> Path:
@@ -38,7 +41,7 @@ def index_directory(store_dir: str | os.PathLike, metric: str, fingerprint: dict
 
 def wants_index(num_samples: int, dim: int) -> bool:
     """Whether ``index="auto"`` searches an index over ``num_samples`` vectors of ``dim``."""
-    return num_samples * dim > SCAN_MAX_NUMBERS
+    return num_samples > SCAN_MAX_SAMPLES or num_samples * dim > SCAN_MAX_NUMBERS
 
 
 def cached_index(

@@ -25,11 +25,12 @@ sample's, and the top-k training samples are ranked as dattri-llm attribute rank
   GET  /api/health       {"status": "ok", "method", "train_samples", "index", "exact"}
   GET  /api/sample/ID    {"id", "text"} of one training sample
 
-A store of more than 1e7 numbers (samples x numbers per sample) is searched through an index
-(--index auto, the default): built on the first start into STORE.index/ (a flat exact index
-while small, IVF with exact re-ranking when large) and reopened by later starts while the store
-is unchanged. Answers through an IVF or HNSW index carry "exact": false. --index none scans the
-store for every query; --index DIR searches an index built by dattri-llm index build.
+A store of more than 500 samples or 1e7 numbers (samples x numbers per sample) is searched
+through an index (--index auto, the default): built on the first start into STORE.index/ (a
+flat exact index while small, IVF with exact re-ranking when large) and reopened by later
+starts while the store is unchanged. Answers through an IVF or HNSW index carry "exact":
+false. --index none scans the store for every query; --index DIR searches an index built by
+dattri-llm index build.
 
 Errors are JSON {"error": message, "field": name} with a 4xx status. The server binds
 127.0.0.1; another --host needs --allow-remote, and then every request must carry the token

@@ -1,25 +1,30 @@
-"""The attribution explorer's query latency, and ``dattri-llm capture`` throughput.
+"""The attribution explorer's query latency by store size, and ``dattri-llm capture`` throughput.
 
 Model: the demo's GPT-2 (2 layers x 128, byte-level BPE of 2048 tokens trained on the corpus,
 random weights: latency does not depend on what the model learnt). Corpus: paragraphs of
-Python's documentation topics (``pydoc_data.topics``), repeated with a numbered suffix until
+Python's documentation topics (``pydoc_data.topics``), repeated with a numbered prefix until
 there are ``--docs`` distinct documents.
 
-* **capture**: ``dattri-llm capture MODEL DATA --out STORE`` (in-process, model loading
-  included) against a hand-written loop on the same model, layers, projection, batch size and
-  per-sample summed loss (``HookManager`` + ``OffloadCallback``), interleaved repeats.
-* **stores**: the real capture of ``--docs`` documents, and a store of ``--synthetic`` samples
-  made by writing random vectors of the same layers and projected widths (fast to build; the
-  explorer's cost depends on the sizes, not on the values).
-* **explorer**: ``Explorer.attribute(prompt, completion, k=10)`` per query, split into the
-  query gradient (``query_blocks``: forward + backward) and the scoring / search; on the
-  synthetic store also through a flat ``GradientIndex`` (cosine).
-* **HTTP**: ``POST /api/attribute`` through a real uvicorn server on loopback, 1 and 4
-  concurrent clients (threads, ``http.client``), each sending ``--requests`` requests.
+* **stores**, one per ``--sizes`` entry: up to ``--docs`` samples, captured for real by
+  ``dattri-llm capture --projection P``; larger, random vectors of the real store's layers and
+  widths (fast to write; the explorer's cost depends on the sizes, not on the values). A size
+  whose store would exceed ``--max-store-gib`` is skipped, saying so.
+* **explorer**: ``Explorer(model, tokenizer, store, index=--index)`` (``auto``: what
+  ``dattri-llm serve`` does: scan a small store, build and cache an index for a large one);
+  per query, ``attribute(prompt, completion, k=10)`` split into the model's forward +
+  backward, the projection (time inside the hook manager's per-layer transforms), the search
+  (store scan or index) and the rendering (the HTTP answer's JSON); through an approximate
+  index, its recall@10 against a store scan.
+* **HTTP**: ``POST /api/attribute`` through a real uvicorn server on loopback, each of
+  ``--clients`` concurrent clients (threads, ``http.client``) sending ``--requests`` requests.
+* **capture** (``--capture-repeats N``): ``dattri-llm capture MODEL DATA --out STORE``
+  (in-process, model loading included) against a hand-written loop on the same model, layers,
+  projection, batch size and per-sample summed loss, interleaved repeats.
 
-Every timing gives wall time and the process's CPU time (all its threads: the server runs in
-this process).
+The load average of the shared machine is printed beside the figures.
 
+    OMP_NUM_THREADS=1 python experiments/benchmark/serve.py --sizes 1000,100000,1000000 \
+        --clients 1,4,16 --out DIR
     OMP_NUM_THREADS=1 python experiments/benchmark/serve.py --quick --out /tmp/serve
 """
 

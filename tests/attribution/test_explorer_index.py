@@ -94,3 +94,11 @@ def test_another_store_content_gets_another_index_directory(lm) -> None:
     assert a != explorer_index.index_directory(train, "cosine", other)
     assert a != explorer_index.index_directory(train, "dot", fp)
     assert a == explorer_index.index_directory(str(train) + "/", "cosine", fp)
+
+
+def test_a_store_is_indexed_above_either_bound() -> None:
+    n, d = explorer_index.SCAN_MAX_SAMPLES, explorer_index.SCAN_MAX_NUMBERS
+    assert not explorer_index.wants_index(n, 1)
+    assert explorer_index.wants_index(n + 1, 1)  # many narrow samples: a scan reads each
+    assert not explorer_index.wants_index(1, d)
+    assert explorer_index.wants_index(1, d + 1)
