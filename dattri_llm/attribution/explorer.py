@@ -8,7 +8,12 @@ summed completion loss, the model in eval mode), and ranks the training samples 
 library's one scoring road, ``attribute_sources(..., top_k=k)`` (or a
 :class:`~dattri_llm.GradientIndex` search when one is given). Its top-k is therefore the top-k
 that ``attribute_from_cache(train_store, query_store, top_k=k)`` gives for a query store
-captured from the same prompt and completion.
+captured from the same prompt and completion; through an approximate (IVF, HNSW) index the
+answer says so (``Attribution.exact`` is ``False``).
+
+The query's hooks are built once, on the first query, and stay on the model until
+:meth:`Explorer.close` (or the end of a ``with`` block): building them costs as much as a
+quarter of a small model's query.
 
 A model, tokenizer or dtype other than the capture's, and layers or a projection other than the
 store's, are refused with an error naming the difference: the scores would be silently wrong.
@@ -17,8 +22,10 @@ store's, are refused with an error naming the difference: the scores would be si
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +68,11 @@ class Attribution:
         query_id: The query sample's hash.
         results: The top proponents, by decreasing score.
         elapsed_ms: Wall time of the call.
+        exact: Whether ``results`` is the exact top-k (a store scan or a ``flat`` index);
+            ``False`` through an IVF or HNSW index, which may miss some of the top-k.
+        expected_recall: The share of the exact top-k an approximate index is expected to
+            find (:attr:`GradientIndex.expected_recall <dattri_llm.GradientIndex.expected_recall>`, measured at
+            build), when it records one; else ``None``.
     """
 
     prompt: str
@@ -70,6 +82,8 @@ class Attribution:
     query_id: str
     results: list[Hit] = field(default_factory=list)
     elapsed_ms: float = 0.0
+    exact: bool = True
+    expected_recall: float | None = None
 
 
 class Explorer:
@@ -83,7 +97,9 @@ class Explorer:
         method: ``"grad-cos"`` (default), ``"grad-dot"``, or an attributor instance whose
             ``attribute_sources`` scores the stores (a method that fits refits every call).
         index: A :class:`~dattri_llm.GradientIndex` over ``train_store`` (or its directory) to
-            search instead of scanning the store.
+            search instead of scanning the store; ``"auto"``: scan a small store, search a
+            large one through an index built on first use and kept beside it
+            (:mod:`~dattri_llm.attribution.index.cache`; needs faiss); ``None``: scan.
         layers: The layers (globs) the store must have been captured on (default: its own).
         projection: The projection (``"sparse:N"``, ... or a ``ProjectionConfig``) the store
             must have been captured with (default: its own).
@@ -166,14 +182,61 @@ class Explorer:
         self.device = device
         self.args = args if args is not None else AttributionArguments(show_progress=False)
         self.method_name, self.attributor = self._method(method)
-        if index is not None and not hasattr(index, "search"):
+        self.num_train = len(set(self.store.sample_hashes()))
+        if isinstance(index, str) and index == "auto":
+            index = self._auto_index(path)
+        elif index is not None and not hasattr(index, "search"):
             from dattri_llm.attribution.index import GradientIndex
 
             index = GradientIndex.open(index, store=path)
         self.index = index
-        self.num_train = len(set(self.store.sample_hashes()))
-        # one query at a time: the hooks and the model's gradients are shared state
-        self.lock = threading.Lock()
+        kind = getattr(index, "kind", "flat")
+        self.exact = kind == "flat"
+        recall = getattr(index, "expected_recall", None) if not self.exact else None
+        self.expected_recall = float(recall) if isinstance(recall, (int, float)) else None
+        # one query at a time: the hooks and the model's gradients are shared state (reentrant:
+        # attribute() holds it around query_blocks(), which a caller may also call alone)
+        self.lock = threading.RLock()
+        self._hooks: Any = None  # the query's HookManager, built by the first query
+
+    def _auto_index(self, path: str) -> Any:
+        """``index="auto"``: ``None`` (a scan) on a small store, else the cached index."""
+        from dattri_llm.attribution.index.cache import cached_index, wants_index
+
+        metric = {"grad-cos": "cosine", "grad-dot": "dot"}.get(self.method_name)
+        if metric is None:
+            raise ValueError(
+                f"index='auto' searches Grad-Cos or Grad-Dot scores; the method "
+                f"{self.method_name} scores otherwise: pass index=None to scan the store."
+            )
+        first = self.store.load_record(0).gradient
+        dim = sum(int(lg.materialize().data[0].numel()) for lg in first.layers.values())
+        if not wants_index(self.num_train, dim):
+            return None
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            warnings.warn(
+                f"index='auto': the store holds {self.num_train} samples of {dim} numbers, "
+                "which an index would search much faster than a scan, but faiss is not "
+                "installed (pip install 'dattri_llm[index]'); every query scans the store.",
+                stacklevel=3,
+            )
+            return None
+        return cached_index(path, metric, log=lambda m: print(f"explorer: {m}", file=sys.stderr))
+
+    def close(self) -> None:
+        """Take the query's hooks off the model (idempotent; a later query puts them back)."""
+        with self.lock:
+            if self._hooks is not None:
+                self._hooks.remove()
+                self._hooks = None
+
+    def __enter__(self) -> Explorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _method(self, method: str | Any) -> tuple[str, Any]:
         from dattri_llm.attribution.tracin import TracInAttributor
@@ -229,7 +292,7 @@ class Explorer:
 
     def query_blocks(self, prompt: str, completion: str) -> list[Any]:
         """The query's gradient, as the one block a query store captured by ``capture`` holds."""
-        from dattri_llm.gradient.causal_lm import encode_sample, hook_config, pad_batch, summed_loss
+        from dattri_llm.gradient.causal_lm import encode_sample, pad_batch, summed_loss
         from dattri_llm.gradient.streaming import GradientStreamer
 
         item = encode_sample(
@@ -250,21 +313,32 @@ class Explorer:
                 f"more than the model's {self._positions()} positions."
             )
         pad = self.tokenizer.pad_token_id
-        config = hook_config(self.settings.layers, self.settings.projection, self.model)
-        # the store's capture checked these layers' coverage on this model; without the check
-        # each one-query stream keeps its backward to the per-sample gradients (fixed weights)
-        config = replace(config, check_coverage=False)
-        streamer = GradientStreamer(
-            self.model,
-            [item],
-            summed_loss,
-            hook_config=config,
-            batch_size=1,
-            checkpoint=self.settings.checkpoint,
-            collate_fn=pad_batch(pad if pad is not None else 0),
-            device=self.device,
-        )
-        return list(streamer)
+        with self.lock:
+            streamer = GradientStreamer(
+                self.model,
+                [item],
+                summed_loss,
+                batch_size=1,
+                checkpoint=self.settings.checkpoint,
+                collate_fn=pad_batch(pad if pad is not None else 0),
+                device=self.device,
+                hook_manager=self._hook_manager(),
+            )
+            return list(streamer)
+
+    def _hook_manager(self) -> Any:
+        """The query's ``HookManager``: built by the first query, reused by every later one."""
+        if self._hooks is None:
+            from dattri_llm.gradient.callbacks.capture import CaptureCallback
+            from dattri_llm.gradient.causal_lm import hook_config
+            from dattri_llm.gradient.hooks import HookManager
+
+            config = hook_config(self.settings.layers, self.settings.projection, self.model)
+            # the store's capture checked these layers' coverage on this model; without the
+            # check every query's backward stops at the per-sample gradients (fixed weights)
+            config = replace(config, check_coverage=False)
+            self._hooks = HookManager(self.model, config=config, callbacks=[CaptureCallback()])
+        return self._hooks
 
     def attribute(self, prompt: str, completion: str | None = None, k: int = 10) -> Attribution:
         """The ``k`` training samples with the largest scores for ``prompt`` → ``completion``.
@@ -307,6 +381,8 @@ class Explorer:
             blocks[0].hashes[0],
             hits,
             (time.perf_counter() - t0) * 1000.0,
+            self.exact,
+            self.expected_recall,
         )
 
     def _train_source(self) -> Any:

@@ -20,10 +20,17 @@ sample's, and the top-k training samples are ranked as dattri-llm attribute rank
 
   GET  /                 the page: a prompt box, an optional completion, the ranked samples
   POST /api/attribute    {"prompt": str, "completion": str | null, "k": int}
-                         -> {"completion", "method", "elapsed_ms", "results": [{"rank", "id",
-                             "score", "text"}]}
-  GET  /api/health       {"status": "ok", "method", "train_samples"}
+                         -> {"completion", "method", "elapsed_ms", "exact",
+                             "expected_recall", "results": [{"rank", "id", "score", "text"}]}
+  GET  /api/health       {"status": "ok", "method", "train_samples", "index", "exact"}
   GET  /api/sample/ID    {"id", "text"} of one training sample
+
+A store of more than 500 samples or 1e7 numbers (samples x numbers per sample) is searched
+through an index (--index auto, the default): built on the first start into STORE.index/ (a
+flat exact index while small, IVF with exact re-ranking when large) and reopened by later
+starts while the store is unchanged. Answers through an IVF or HNSW index carry "exact":
+false. --index none scans the store for every query; --index DIR searches an index built by
+dattri-llm index build.
 
 Errors are JSON {"error": message, "field": name} with a 4xx status. The server binds
 127.0.0.1; another --host needs --allow-remote, and then every request must carry the token
@@ -47,7 +54,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--train", required=True, metavar="STORE", help="the store of dattri-llm capture"
     )
-    p.add_argument("--index", metavar="INDEX", help="a dattri-llm index over STORE to search")
+    p.add_argument(
+        "--index",
+        metavar="INDEX",
+        default="auto",
+        help="auto: scan a small store, index a large one (built once, kept in STORE.index/); "
+        "none: scan; or a dattri-llm index directory over STORE",
+    )
     p.add_argument("--method", choices=("grad-cos", "grad-dot"), default="grad-cos")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind")
     p.add_argument("--port", type=int, default=8000, help="the port (0: any free port)")
@@ -118,6 +131,22 @@ def _parse(body: bytes, max_k: int) -> tuple[str, str | None, int]:
     return prompt, completion, k
 
 
+def answer_json(result: Any) -> dict[str, Any]:
+    """The JSON object ``POST /api/attribute`` answers for an :class:`~dattri_llm.Attribution`."""
+    return {
+        "completion": result.completion,
+        "generated": result.generated,
+        "method": result.method,
+        "query_id": result.query_id,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+        "exact": result.exact,
+        "expected_recall": result.expected_recall,
+        "results": [
+            {"rank": r.rank, "id": r.id, "score": r.score, "text": r.text} for r in result.results
+        ],
+    }
+
+
 def build_app(
     explorer: Any, *, token: str | None = None, max_k: int = 100, max_body: int = MAX_BODY
 ) -> Any:
@@ -170,23 +199,18 @@ def build_app(
         except ValueError as e:  # e.g. a completion with no token to predict
             msg = str(e)
             return error(msg.split(":", 1)[0] if ":" in msg[:12] else "prompt", msg, 422)
-        return JSONResponse(
-            {
-                "completion": result.completion,
-                "generated": result.generated,
-                "method": result.method,
-                "query_id": result.query_id,
-                "elapsed_ms": round(result.elapsed_ms, 3),
-                "results": [
-                    {"rank": r.rank, "id": r.id, "score": r.score, "text": r.text}
-                    for r in result.results
-                ],
-            }
-        )
+        return JSONResponse(answer_json(result))
 
     async def health(request: Request) -> JSONResponse:
+        index = getattr(explorer, "index", None)
         return JSONResponse(
-            {"status": "ok", "method": explorer.method_name, "train_samples": explorer.num_train}
+            {
+                "status": "ok",
+                "method": explorer.method_name,
+                "train_samples": explorer.num_train,
+                "index": None if index is None else index.kind,
+                "exact": getattr(explorer, "exact", True),
+            }
         )
 
     async def sample(request: Request) -> JSONResponse:
@@ -249,12 +273,13 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         args.train,
         method=args.method,
-        index=args.index,
+        index=None if args.index == "none" else args.index,
         max_new_tokens=args.max_new_tokens,
     )
     app = build_app(explorer, token=token, max_k=args.max_k)
     where = f"http://{args.host}:{args.port}/"
-    print(f"serving {explorer.num_train} training samples ({args.method}) on {where}")
+    how = "store scan" if explorer.index is None else f"{explorer.index.kind} index"
+    print(f"serving {explorer.num_train} training samples ({args.method}, {how}) on {where}")
     if token is not None:
         print(f"requests must carry the token: {where}?token={token}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -307,7 +332,8 @@ document.getElementById("ask").addEventListener("submit", async (ev) => {
       err.textContent = data.field + ": " + data.error; answer.textContent = ""; return;
     }
     answer.textContent = "completion: " + data.completion + "  (" + data.method + ", " +
-      Math.round(data.elapsed_ms) + " ms)";
+      Math.round(data.elapsed_ms) + " ms" + (data.exact ? "" : ", approximate index" +
+      (data.expected_recall === null ? "" : ", expected recall " + data.expected_recall)) + ")";
     for (const hit of data.results) {
       const li = document.createElement("li");
       li.className = "hit";

@@ -205,6 +205,11 @@ class GradientStreamer:
         precondition: ``HookManager(precondition=...)``: ``"second_moment"`` corrects each
             gradient by TrackStar's ``1/√(v + ε)`` instead (e.g. queries for a train store
             captured so).
+        hook_manager: A :class:`HookManager` on ``model`` holding a :class:`CaptureCallback`,
+            reused by every pass instead of one built per pass (its hooks stay registered: the
+            caller removes them). Building one resolves the layers and the projection, a cost
+            that dominates a stream of one small batch, e.g. a live query. ``hook_config``,
+            ``optimizer`` and the precondition options are then the manager's own.
 
     ``rereadable`` is ``False``: iterating again recomputes every block.
     """
@@ -231,6 +236,7 @@ class GradientStreamer:
         optimizer: Any = None,
         precondition_scale: float | str = 1.0,
         precondition: bool | str = True,
+        hook_manager: HookManager | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -273,6 +279,20 @@ class GradientStreamer:
         self.optimizer = optimizer
         self.precondition_scale = precondition_scale
         self.precondition = precondition
+        self.hook_manager = hook_manager
+        if hook_manager is not None:
+            if hook_manager.model is not model:
+                raise ValueError(
+                    "GradientStreamer: hook_manager is registered on another model than the "
+                    "streamer's; build it with HookManager(model, ...)."
+                )
+            if _capture_callback(hook_manager) is None:
+                raise ValueError(
+                    "GradientStreamer: hook_manager has no CaptureCallback, so its captured "
+                    "gradients would not reach the stream; build it with "
+                    "HookManager(model, config, callbacks=[CaptureCallback()])."
+                )
+            self.hook_config = hook_manager.config
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -317,15 +337,21 @@ class GradientStreamer:
 
     def __iter__(self) -> Iterator[GradientBlock]:
         device = self._device()
-        cb = CaptureCallback()
-        hm = HookManager(
-            self.model,
-            config=self.hook_config,
-            callbacks=[cb],
-            optimizer=self.optimizer,
-            precondition_scale=self.precondition_scale,
-            precondition=self.precondition,
-        )
+        owned = self.hook_manager is None
+        if owned:
+            cb = CaptureCallback()
+            hm = HookManager(
+                self.model,
+                config=self.hook_config,
+                callbacks=[cb],
+                optimizer=self.optimizer,
+                precondition_scale=self.precondition_scale,
+                precondition=self.precondition,
+            )
+        else:
+            hm = self.hook_manager
+            cb = _capture_callback(hm)
+            cb.record = None  # a record left by an interrupted earlier pass is not this batch's
         hm.checkpoint = self.checkpoint
         loader = self._loader()
         n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
@@ -352,7 +378,8 @@ class GradientStreamer:
                 # alive while the consumer holds it (a score loop frees joined blocks)
                 yield self._block(cb.pop(), bar)
         finally:
-            hm.remove()
+            if owned:
+                hm.remove()
             if bar is not None:
                 bar.close()
 
@@ -362,6 +389,10 @@ class GradientStreamer:
         return GradientBlock(
             self.step, rec.gradient, list(rec.hashes), self.checkpoint, rec.metadata
         )
+
+
+def _capture_callback(hm: HookManager) -> CaptureCallback | None:
+    return next((cb for cb in hm.callbacks if isinstance(cb, CaptureCallback)), None)
 
 
 def _check_loss(loss: Any) -> None:

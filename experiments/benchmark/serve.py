@@ -1,25 +1,30 @@
-"""The attribution explorer's query latency, and ``dattri-llm capture`` throughput.
+"""The attribution explorer's query latency by store size, and ``dattri-llm capture`` throughput.
 
 Model: the demo's GPT-2 (2 layers x 128, byte-level BPE of 2048 tokens trained on the corpus,
 random weights: latency does not depend on what the model learnt). Corpus: paragraphs of
-Python's documentation topics (``pydoc_data.topics``), repeated with a numbered suffix until
+Python's documentation topics (``pydoc_data.topics``), repeated with a numbered prefix until
 there are ``--docs`` distinct documents.
 
-* **capture**: ``dattri-llm capture MODEL DATA --out STORE`` (in-process, model loading
-  included) against a hand-written loop on the same model, layers, projection, batch size and
-  per-sample summed loss (``HookManager`` + ``OffloadCallback``), interleaved repeats.
-* **stores**: the real capture of ``--docs`` documents, and a store of ``--synthetic`` samples
-  made by writing random vectors of the same layers and projected widths (fast to build; the
-  explorer's cost depends on the sizes, not on the values).
-* **explorer**: ``Explorer.attribute(prompt, completion, k=10)`` per query, split into the
-  query gradient (``query_blocks``: forward + backward) and the scoring / search; on the
-  synthetic store also through a flat ``GradientIndex`` (cosine).
-* **HTTP**: ``POST /api/attribute`` through a real uvicorn server on loopback, 1 and 4
-  concurrent clients (threads, ``http.client``), each sending ``--requests`` requests.
+* **stores**, one per ``--sizes`` entry: up to ``--docs`` samples, captured for real by
+  ``dattri-llm capture --projection P``; larger, random vectors of the real store's layers and
+  widths (fast to write; the explorer's cost depends on the sizes, not on the values). A size
+  whose store would exceed ``--max-store-gib`` is skipped, saying so.
+* **explorer**: ``Explorer(model, tokenizer, store, index=--index)`` (``auto``: what
+  ``dattri-llm serve`` does: scan a small store, build and cache an index for a large one);
+  per query, ``attribute(prompt, completion, k=10)`` split into the model's forward +
+  backward, the projection (time inside the hook manager's per-layer transforms), the search
+  (store scan or index) and the rendering (the HTTP answer's JSON); through an approximate
+  index, its recall@10 against a store scan.
+* **HTTP**: ``POST /api/attribute`` through a real uvicorn server on loopback, each of
+  ``--clients`` concurrent clients (threads, ``http.client``) sending ``--requests`` requests.
+* **capture** (``--capture-repeats N``): ``dattri-llm capture MODEL DATA --out STORE``
+  (in-process, model loading included) against a hand-written loop on the same model, layers,
+  projection, batch size and per-sample summed loss, interleaved repeats.
 
-Every timing gives wall time and the process's CPU time (all its threads: the server runs in
-this process).
+The load average of the shared machine is printed beside the figures.
 
+    OMP_NUM_THREADS=1 python experiments/benchmark/serve.py --sizes 1000,100000,1000000 \
+        --clients 1,4,16 --out DIR
     OMP_NUM_THREADS=1 python experiments/benchmark/serve.py --quick --out /tmp/serve
 """
 
@@ -122,12 +127,16 @@ def documents(paras: list[str], n: int, tokenizer) -> list[str]:
 
 
 # ---- capture throughput -----------------------------------------------------------------------
-def capture_cli(model_dir: Path, data: Path, out: Path, batch: int) -> None:
+def capture_cli(
+    model_dir: Path, data: Path, out: Path, batch: int, projection: str = "sparse:1024"
+) -> None:
     from dattri_llm.cli import main
 
     rc = main(
         [
             "capture",
+            "--projection",
+            projection,
             str(model_dir),
             str(data),
             "--out",
@@ -241,34 +250,74 @@ def synthetic_store(real: Path, out: Path, n: int, rows: int = 1000) -> int:
 
 
 # ---- explorer ---------------------------------------------------------------------------------
-def bench_explorer(explorer, queries: list[tuple[str, str]], index=None) -> dict:
-    """Per query: the query gradient, the scoring (or index search), and the whole call."""
-    grad_w, grad_c, score_w, score_c, total_w, total_c = [], [], [], [], [], []
-    for prompt, completion in queries:
-        w0, c0 = clock()
-        blocks = explorer.query_blocks(prompt, completion)
-        w1, c1 = clock()
-        if index is not None:
-            index.search(blocks, K).top_k(K)
-        else:
-            explorer.attributor.attribute_sources(explorer._train_source(), blocks, top_k=K).top_k(
-                K
-            )
-        w2, c2 = clock()
-        result = explorer.attribute(prompt, completion, k=K)
-        w3, c3 = clock()
-        assert len(result.results) == min(K, explorer.num_train)
-        grad_w.append(1e3 * (w1 - w0))
-        grad_c.append(1e3 * (c1 - c0))
-        score_w.append(1e3 * (w2 - w1))
-        score_c.append(1e3 * (c2 - c1))
-        total_w.append(1e3 * (w3 - w2))
-        total_c.append(1e3 * (c3 - c2))
-    return {
-        "query_gradient": summary(grad_w, grad_c),
-        "scoring": summary(score_w, score_c),
-        "attribute": summary(total_w, total_c),
-    }
+class StageClock:
+    """Wall time spent in the hook manager's per-layer projection, summed while installed.
+
+    The projection runs inside the backward (in ``HookManager._apply_transforms``): timing that
+    method splits a query's gradient into the model's forward + backward and the projection.
+    """
+
+    def __init__(self) -> None:
+        from dattri_llm.gradient.hooks.manager import HookManager
+
+        self.owner, self.total = HookManager, 0.0
+        self.original = HookManager._apply_transforms
+        clock = self
+
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return clock.original(self, *args, **kwargs)
+            finally:
+                clock.total += time.perf_counter() - t0
+
+        HookManager._apply_transforms = timed
+
+    def close(self) -> None:
+        self.owner._apply_transforms = self.original
+
+
+def bench_explorer(explorer, queries: list[tuple[str, str]]) -> dict:
+    """Per query: forward + backward, projection, search, rendering, and the whole call.
+
+    Every other query is timed by stage (``query_blocks`` with the projection clock, then the
+    search); the others by whole ``attribute`` call, then the HTTP answer's JSON built from
+    its result. No query is asked twice.
+    """
+    from dattri_llm.cli.serve import answer_json
+
+    stages = {k: [] for k in ("forward_backward", "projection", "search", "render", "attribute")}
+    clock = StageClock()
+    try:
+        # every query is asked once: a repeated one would find its re-ranked rows (an ivf
+        # index reads them from a memory-mapped file) already in memory
+        for i, (prompt, completion) in enumerate(queries):
+            if i % 2:  # the whole call, then the JSON the server sends
+                w0 = time.perf_counter()
+                result = explorer.attribute(prompt, completion, k=K)
+                w1 = time.perf_counter()
+                json.dumps(answer_json(result))
+                stages["attribute"].append(1e3 * (w1 - w0))
+                stages["render"].append(1e3 * (time.perf_counter() - w1))
+                assert len(result.results) == min(K, explorer.num_train)
+                continue
+            clock.total = 0.0  # the stages one by one
+            w0 = time.perf_counter()
+            blocks = explorer.query_blocks(prompt, completion)
+            w1 = time.perf_counter()
+            if explorer.index is not None:
+                score = explorer.index.search(blocks, K)
+            else:
+                score = explorer.attributor.attribute_sources(
+                    explorer._train_source(), blocks, top_k=K
+                )
+            score.top_k(K)
+            stages["forward_backward"].append(1e3 * (w1 - w0 - clock.total))
+            stages["projection"].append(1e3 * clock.total)
+            stages["search"].append(1e3 * (time.perf_counter() - w1))
+    finally:
+        clock.close()
+    return {k: summary(v) for k, v in stages.items()}
 
 
 def free_port() -> int:
@@ -278,6 +327,7 @@ def free_port() -> int:
 
 
 def bench_http(explorer, queries: list[tuple[str, str]], requests: int, clients_list) -> dict:
+    """Latency of ``POST /api/attribute`` through uvicorn, ``requests`` per client."""
     import uvicorn
 
     from dattri_llm.cli.serve import build_app
@@ -345,160 +395,249 @@ def bench_http(explorer, queries: list[tuple[str, str]], requests: int, clients_
 
 # ---- report -----------------------------------------------------------------------------------
 def report(res: dict) -> str:
-    f = lambda x: f"{x:.1f}"  # noqa: E731
+    f = lambda x: f"{x:,.1f}" if x < 100 else f"{x:,.0f}"  # noqa: E731
+    pf = lambda s: f"{f(s['p50_ms'])} / {f(s['p95_ms'])}"  # noqa: E731
+    clients = [str(c) for c in res["config"]["clients"]]
+    head = ["samples", "search", "exact", "fwd+bwd", "projection", "search ms", "render",
+            "`attribute()`"] + [f"HTTP {c} client{'s' * (c != '1')}" for c in clients]  # fmt: skip
     rows = []
-    for store, r in res["explorer"].items():
-        for part in ("query_gradient", "scoring", "attribute"):
-            s = r[part]
-            rows.append([store, part, s["n"], f(s["p50_ms"]), f(s["p95_ms"]), f(s["cpu_p50_ms"])])
-    for store, r in res["http"].items():
-        for clients, s in r.items():
-            rows.append(
-                [store, f"HTTP, {clients} client(s)", s["n"], f(s["p50_ms"]), f(s["p95_ms"]), ""]
-            )
-    text = "### Explorer query latency (k = 10)\n\n" + md_table(
-        ["store", "part", "queries", "p50 ms", "p95 ms", "CPU p50 ms"], rows
+    for r in res["sizes"]:
+        if "skipped" in r:
+            rows.append([f"{r['samples']:,}", r["skipped"]] + [""] * (len(head) - 2))
+            continue
+        e = r["explorer"]
+        rows.append(
+            [f"{r['samples']:,}", r["search"], "yes" if r["exact"] else "no"]
+            + [
+                pf(e[k])
+                for k in ("forward_backward", "projection", "search", "render", "attribute")
+            ]
+            + [pf(r["http"][c]) for c in clients]
+        )
+    text = "### Explorer latency, p50 / p95 in ms (k = 10)\n\n" + md_table(head, rows)
+    rows = [
+        [
+            f"{r['samples']:,}", r.get("kind", ""), r["width"], f"{r['store_gib']:.2f}",
+            f"{r['store_s']:.1f}", f"{r['index_s']:.1f}" if r.get("index_s") is not None else "—",
+            r.get("recall", ""), r["load"],
+        ]
+        for r in res["sizes"]
+        if "skipped" not in r
+    ]  # fmt: skip
+    text += "\n### Stores and indexes\n\n" + md_table(
+        [
+            "samples",
+            "index",
+            "numbers / sample",
+            "store GiB",
+            "store written s",
+            "index s",
+            "recall@10 vs scan",
+            "load avg (1 min) after",
+        ],
+        rows,
     )
     hrows = [
-        [
-            store,
-            clients,
-            s["n"],
-            f"{s['requests_per_s']:.2f}",
-            f"{s['wall_s']:.2f}",
-            f"{s['cpu_s']:.2f}",
-        ]
-        for store, r in res["http"].items()
-        for clients, s in r.items()
+        [f"{r['samples']:,}", c, s["n"], f"{s['requests_per_s']:.2f}", f"{s['cpu_s']:.2f}"]
+        for r in res["sizes"]
+        if "skipped" not in r
+        for c, s in r["http"].items()
     ]
-    text += "\n### HTTP load test (loopback uvicorn)\n\n" + md_table(
-        ["store", "clients", "requests", "requests/s", "wall s", "process CPU s"], hrows
+    text += "\n### HTTP load (loopback uvicorn)\n\n" + md_table(
+        ["samples", "clients", "requests", "requests/s", "process CPU s"], hrows
     )
-    c = res["capture"]
-    crow = [
-        [
-            name,
-            c["samples"],
-            c["batch_size"],
-            f"{c[name]['samples_per_s']:.1f}",
-            f"{c[name]['samples_per_cpu_s']:.1f}",
-            " / ".join(f"{w:.2f}" for w in c[name]["walls_s"]),
-        ]
-        for name in ("cli", "hand")
-    ]
-    text += "\n### Capture throughput (median of interleaved repeats)\n\n" + md_table(
-        ["capture", "samples", "batch", "samples/s (wall)", "samples/CPU-s", "walls s"], crow
-    )
-    text += (
-        f"\n`dattri-llm capture` / hand-written loop: {c['cli_over_hand']:.2f}x (wall), "
-        f"{c['cli_over_hand_cpu']:.2f}x (CPU)\n"
-    )
-    text += (
-        f"\nEach sample: {res['width']} float32 numbers; synthetic store "
-        f"{res['synthetic_bytes'] / 2**30:.2f} GiB written in {res['synthetic_build_s']:.1f} s"
-        + (f"; flat index built in {res['index_build_s']:.1f} s" if "index_build_s" in res else "")
-        + "\n"
-    )
+    if "capture" in res:
+        c = res["capture"]
+        crow = [
+            [
+                name, c["samples"], c["batch_size"], f"{c[name]['samples_per_s']:.1f}",
+                f"{c[name]['samples_per_cpu_s']:.1f}",
+                " / ".join(f"{w:.2f}" for w in c[name]["walls_s"]),
+            ]
+            for name in ("cli", "hand")
+        ]  # fmt: skip
+        text += "\n### Capture throughput (median of interleaved repeats)\n\n" + md_table(
+            ["capture", "samples", "batch", "samples/s (wall)", "samples/CPU-s", "walls s"], crow
+        )
+        text += (
+            f"\n`dattri-llm capture` / hand-written loop: {c['cli_over_hand']:.2f}x (wall), "
+            f"{c['cli_over_hand_cpu']:.2f}x (CPU)\n"
+        )
     return text
+
+
+def recall_vs_scan(explorer, scan, queries) -> float:
+    """Mean share of the scan's top-``K`` that the explorer's index returns."""
+    found = []
+    for prompt, completion in queries:
+        want = {h.id for h in scan.attribute(prompt, completion, k=K).results}
+        got = {h.id for h in explorer.attribute(prompt, completion, k=K).results}
+        found.append(len(want & got) / len(want))
+    return statistics.mean(found)
+
+
+def load_avg() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI-sized run")
-    p.add_argument("--docs", type=int, help="documents captured for real (default 1000)")
-    p.add_argument("--synthetic", type=int, help="synthetic store samples (default 100000)")
-    p.add_argument("--queries", type=int, help="explorer queries per store (default 30)")
-    p.add_argument("--requests", type=int, help="HTTP requests per client (default 15)")
+    p.add_argument("--quick", action="store_true", help="CI-sized run (sizes 64,2000)")
     p.add_argument(
-        "--big-queries",
-        type=int,
-        help="queries and HTTP requests per client on the synthetic "
-        "store (default 10 and 3: a scan of it takes seconds)",
+        "--sizes",
+        help="store sizes in samples (default 1000,100000,1000000); up to --docs are captured "
+        "for real, larger ones are synthetic",
     )
-    p.add_argument("--capture-repeats", type=int, help="interleaved capture repeats (default 3)")
+    p.add_argument("--clients", default="1,4,16", help="concurrent HTTP clients, per size")
+    p.add_argument("--docs", type=int, default=1000, help="documents captured for real")
+    p.add_argument("--projection", default="sparse:1024", help="the capture's projection")
+    p.add_argument(
+        "--index",
+        default="auto",
+        help="what the explorer searches: auto (as dattri-llm serve: scan a small store, index "
+        "a large one), none (scan), or a GradientIndex kind (flat, ivf, hnsw)",
+    )
+    p.add_argument("--queries", type=int, default=30, help="explorer queries per size")
+    p.add_argument("--requests", type=int, default=8, help="HTTP requests per client")
+    p.add_argument(
+        "--scan-queries",
+        type=int,
+        default=5,
+        help="queries per size on a store scan of over 1e8 numbers (seconds each)",
+    )
+    p.add_argument(
+        "--recall-queries",
+        type=int,
+        default=10,
+        help="queries compared with a store scan, per approximate index",
+    )
+    p.add_argument(
+        "--max-store-gib", type=float, default=16.0, help="skip a size whose store is larger"
+    )
+    p.add_argument(
+        "--capture-repeats",
+        type=int,
+        default=0,
+        help="also time dattri-llm capture against a hand-written loop",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="capture batch size")
-    p.add_argument("--no-index", action="store_true", help="skip the GradientIndex timing")
+    p.add_argument("--workdir", help="where stores go (default: a temporary directory)")
     p.add_argument("--out", help="write serve.json and serve.md into this directory")
     a = p.parse_args(argv)
-    quick = {
-        "docs": 64,
-        "synthetic": 2000,
-        "queries": 6,
-        "requests": 3,
-        "capture_repeats": 2,
-        "big_queries": 3,
-    }
-    full = {
-        "docs": 1000,
-        "synthetic": 100000,
-        "queries": 30,
-        "requests": 15,
-        "capture_repeats": 3,
-        "big_queries": 10,
-    }
-    for key, value in (quick if a.quick else full).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    sizes = [
+        int(x) for x in (a.sizes or ("64,2000" if a.quick else "1000,100000,1000000")).split(",")
+    ]
+    a.clients = [int(x) for x in a.clients.split(",")]
+    if a.quick:
+        a.docs, a.queries, a.requests = min(a.docs, 64), min(a.queries, 6), min(a.requests, 3)
     head = header(
-        "Explorer latency and capture throughput" + (" (quick)" if a.quick else ""),
-        {"sizes": f"{a.docs} captured documents, {a.synthetic} synthetic samples"},
+        "Explorer latency" + (" (quick)" if a.quick else ""),
+        {
+            "sizes": ", ".join(f"{n:,}" for n in sizes),
+            "projection": a.projection,
+            "index": a.index,
+            "clients": ", ".join(map(str, a.clients)),
+        },
     )
     import torch
 
-    from dattri_llm import Explorer
+    from dattri_llm import Explorer, GradientIndex
     from dattri_llm.cli.capture import load_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    tmp = Path(a.workdir or tempfile.mkdtemp(prefix="serve_bench_"))
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         model_dir, paras = build_model(tmp)
         model, tokenizer = load_model(str(model_dir))
         docs = documents(paras, a.docs, tokenizer)
         data = tmp / "docs.jsonl"
         data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-        res: dict = {"config": vars(a), "torch_threads": torch.get_num_threads()}
-        res["capture"] = bench_capture(
-            model_dir, model, tokenizer, docs, data, tmp, a.batch_size, a.capture_repeats
-        )
-        real = tmp / "cap_cli"  # the CLI's last capture is the real store
-        synth = tmp / "synthetic"
-        w0 = time.perf_counter()
-        res["width"] = synthetic_store(real, synth, a.synthetic)
-        res["synthetic_build_s"] = time.perf_counter() - w0
-        res["synthetic_bytes"] = sum(f.stat().st_size for f in synth.rglob("*") if f.is_file())
-        # queries: held-out-style prompt / completion splits of the paragraphs (reversed order)
-        queries = []
+        res: dict = {"config": vars(a), "torch_threads": torch.get_num_threads(), "sizes": []}
+        real = tmp / "real"
+        capture_cli(model_dir, data, real, a.batch_size, a.projection)
+        if a.capture_repeats:
+            res["capture"] = bench_capture(
+                model_dir, model, tokenizer, docs, data, tmp, a.batch_size, a.capture_repeats
+            )
+        queries = []  # held-out-style prompt / completion splits of the paragraphs
         for para in reversed(paras):
             words = para.split()
             queries.append((" ".join(words[:8]), " " + " ".join(words[8:24])))
-        queries = queries[: a.queries]
-        res["explorer"], res["http"] = {}, {}
-        small = queries[: a.big_queries]
-        for name, path, qs, n_req in (
-            (f"real {a.docs}", real, queries, a.requests),
-            (f"synthetic {a.synthetic}", synth, small, max(1, a.big_queries // 3)),
-        ):
-            explorer = Explorer(model, tokenizer, path)
-            explorer.attribute(*queries[0], k=K)  # warm-up (and the page cache)
-            res["explorer"][name] = bench_explorer(explorer, qs)
-            log(f"explorer {name}: {res['explorer'][name]['attribute']}")
-            res["http"][name] = bench_http(explorer, qs, n_req, (1, 4))
-        if not a.no_index:
-            from dattri_llm import GradientIndex
-
+        warm, queries = queries[a.queries % len(queries)], queries[: a.queries]
+        for n in sizes:
+            row: dict = {"samples": n}
+            res["sizes"].append(row)
             w0 = time.perf_counter()
-            index = GradientIndex.build(
-                str(synth), tmp / "index", metric="cosine", kind="flat", show_progress=False
+            if n <= a.docs:
+                store = tmp / f"real_{n}"
+                if n == a.docs:
+                    store = real
+                else:
+                    (tmp / f"docs_{n}.jsonl").write_text(
+                        "".join(json.dumps({"text": d}) + "\n" for d in docs[:n]), "utf-8"
+                    )
+                    capture_cli(
+                        model_dir, tmp / f"docs_{n}.jsonl", store, a.batch_size, a.projection
+                    )
+                row["width"] = width_of(store)
+            else:
+                row["width"] = width_of(real)
+                need = n * row["width"] * 4 / 2**30
+                if need > a.max_store_gib:
+                    row["skipped"] = (
+                        f"skipped: its store is {need:.0f} GiB of float32 (> --max-store-gib "
+                        f"{a.max_store_gib:g}); a smaller --projection fits"
+                    )
+                    log(f"{n}: {row['skipped']}")
+                    continue
+                store = tmp / f"synthetic_{n}"
+                synthetic_store(real, store, n)
+            row["store_s"] = time.perf_counter() - w0
+            row["store_gib"] = (
+                sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) / 2**30
             )
-            res["index_build_s"] = time.perf_counter() - w0
-            explorer = Explorer(model, tokenizer, synth, index=index)
-            explorer.attribute(*queries[0], k=K)
-            name = f"synthetic {a.synthetic} + flat index"
-            res["explorer"][name] = bench_explorer(explorer, queries, index=index)
-            res["http"][name] = bench_http(explorer, queries, a.requests, (1, 4))
-            log(f"explorer {name}: {res['explorer'][name]['attribute']}")
+            log(f"{n}: store {row['store_gib']:.2f} GiB in {row['store_s']:.1f} s")
+            w0 = time.perf_counter()
+            if a.index in ("auto", "none"):
+                explorer = Explorer(
+                    model, tokenizer, store, index=None if a.index == "none" else "auto"
+                )
+            else:
+                index = GradientIndex.build(
+                    str(store),
+                    tmp / f"index_{n}",
+                    metric="cosine",
+                    kind=a.index,
+                    overwrite=True,
+                    show_progress=False,
+                )
+                explorer = Explorer(model, tokenizer, store, index=index)
+            row["index_s"] = time.perf_counter() - w0 if explorer.index is not None else None
+            row["kind"] = explorer.index.kind if explorer.index is not None else "scan"
+            row["search"] = "store scan" if explorer.index is None else f"{row['kind']} index"
+            row["exact"] = explorer.exact
+            log(f"{n}: {row['search']} ready in {time.perf_counter() - w0:.1f} s")
+            explorer.attribute(*warm, k=K)  # warm-up, with a query not timed after
+            slow = explorer.index is None and n * row["width"] > 1e8
+            qs = queries[: a.scan_queries] if slow else queries
+            row["explorer"] = bench_explorer(explorer, qs)
+            log(f"{n}: attribute() {row['explorer']['attribute']}")
+            if not explorer.exact:
+                scan = Explorer(model, tokenizer, store)
+                row["recall"] = f"{recall_vs_scan(explorer, scan, queries[: a.recall_queries]):.3f}"
+                log(f"{n}: recall@{K} {row['recall']}")
+            requests = max(1, a.requests // 4) if slow else a.requests
+            row["http"] = bench_http(explorer, qs, requests, a.clients)
+            row["load"] = load_avg()
+            explorer.close()
+            del explorer
+            if n > a.docs:
+                shutil.rmtree(store, ignore_errors=True)
+                shutil.rmtree(Path(f"{store}.index"), ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    text = head + "\n" + report(res)
+        if a.workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    text = head + f"- load average at the end {load_avg()}\n\n" + report(res)
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -506,6 +645,14 @@ def main(argv: list[str] | None = None) -> dict:
         Path(a.out, f"{tag}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
         Path(a.out, f"{tag}.md").write_text(text, encoding="utf-8")
     return res
+
+
+def width_of(store: Path) -> int:
+    """Numbers per sample of a store (its layers' widths summed)."""
+    from dattri_llm import GradientStorageManager
+
+    first = GradientStorageManager(str(store)).load_record(0).gradient
+    return sum(int(lg.materialize().data[0].numel()) for lg in first.layers.values())
 
 
 if __name__ == "__main__":

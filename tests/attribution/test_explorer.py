@@ -131,3 +131,68 @@ def test_index_search_gives_the_same_top_k(lm, tmp_path: Path) -> None:
         assert [r.id for r in a.results] == [r.id for r in b.results]
         for x, y in zip(a.results, b.results):
             assert abs(x.score - y.score) < 1e-4
+
+
+def test_the_hook_manager_is_built_once_and_answers_stay_exact(lm, tmp_path: Path, monkeypatch):
+    from dattri_llm.gradient.hooks import HookManager
+
+    built = []
+    init = HookManager.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(HookManager, "__init__", counted)
+    model_dir, train, query = lm
+    model, tok = _load(model_dir)
+    k = 5
+    attributor = TracInAttributor(
+        AttributionArguments(output_dir=str(tmp_path), show_progress=False), normalized_grad=True
+    )
+    ref = attributor.attribute_from_cache(str(train), str(query), top_k=k).top_k(k)
+    col = {h: j for j, h in enumerate(ref.test_hashes)}
+    built.clear()
+    hooks_before = sum(len(m._forward_hooks) for m in model.modules())
+    with Explorer(model, tok, train) as explorer:
+        assert built == []  # nothing is hooked before the first query
+        first = [explorer.attribute(q["prompt"], q["completion"], k=k) for q in QUERIES]
+        again = [explorer.attribute(q["prompt"], q["completion"], k=k) for q in QUERIES]
+        assert len(built) == 1  # six queries, one manager
+        for a, b in zip(first, again):  # a reused manager leaves nothing behind a query
+            assert [(r.id, r.score) for r in a.results] == [(r.id, r.score) for r in b.results]
+            j = col[a.query_id]
+            assert [r.id for r in a.results] == ref.proponent_hashes[j]
+            got = torch.tensor([r.score for r in a.results], dtype=torch.float64)
+            tol = 1e-5 * float(got.abs().max())
+            torch.testing.assert_close(got, ref.proponent_scores[j].double(), rtol=0, atol=tol)
+            assert a.exact and a.expected_recall is None
+        explorer.attribute("cat", None, k=2)  # generation runs with the hooks up, inactive
+        assert len(built) == 1
+    # closed: the model carries no hook of the explorer's; a later query builds them anew
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks_before
+    b = explorer.attribute(QUERIES[0]["prompt"], QUERIES[0]["completion"], k=k)
+    assert len(built) == 2 and [r.id for r in b.results] == [r.id for r in first[0].results]
+    explorer.close()
+
+
+def test_answers_through_an_approximate_index_say_so(lm, tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    from dattri_llm import GradientIndex
+
+    model_dir, train, _ = lm
+    model, tok = _load(model_dir)
+    n = Explorer(model, tok, train).num_train
+    ivf = GradientIndex.build(str(train), tmp_path / "ivf", metric="cosine", kind="ivf", nlist=1)
+    flat = GradientIndex.build(str(train), tmp_path / "flat", metric="cosine", kind="flat")
+    q = QUERIES[0]
+    exact = Explorer(model, tok, train).attribute(q["prompt"], q["completion"], k=n)
+    got = Explorer(model, tok, train, index=ivf).attribute(q["prompt"], q["completion"], k=n)
+    # the build measured its recall on held-out vectors: the answer passes it on
+    assert got.exact is False and got.expected_recall == ivf.expected_recall is not None
+    # one list probed: here every sample is found, so the ranking is the scan's all the same
+    assert [r.id for r in got.results] == [r.id for r in exact.results]
+    assert Explorer(model, tok, train, index=flat).attribute(q["prompt"], q["completion"]).exact
+    ivf.meta["expected_recall"] = 0.97  # the figure comes from the index, not a constant
+    got = Explorer(model, tok, train, index=ivf).attribute(q["prompt"], q["completion"], k=3)
+    assert got.exact is False and got.expected_recall == 0.97

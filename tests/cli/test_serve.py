@@ -98,6 +98,29 @@ def test_api_top_k_equals_attribute_from_cache(served, tmp_path: Path) -> None:
     assert _files(train) == before  # the store is only read
 
 
+def test_answers_through_an_approximate_index_say_so(served, tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    from starlette.testclient import TestClient
+
+    from dattri_llm import Explorer, GradientIndex
+    from dattri_llm.cli.serve import build_app
+
+    url, explorer, train, _ = served
+    q = {**QUERIES[0], "k": 3}
+    with httpx.Client(base_url=url) as client:  # the store scan: exact
+        assert client.post("/api/attribute", json=q).json()["exact"] is True
+        health = client.get("/api/health").json()
+        assert health["index"] is None and health["exact"] is True
+    ivf = GradientIndex.build(str(train), tmp_path / "ivf", metric="cosine", kind="ivf", nlist=1)
+    with Explorer(explorer.model, explorer.tokenizer, train, index=ivf) as approximate:
+        with TestClient(build_app(approximate)) as client:
+            a = client.post("/api/attribute", json=q).json()
+            assert a["exact"] is False and len(a["results"]) == 3
+            assert a["expected_recall"] == ivf.expected_recall is not None
+            health = client.get("/api/health").json()
+            assert health["index"] == "ivf" and health["exact"] is False
+
+
 def test_oversized_and_invalid_requests_are_refused_naming_the_field(served) -> None:
     url = served[0]
     with httpx.Client(base_url=url) as client:

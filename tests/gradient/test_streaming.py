@@ -202,3 +202,35 @@ def test_pad_collate_fills_each_field_with_its_own_value() -> None:
     assert torch.equal(out["weight"], torch.tensor([0.5, 2.0]))
     rows = pad_collate(pad_value=7)([(torch.tensor([1, 2]),), (torch.tensor([3]),)])
     assert torch.equal(rows[0], torch.tensor([[1, 2], [3, 7]]))
+
+
+def test_a_given_hook_manager_is_reused_exactly_and_left_registered():
+    from dattri_llm import CaptureCallback, HookManager
+
+    torch.manual_seed(0)
+    model = Net().double()
+    ds = data(5)
+    hm = HookManager(model, callbacks=[CaptureCallback()])
+    handles = len(hm._handles)
+    ref = reference(model, ds)
+    want = torch.cat(
+        [
+            ref[f"{n}.{p}"].reshape(5, -1)
+            for n in ("emb", "fc", "norm", "head")
+            for p in (("weight",) if n == "emb" else ("weight", "bias"))
+        ],
+        dim=1,
+    )
+    for _ in range(3):  # one manager, three passes: each as exact as the first
+        blocks = list(GradientStreamer(model, ds, loss_fn, batch_size=2, hook_manager=hm))
+        assert [h for b in blocks for h in b.hashes] == [hash_sample(d) for d in ds]
+        got = torch.cat([b.gradient.flatten() for b in blocks])
+        assert torch.allclose(got @ got.T, want @ want.T, rtol=1e-12, atol=1e-12)
+        assert len(hm._handles) == handles  # the caller's hooks stay up, none added
+    hm.remove()
+    with pytest.raises(ValueError, match="CaptureCallback"):
+        GradientStreamer(model, ds, loss_fn, hook_manager=HookManager(model))
+    with pytest.raises(ValueError, match="another model"):
+        GradientStreamer(
+            Net(), ds, loss_fn, hook_manager=HookManager(model, callbacks=[CaptureCallback()])
+        )
