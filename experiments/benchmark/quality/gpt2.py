@@ -245,13 +245,12 @@ def make_setting(name: str = "gpt2") -> Setting:
         it falls in (the batch's mean loss is taken over the others); the batch order, the
         step count and the learning-rate schedule stay those of the unmasked run. With
         ``mask_weight`` ``w != 0`` it is kept with weight ``w`` in a weighted mean instead
-        (a partial removal, ``quality/trajectory_check.py``).
+        (a partial removal).
         ``observer`` watches the loop (the trajectory methods record the reference run with it).
         ``remove`` (small-removal LDS, ``quality/removal.py``): a set of train indices dropped
         from every batch the same way; a batch left empty skips its update (the schedule
         still advances). With ``remove_weight`` ``w != 0`` the set is kept with weight ``w``
-        in a weighted batch mean instead (a partial removal of the whole set,
-        ``quality/linearity.py``).
+        in a weighted batch mean instead (a partial removal of the whole set).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))

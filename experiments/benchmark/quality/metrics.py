@@ -91,3 +91,12 @@ def split_run_reliability(per_run: torch.Tensor, seed: int = 0) -> dict:
         "runs": k,
         "mean_avg": k * r / (1 + (k - 1) * r) if r > -1 / (k - 1) else float("nan"),
     }
+
+
+def loo_corr(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over test columns of the Pearson correlation across removed samples (rows)."""
+    a = a - a.mean(0, keepdims=True)
+    b = b - b.mean(0, keepdims=True)
+    den = np.sqrt((a * a).sum(0) * (b * b).sum(0))
+    ok = den > 0
+    return float(((a * b).sum(0)[ok] / den[ok]).mean())
