@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -23,10 +22,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import safetensors  # noqa: E402
 import torch  # noqa: E402
+from utils.env import header  # noqa: E402
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord  # noqa: E402
 from dattri_llm.gradient.store import GradientStorageManager  # noqa: E402
@@ -221,22 +222,16 @@ def main() -> None:
     n = args.records or (6 if args.quick else 12)
     blocks = args.blocks or (1 if args.quick else 2)
     repeats = 1 if args.quick else args.repeats
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
     records = make_records(n, blocks, args.batch, args.tokens)
     mb = sum(t.numel() * t.element_size() for r in records for t in tensors_of(r).values()) / 2**20
-    cmd = "OMP_NUM_THREADS={} python {}".format(
-        os.environ["OMP_NUM_THREADS"], " ".join([sys.argv[0], *sys.argv[1:]])
+    versions = f"safetensors {safetensors.__version__}, numpy {np.__version__}"
+    data = (
+        f"{n} records x {blocks} GPT-2 block(s) x 4 linear layers (width {HIDDEN}), batch "
+        f"{args.batch}, {args.tokens} tokens, float32 factors: {mb:.0f} MB in all; "
+        f"best of {repeats}"
     )
-    header = [
-        f"command: `{cmd}`",
-        f"threads: {torch.get_num_threads()}; python {platform.python_version()}, torch "
-        f"{torch.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}",
-        f"data: {n} records x {blocks} GPT-2 block(s) x 4 linear layers (width {HIDDEN}), "
-        f"batch {args.batch}, {args.tokens} tokens, float32 factors: {mb:.0f} MB in all; "
-        f"best of {repeats}",
-    ]
-    print("\n".join(header), flush=True)
+    head = header("Gradient store throughput", {"versions": versions, "data": data})
+    print(head, flush=True)
 
     methods = {
         "store (async, fsync; read with CRC check)": lambda d: run_store(
@@ -279,9 +274,7 @@ def main() -> None:
     ref_w, ref_r = results["torch.save / torch.load(weights_only=True), fsync"]
     mm_w, mm_r = results["numpy memmap (raw), fsync"]
     lines = [
-        "## Gradient store throughput",
-        "",
-        *[f"- {h}" for h in header],
+        head.rstrip("\n"),
         "- machine: shared 2-core VM, timings taken under load from other work (1-min load "
         f"average {os.getloadavg()[0]:.1f} at the end); reads follow the writes and are served "
         "from the page cache",

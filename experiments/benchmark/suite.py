@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -55,7 +56,10 @@ def _small(*args: str) -> tuple[str, ...]:
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("capture", "benchmark.capture", "benchmarks/capture.md"),
     Benchmark(
-        "routing", "benchmark.routing", "benchmarks/capture.md", ("--quick", "--rounds", "1")
+        "routing",
+        "benchmark.routing",
+        "benchmarks/capture.md",
+        ("--quick", "--rounds", "1", "--models", "llama"),
     ),
     Benchmark("fixed_weights", "benchmark.fixed_weights", "benchmarks/capture.md"),
     Benchmark("offload_overhead", "benchmark.offload_overhead", "benchmarks/tracin.md"),
@@ -157,7 +161,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ),
     ),
     Benchmark("index", "benchmark.index", "benchmarks/index.md", needs=("faiss",)),
-    Benchmark("serve", "benchmark.serve", "benchmarks/serve.md", needs=("fastapi", "uvicorn")),
+    Benchmark(
+        "serve",
+        "benchmark.serve",
+        "benchmarks/serve.md",
+        ("--quick", "--docs", "12", "--synthetic", "40", "--queries", "2", "--requests", "1")
+        + ("--big-queries", "2", "--capture-repeats", "1"),
+        needs=("starlette", "uvicorn"),
+    ),
     Benchmark("coverage_matrix", "coverage_matrix", "API.md", ()),
     Benchmark("fidelity", "fidelity.run", "benchmarks/fidelity.md", needs=("olmo_core",)),
 )
@@ -177,13 +188,16 @@ def command(bench: Benchmark, quick: bool, extra: list[str] | tuple[str, ...] = 
     return [sys.executable, "-m", f"experiments.{bench.module}", *args, *extra]
 
 
-def run(bench: Benchmark, quick: bool, extra: list[str], out: Path | None) -> tuple[int, float]:
-    """Run ``bench`` in a fresh single-threaded process; its exit status and seconds."""
+def run(
+    bench: Benchmark, quick: bool, extra: list[str], out: Path | None
+) -> tuple[int, float, float]:
+    """Run ``bench`` in a fresh single-threaded process: its exit status, wall-clock seconds
+    and CPU seconds (the steadier figure on a shared machine)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = command(bench, quick, extra)
     print(f"[suite] {bench.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _children_cpu()
     if out is None:
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     else:  # the result files the benchmark writes go beside its tables
@@ -191,7 +205,12 @@ def run(bench: Benchmark, quick: bool, extra: list[str], out: Path | None) -> tu
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"{bench.name}.md", "w", encoding="utf-8") as f:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f).returncode
-    return rc, time.perf_counter() - start
+    return rc, time.perf_counter() - start, _children_cpu() - cpu
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing:  # a peer or an optional stack: the rest of the suite still runs
             print(f"[suite] {b.name}: skipped, {', '.join(missing)} not installed", flush=True)
             continue
-        rc, seconds = run(b, args.quick, extra, args.out)
-        print(f"[suite] {b.name}: exit {rc} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        rc, seconds, cpu = run(b, args.quick, extra, args.out)
+        print(
+            f"[suite] {b.name}: exit {rc} in {seconds:.1f} s ({cpu:.1f} CPU-s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if rc:
             failed.append(b.name)
     if failed:
