@@ -1,7 +1,7 @@
 """Every benchmark's quick run (``python -m experiments.benchmark NAME --quick``) still works.
 
 The smoke runs are marked ``slow``: each starts the benchmark in its own process, as a reader
-would, and checks that it exits cleanly with a Markdown table on stdout.
+would, and checks that it exits cleanly with its report on stdout.
 """
 
 from __future__ import annotations
@@ -46,10 +46,20 @@ def test_an_unknown_name_is_refused_with_the_known_ones():
         suite.main(["nope"])
 
 
+#: quick runs that start several ``gloo`` processes (scale's 1 vs 2 ranks)
+DISTRIBUTED = {"scale"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [b.name for b in suite.BENCHMARKS])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(b.name, marks=[pytest.mark.distributed] if b.name in DISTRIBUTED else [])
+        for b in suite.BENCHMARKS
+    ],
+)
 def test_quick_run(name, tmp_path):
-    """``python -m experiments.benchmark NAME --quick --out DIR`` exits 0 and writes a table
+    """``python -m experiments.benchmark NAME --quick --out DIR`` exits 0 and writes its report
     (its result files go to ``DIR`` too: the committed results stay as they are)."""
     bench = next(b for b in suite.BENCHMARKS if b.name == name)
     missing = [m for m in bench.needs if importlib.util.find_spec(m) is None]
@@ -63,5 +73,4 @@ def test_quick_run(name, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = (tmp_path / f"{name}.md").read_text()
-    assert "|---" in report or "| ---" in report, report[-2000:]
+    assert (tmp_path / f"{name}.md").read_text().strip(), proc.stderr[-4000:]
