@@ -41,11 +41,6 @@ def bootstrap_ci(per_test: np.ndarray, seed: int = 0) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def lds_summed_scores(scores: torch.Tensor, indices: torch.Tensor) -> np.ndarray:
-    """(S, n_test): scores summed over each subset's train samples (as dattri's ``lds``)."""
-    return torch.stack([scores[idx].sum(0) for idx in indices.long()]).numpy()
-
-
 def lds_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
     """dattri's LDS plus a bootstrap interval. ``scores``: (n_train, n_test)."""
     from dattri.metric import lds
