@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BENCHMARKS", "Benchmark", "command", "main", "run"]
+__all__ = ["BENCHMARKS", "Benchmark", "command", "main", "missing_needs", "run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,6 +70,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     # dattri's as-shipped (projected) run is the slow one on CPU: the quick run skips it
     Benchmark("tracin", "benchmark.tracin", "benchmarks/tracin.md", ("--quick", "--no-projected")),
     Benchmark("tracin_floor", "benchmark.tracin_floor", "benchmarks/scale.md"),
+    # CUDA when there is one (the docs' table), else the same parts on the CPU
+    Benchmark("gpu_floor", "benchmark.gpu_floor", "BENCHMARKS.md"),
     Benchmark("scale", "benchmark.scale", "benchmarks/scale.md"),
     Benchmark("store_throughput", "benchmark.store_throughput", "benchmarks/store.md"),
     Benchmark(
@@ -172,6 +174,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 )
 
 
+def missing_needs(bench: Benchmark) -> list[str]:
+    """The modules ``bench`` needs that are not installed here."""
+    return [m for m in bench.needs if importlib.util.find_spec(m) is None]
+
+
 def _by_name(name: str) -> Benchmark:
     for b in BENCHMARKS:
         if b.name == name:
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = list(BENCHMARKS) if args.name == "all" else [_by_name(args.name)]
     failed = []
     for b in todo:
-        missing = [m for m in b.needs if importlib.util.find_spec(m) is None]
+        missing = missing_needs(b)
         if missing:  # a peer or an optional stack: the rest of the suite still runs
             print(f"[suite] {b.name}: skipped, {', '.join(missing)} not installed", flush=True)
             continue

@@ -6,7 +6,6 @@ would, and checks that it exits cleanly with its report on stdout.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -62,7 +61,7 @@ def test_quick_run(name, tmp_path):
     """``python -m experiments.benchmark NAME --quick --out DIR`` exits 0 and writes its report
     (its result files go to ``DIR`` too: the committed results stay as they are)."""
     bench = next(b for b in suite.BENCHMARKS if b.name == name)
-    missing = [m for m in bench.needs if importlib.util.find_spec(m) is None]
+    missing = suite.missing_needs(bench)
     if missing:
         pytest.skip(f"{name} needs {', '.join(missing)}")
     proc = subprocess.run(
