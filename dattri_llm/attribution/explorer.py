@@ -71,8 +71,8 @@ class Attribution:
         exact: Whether ``results`` is the exact top-k (a store scan or a ``flat`` index);
             ``False`` through an IVF or HNSW index, which may miss some of the top-k.
         expected_recall: The share of the exact top-k an approximate index is expected to
-            find (:attr:`GradientIndex.expected_recall <dattri_llm.GradientIndex.expected_recall>`, measured at
-            build), when it records one; else ``None``.
+            find, measured at build (:attr:`dattri_llm.GradientIndex.expected_recall`),
+            when it records one; else ``None``.
     """
 
     prompt: str

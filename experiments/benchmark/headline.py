@@ -44,9 +44,10 @@ from experiments.benchmark.headline_names import (  # noqa: E402
     pick,
 )
 from experiments.benchmark.tracing.metrics import mean_ci  # noqa: E402
+from experiments.benchmark.utils.env import RESULTS_DIR  # noqa: E402
 from experiments.benchmark.utils.table import md_table  # noqa: E402
 
-RESULTS = ROOT / "experiments" / "benchmark" / "results"
+RESULTS = RESULTS_DIR
 DOC = ROOT / "experiments" / "benchmark" / "results" / "headline.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 FRACTIONS = (1, 5, 10, 50)

@@ -7,15 +7,20 @@ are the store's bytes without the statistics file (what a compact store held bef
 file's bytes and their ratio. The file is per partition and checkpoint, not per sample, so the
 ratio falls as the samples per checkpoint grow.
 
-    OMP_NUM_THREADS=1 python experiments/benchmark/kronecker_statistics_size.py
+    OMP_NUM_THREADS=1 python experiments/benchmark/kronecker_statistics_size.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tempfile
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from utils.env import header  # noqa: E402
 
 from dattri_llm import GradientStorageManager, HookManager, HookManagerConfig, OffloadCallback
 
@@ -59,7 +64,11 @@ def measure(hooked: str, n_embd: int, samples: int, seq: int = 128, batch: int =
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="16 samples only")
+    quick = p.parse_args().quick
+    print(header("Kronecker statistics of a compact store"))
     print("| hooked | n_embd | samples | store without (MB) | statistics (MB) | ratio |")
     print("|---|---:|---:|---:|---:|---:|")
-    for case in CASES:
+    for case in [c for c in CASES if c[1:] == (64, 16)] if quick else CASES:
         print(measure(*case), flush=True)

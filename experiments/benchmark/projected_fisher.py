@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from projection import block_layers, plain, spearman, workload  # noqa: E402
+from utils.env import header  # noqa: E402
 
 from dattri_llm import (  # noqa: E402
     AttributionArguments,
@@ -88,16 +88,7 @@ def main() -> None:
     args.sweep = [] if args.quick else args.sweep
     dim = args.proj_dim
     side = int(round(dim**0.5))
-    import transformers
-
-    print(
-        f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python {' '.join(sys.argv)}"
-    )
-    print(
-        f"torch {torch.__version__} threads={torch.get_num_threads()}, transformers "
-        f"{transformers.__version__}, python {platform.python_version()}, "
-        f"{platform.processor() or platform.machine()}"
-    )
+    print(header("Influence on projected stores"))
     model, train_ids, test_ids, final = workload(args, n_train, n_test)
     print(
         f"model: GPT-2 {args.layers}x{args.width}, seq {args.seq}; pre-trained to loss "

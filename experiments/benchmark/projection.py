@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from utils.env import header  # noqa: E402
 
 from dattri_llm import CaptureCallback, HookManager, HookManagerConfig, ProjectionConfig
 from dattri_llm.gradient import Gradient, ops
@@ -182,18 +184,7 @@ def main() -> None:
         dims = tuple(args.dims)
     repeat = 1 if args.quick else 3
 
-    from importlib.metadata import version
-
-    import transformers
-
-    print(
-        f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python " + " ".join(sys.argv)
-    )
-    print(
-        f"torch {torch.__version__} threads={torch.get_num_threads()}, transformers "
-        f"{transformers.__version__}, dattri {version('dattri')}, python "
-        f"{platform.python_version()}, {platform.processor() or platform.machine()}"
-    )
+    print(header("Capture-time projection"))
     torch.manual_seed(0)
     model, train_ids, test_ids, final = workload(args, n_train, n_test)
     print(

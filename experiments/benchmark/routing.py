@@ -210,6 +210,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--models", default="gpt2,llama", help="whole models: comma list of families")
     args = p.parse_args()
     print(
         header(
@@ -234,6 +235,8 @@ def main() -> None:
             (ModelShape("llama", 4, 256, 4, 32000, 128, 8, intermediate=688), 8),
         ]
     for shape, b_test in models:
+        if shape.family not in args.models.split(","):
+            continue
         print(model_routing(shape, b_test, args.rounds), flush=True)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 

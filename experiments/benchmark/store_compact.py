@@ -13,11 +13,16 @@ from the bf16 / fp16 stores with the float32 ones.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from utils.env import header  # noqa: E402
 
 from dattri_llm import (
     AttributionArguments,
@@ -93,6 +98,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--unprojected", type=int, default=16, help="samples of the unprojected pair")
     args = p.parse_args()
+    print(header("Compact gradient stores"))
     model = make_model(args.seq)
     g = torch.Generator().manual_seed(0)
     train = torch.randint(0, 256, (args.train, args.seq), generator=g)

@@ -12,9 +12,7 @@ pay for their page-ins. Reads follow the writes, so they are served from the pag
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -22,10 +20,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import safetensors  # noqa: E402
 import torch  # noqa: E402
+from utils.env import header  # noqa: E402
 
 from dattri_llm.gradient.gradient import Factorized, Gradient, GradientRecord  # noqa: E402
 from dattri_llm.gradient.store import GradientStorageManager  # noqa: E402
@@ -135,72 +135,6 @@ def run_memmap(root: Path, records, *, fsync: bool):
     return t1 - t0, time.perf_counter() - t1
 
 
-def offload_overhead(
-    steps: int, rounds: int, layers: int, width: int, batch: int, seq: int
-) -> list[str]:
-    """Training step time: plain vs HookManager (capture only) vs HookManager + OffloadCallback."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from dattri_llm import CaptureCallback, HookManager, HookManagerConfig, OffloadCallback
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=seq, vocab_size=1000)
-    model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    data = [torch.randint(0, 1000, (batch, seq)) for _ in range(steps + 1)]
-    config = HookManagerConfig(exclude=[r"transformer\.wpe"])  # see ENVIRONMENT.md
-
-    def step(x: torch.Tensor) -> None:
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    tmp = Path(tempfile.mkdtemp(prefix="offload_bench_"))
-    store = GradientStorageManager(tmp / "s")
-    modes = {
-        "plain": None,
-        "capture": [CaptureCallback()],
-        "offload": [OffloadCallback(offload_interval=1, file_manager=store)],
-    }
-    best = dict.fromkeys(modes, float("inf"))
-    flush = 0.0
-    try:
-        for _ in range(rounds):  # interleaved rounds: load from other work hits every mode
-            for name, callbacks in modes.items():
-                hm = HookManager(model, config, callbacks=callbacks) if callbacks else None
-                ctx = hm.collect() if hm is not None else contextlib.nullcontext()
-                times = []
-                with ctx:
-                    for x in data:
-                        t = time.perf_counter()
-                        step(x)
-                        times.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                if hm is not None:
-                    flush = max(flush, time.perf_counter() - t)  # context exit flushes the store
-                    hm.remove()
-                best[name] = min(best[name], float(np.median(times[1:])))
-        store.close()
-        mb = sum(p.stat().st_size for p in (tmp / "s" / "shards").iterdir()) / 2**20 / len(store)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    plain, capture, offload = best["plain"], best["capture"], best["offload"]
-    return [
-        "",
-        f"### Offload overhead (GPT-2 {layers} x {width}, seq {seq}, batch {batch}, SGD step, "
-        f"best over {rounds} interleaved rounds of the median of {steps} steps; "
-        f"{mb:.0f} MB of factors written per step, async + fsync)",
-        "",
-        "| training step | median s | vs plain |",
-        "|---|---:|---:|",
-        f"| plain | {plain:.3f} | 1.00x |",
-        f"| HookManager, capture only (factorized) | {capture:.3f} | {capture / plain:.2f}x |",
-        f"| HookManager + OffloadCallback | {offload:.3f} | {offload / plain:.2f}x |",
-        "",
-        f"The flush at context end took at most {flush:.3f} s.",
-    ]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 block, 6 records (~20 s)")
@@ -220,22 +154,16 @@ def main() -> None:
     n = args.records or (6 if args.quick else 12)
     blocks = args.blocks or (1 if args.quick else 2)
     repeats = 1 if args.quick else args.repeats
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
     records = make_records(n, blocks, args.batch, args.tokens)
     mb = sum(t.numel() * t.element_size() for r in records for t in tensors_of(r).values()) / 2**20
-    cmd = "OMP_NUM_THREADS={} python {}".format(
-        os.environ["OMP_NUM_THREADS"], " ".join([sys.argv[0], *sys.argv[1:]])
+    versions = f"safetensors {safetensors.__version__}, numpy {np.__version__}"
+    data = (
+        f"{n} records x {blocks} GPT-2 block(s) x 4 linear layers (width {HIDDEN}), batch "
+        f"{args.batch}, {args.tokens} tokens, float32 factors: {mb:.0f} MB in all; "
+        f"best of {repeats}"
     )
-    header = [
-        f"command: `{cmd}`",
-        f"threads: {torch.get_num_threads()}; python {platform.python_version()}, torch "
-        f"{torch.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}",
-        f"data: {n} records x {blocks} GPT-2 block(s) x 4 linear layers (width {HIDDEN}), "
-        f"batch {args.batch}, {args.tokens} tokens, float32 factors: {mb:.0f} MB in all; "
-        f"best of {repeats}",
-    ]
-    print("\n".join(header), flush=True)
+    head = header("Gradient store throughput", {"versions": versions, "data": data})
+    print(head, flush=True)
 
     methods = {
         "store (async, fsync; read with CRC check)": lambda d: run_store(
@@ -278,9 +206,7 @@ def main() -> None:
     ref_w, ref_r = results["torch.save / torch.load(weights_only=True), fsync"]
     mm_w, mm_r = results["numpy memmap (raw), fsync"]
     lines = [
-        "## Gradient store throughput",
-        "",
-        *[f"- {h}" for h in header],
+        head.rstrip("\n"),
         "- machine: shared 2-core VM, timings taken under load from other work (1-min load "
         f"average {os.getloadavg()[0]:.1f} at the end); reads follow the writes and are served "
         "from the page cache",
@@ -299,9 +225,12 @@ def main() -> None:
             f"{fmt(w / mm_w, 'x')} | {fmt(r / mm_r, 'x')} |"
         )
     if args.offload:
-        lines += offload_overhead(
-            steps=4, rounds=2 if args.quick else 4, layers=4, width=256, batch=8, seq=64
-        )
+        # the offload benchmark's own measurement, on a GPT-2 4 x 256 (vocab 1000, seq 64, b 8)
+        from offload_overhead import bench as offload_bench
+        from utils.models import ModelShape
+
+        shape = ModelShape("gpt2", 4, 256, 4, 1000, 64, 8)
+        lines += ["", offload_bench(shape, 4, 2 if args.quick else 4, tempfile.gettempdir())]
     lines.append("")
     text = "\n".join(lines)
     print(text)

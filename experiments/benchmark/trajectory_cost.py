@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from experiments.benchmark.utils.env import header
 from experiments.benchmark.utils.memory import peak_rss_bytes
 
 
@@ -83,6 +84,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     a = p.parse_args()
+    print(header("DVEmb vs AdamW-influence cost"))
     from dattri_llm import AdamWInfluenceAttributor, AttributionArguments, DVEmbAttributor
 
     rows = []

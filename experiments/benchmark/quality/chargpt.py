@@ -301,17 +301,13 @@ def make_setting(name: str = "char-gpt") -> Setting:
         crn: list[int] | None = None,
         mask_index: int | None = None,
         observer: TrainObserver | None = None,
-        mask_weight: float = 0.0,
         **_: Any,
     ) -> Any:
         """dattri's train contract; ``crn=[lds_seed, runs]`` maps dattri's seed to run ``j``.
 
         ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
         it falls in (the batch's mean loss is taken over the others); the batch stream, the
-        step count and the learning-rate schedule stay those of the unmasked run. With
-        ``mask_weight`` ``w != 0`` it is kept with weight ``w`` in a weighted mean of the
-        blocks' mean token losses instead (a partial removal, ``quality/trajectory_check.py``;
-        the batches without it keep the unweighted loss).
+        step count and the learning-rate schedule stay those of the unmasked run.
         ``observer`` watches the loop (the trajectory methods record the reference run with
         it). With both ``None`` the run is the one the cached ground truth was built with.
         """
@@ -324,8 +320,6 @@ def make_setting(name: str = "char-gpt") -> Setting:
                 f"mask_index={mask_index} is not a member of the training subset; pass a train "
                 "index the loader's dataset contains, or None."
             )
-        if mask_weight != 0 and mask_index is None:
-            raise ValueError("mask_weight needs mask_index (the block to down-weight); pass both.")
         seed_all(seed)
         model = make_model()
         opt = make_optimizer(model)
@@ -337,19 +331,11 @@ def make_setting(name: str = "char-gpt") -> Setting:
             for step, idx in enumerate(stream, 1):
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step)
-                weight = None
-                if mask_index is not None and mask_weight == 0:
+                if mask_index is not None:
                     idx = idx[idx != int(mask_index)]
-                elif mask_index is not None and bool((idx == int(mask_index)).any()):
-                    weight = 1 - (1 - mask_weight) * (idx == int(mask_index)).float()
                 x, y = train.x[idx], train.y[idx]
                 observer.before_backward(step - 1, idx, {"x": x, "y": y})
-                logits = model(x)
-                if weight is None:  # the reference run's loss, bit for bit
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                else:
-                    ce = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
-                    loss = (weight * ce).sum() / weight.sum()
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from experiments.benchmark.utils.env import RESULTS_DIR  # noqa: F401  (re-exported)
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CACHE_DIR = REPO_ROOT / "experiments" / "benchmark" / "results" / "cache"
-RESULTS_DIR = REPO_ROOT / "experiments" / "benchmark" / "results"
 
 
 def seed_all(seed: int) -> None:

@@ -234,24 +234,18 @@ def make_setting(name: str = "gpt2") -> Setting:
         return_checkpoints: bool = False,
         mask_index: int | None = None,
         observer: TrainObserver | None = None,
-        mask_weight: float = 0.0,
         remove: torch.Tensor | None = None,
-        remove_weight: float = 0.0,
         **_: Any,
     ) -> Any:
         """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
 
         ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
         it falls in (the batch's mean loss is taken over the others); the batch order, the
-        step count and the learning-rate schedule stay those of the unmasked run. With
-        ``mask_weight`` ``w != 0`` it is kept with weight ``w`` in a weighted mean instead
-        (a partial removal, ``quality/trajectory_check.py``).
+        step count and the learning-rate schedule stay those of the unmasked run.
         ``observer`` watches the loop (the trajectory methods record the reference run with it).
         ``remove`` (small-removal LDS, ``quality/removal.py``): a set of train indices dropped
         from every batch the same way; a batch left empty skips its update (the schedule
-        still advances). With ``remove_weight`` ``w != 0`` the set is kept with weight ``w``
-        in a weighted batch mean instead (a partial removal of the whole set,
-        ``quality/linearity.py``).
+        still advances).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
@@ -275,23 +269,18 @@ def make_setting(name: str = "gpt2") -> Setting:
                 perm = members[torch.randperm(len(members), generator=gen)]
                 for s in range(0, len(perm), bs):
                     step += 1
-                    idx, weight = perm[s : s + bs], None
-                    if mask_index is not None and mask_weight == 0:
+                    idx = perm[s : s + bs]
+                    if mask_index is not None:
                         idx = idx[idx != int(mask_index)]
-                    elif mask_index is not None and bool((idx == int(mask_index)).any()):
-                        weight = 1 - (1 - mask_weight) * (idx == int(mask_index)).float()
-                    if remove is not None and remove_weight == 0:
+                    if remove is not None:
                         idx = idx[~dropped[idx]]
-                    elif remove is not None and bool(dropped[idx].any()):
-                        weight = 1 - (1 - remove_weight) * dropped[idx].float()
                     for group in opt.param_groups:
                         group["lr"] = lr_at(step, steps)
                     if len(idx) == 0:
                         continue
                     x, y = train.x[idx], train.y[idx]
                     observer.before_backward(step - 1, idx, {"x": x, "y": y})
-                    ce = per_sample_ce(model, x, y)
-                    loss = ce.mean() if weight is None else (weight * ce).sum() / weight.sum()
+                    loss = per_sample_ce(model, x, y).mean()
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()

@@ -41,11 +41,6 @@ def bootstrap_ci(per_test: np.ndarray, seed: int = 0) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def lds_summed_scores(scores: torch.Tensor, indices: torch.Tensor) -> np.ndarray:
-    """(S, n_test): scores summed over each subset's train samples (as dattri's ``lds``)."""
-    return torch.stack([scores[idx].sum(0) for idx in indices.long()]).numpy()
-
-
 def lds_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
     """dattri's LDS plus a bootstrap interval. ``scores``: (n_train, n_test)."""
     from dattri.metric import lds
@@ -91,3 +86,12 @@ def split_run_reliability(per_run: torch.Tensor, seed: int = 0) -> dict:
         "runs": k,
         "mean_avg": k * r / (1 + (k - 1) * r) if r > -1 / (k - 1) else float("nan"),
     }
+
+
+def loo_corr(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over test columns of the Pearson correlation across removed samples (rows)."""
+    a = a - a.mean(0, keepdims=True)
+    b = b - b.mean(0, keepdims=True)
+    den = np.sqrt((a * a).sum(0) * (b * b).sum(0))
+    ok = den > 0
+    return float(((a * b).sum(0)[ok] / den[ok]).mean())

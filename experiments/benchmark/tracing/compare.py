@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from experiments.benchmark.tracing import report
+from experiments.benchmark.utils.env import RESULTS_DIR
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = RESULTS_DIR
 
 
 def merged(base: dict[str, Any], extra: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import copy
 import json
-import math
 import os
 import shlex
 import sys
@@ -56,9 +55,10 @@ from experiments.benchmark.tracing import causal, recipes  # noqa: E402
 from experiments.benchmark.tracing import data as tdata  # noqa: E402
 from experiments.benchmark.tracing import metrics as tm  # noqa: E402
 from experiments.benchmark.tracing.report import write_report  # noqa: E402
+from experiments.benchmark.utils.env import BENCH_DIR, RESULTS_DIR  # noqa: E402
 from experiments.benchmark.utils.memory import peak_rss_bytes  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = RESULTS_DIR
 
 FULL: dict[str, Any] = {
     "seeds": [0, 1, 2],
@@ -141,7 +141,6 @@ def train(
     seed: int,
     snapshots: int = 1,
     observer: Any = None,
-    doc_weights: dict[int, float] | None = None,
 ) -> Snapshots:
     """AdamW from the seed's initialisation on the documents ``keep``; linear decay to 0.
 
@@ -150,11 +149,6 @@ def train(
     being the final weights, with the optimizer's state at each (``Snapshots.optimizer``).
     ``observer`` (a quality-benchmark ``TrainObserver``) watches the loop: the trajectory rows
     record the run through it; it does not change the run (checked bit for bit).
-    ``doc_weights`` (partial removal, :mod:`.hessian_check`): ``{document: w}``, each a member
-    of ``keep``; a batch holding one of them takes the weighted mean
-    ``Σ w_i ℓ_i / Σ w_i`` of its documents' losses (the others weigh 1); the batch order, the
-    step count and the schedule stay the run's. Without it (``None``) the loop is the
-    reference run bit for bit (tested).
     """
     torch.manual_seed(seed)
     model = TinyGPT2(vocab_size=len(d.vocab), **MODEL)
@@ -167,7 +161,6 @@ def train(
     marks = set(snapshot_steps(len(keep), cfg, snapshots))
     states, step = Snapshots(), 0
     kept = torch.as_tensor(keep, dtype=torch.long)
-    weights = _doc_weights(keep, doc_weights)
     with observer.run(model, opt) if observer is not None else contextlib.nullcontext():
         for _ in range(epochs):
             for idx in torch.randperm(len(keep), generator=gen).split(bs):
@@ -176,11 +169,7 @@ def train(
                 batch = {"x": x[idx], "y": y[idx]}
                 if observer is not None:
                     observer.before_backward(step, kept[idx], batch)
-                if weights is None or bool(torch.isnan(weights[idx]).all()):
-                    loss = doc_loss_sum(model, batch) / len(idx)
-                else:  # a weighted document is in the batch (the others weigh 1)
-                    w = torch.nan_to_num(weights[idx], nan=1.0)
-                    loss = (w * doc_losses(model, batch)).sum() / w.sum()
+                loss = doc_loss_sum(model, batch) / len(idx)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -191,25 +180,6 @@ def train(
                     states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
                     states.optimizer.append(copy.deepcopy(opt.state_dict()))
     return states
-
-
-def _doc_weights(keep: list[int], doc_weights: dict[int, float] | None) -> torch.Tensor | None:
-    """Per position in ``keep``, the document's weight (NaN: not weighted), or ``None``."""
-    if not doc_weights:
-        return None
-    where = {doc: i for i, doc in enumerate(keep)}
-    missing = sorted(set(doc_weights) - set(where))
-    if missing:
-        raise ValueError(
-            f"doc_weights: documents {missing} are not in keep (the trained documents); weight "
-            "only documents the run trains on, or remove them from keep instead."
-        )
-    out = torch.full((len(keep),), float("nan"))
-    for doc, w in doc_weights.items():
-        if not (math.isfinite(w) and w >= 0):
-            raise ValueError(f"doc_weights[{doc}] = {w}: expected a finite weight >= 0.")
-        out[where[doc]] = float(w)
-    return out
 
 
 def load(d: tdata.TracingData, state: dict) -> Any:
@@ -511,7 +481,7 @@ PRIORITY = (
     "TracIn-Cos + second moment (3 ckpts)",
     *TRAJECTORY_ROWS,
 )
-RETRAIN_CACHE = RESULTS / "cache" / "tracing-retrain"
+RETRAIN_CACHE = Path(BENCH_DIR) / "results" / "cache" / "tracing-retrain"
 
 
 def run_seed(

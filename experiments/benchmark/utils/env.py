@@ -12,10 +12,15 @@ import platform
 import shlex
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["ensure_env", "header", "BENCH_DIR"]
+__all__ = ["ensure_env", "header", "BENCH_DIR", "RESULTS_DIR"]
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Where benchmarks write their result files (JSON / Markdown): ``experiments/benchmark/results``
+#: unless ``DATTRI_BENCH_RESULTS`` names another folder (the quick runs of the smoke test write
+#: there, leaving the committed results alone). Caches stay under ``results/cache``.
+RESULTS_DIR = Path(os.environ.get("DATTRI_BENCH_RESULTS") or os.path.join(BENCH_DIR, "results"))
 _MARK = "_DATTRI_BENCH_ENV"
 
 

@@ -264,10 +264,9 @@ def test_retrain_cache_resumes_and_names_a_corrupt_file(tmp_path):
             cache.get(key)
 
 
-def _written_out_run(d, keep, cfg, seed, weight_of=None):
+def _written_out_run(d, keep, cfg, seed):
     """The tracing loop written out: AdamW (no weight decay), linear decay to 0, seeded
-    initialisation and batch order; ``weight_of(docs)`` -> ``None`` (the batch's plain mean of
-    its documents' mean token losses) or the ``(B,)`` weights of a weighted mean."""
+    initialisation and batch order, the batch's mean of its documents' mean token losses."""
     import torch.nn.functional as F
 
     from experiments.benchmark.tracing import run
@@ -286,8 +285,7 @@ def _written_out_run(d, keep, cfg, seed, weight_of=None):
                 group["lr"] = cfg["lr"] * (1 - step / steps)
             x, y = d.docs[docs[idx], :-1], d.docs[docs[idx], 1:]
             per_doc = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1)
-            w = None if weight_of is None else weight_of(docs[idx])
-            loss = per_doc.sum() / len(idx) if w is None else (w * per_doc).sum() / w.sum()
+            loss = per_doc.sum() / len(idx)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -295,11 +293,8 @@ def _written_out_run(d, keep, cfg, seed, weight_of=None):
     return model.state_dict()
 
 
-def test_doc_weights_is_a_weighted_batch_mean_and_leaves_the_run_alone():
-    """Without ``doc_weights`` the tracing loop is the written-out reference run bit for bit;
-    with ``{z: 0.25}`` document ``z`` weighs 0.25 in a weighted mean of its batches' document
-    losses (the others 1); weight 1 through the weighted path is the run bit for bit;
-    a weighted document outside ``keep`` or a negative weight is refused."""
+def test_the_tracing_loop_is_the_written_out_run():
+    """The tracing loop is the written-out reference run bit for bit (a last batch of 3)."""
     from experiments.benchmark.tracing import data as tdata
     from experiments.benchmark.tracing import run
 
@@ -308,65 +303,7 @@ def test_doc_weights_is_a_weighted_batch_mean_and_leaves_the_run_alone():
         cfg["n_docs"], cfg["n_facts"], cfg["copies"], cfg["block"], cfg["vocab_words"], 0
     )
     keep = [i for i in range(len(d.docs)) if i != 5]  # 15 documents: a last batch of 3
-    z = d.facts[0].docs[0]
     plain = run.train(d, keep, cfg, 1)[-1]
     want = _written_out_run(d, keep, cfg, 1)
     for key in want:
         assert torch.equal(plain[key], want[key]), key
-
-    def quarter(docs):
-        if not bool((docs == z).any()):
-            return None
-        return 1 - 0.75 * (docs == z).float()
-
-    weighted = run.train(d, keep, cfg, 1, doc_weights={z: 0.25})[-1]
-    want = _written_out_run(d, keep, cfg, 1, quarter)
-    moved = max(float((weighted[k] - plain[k]).abs().max()) for k in plain)
-    assert moved > 1e-3  # the down-weighting changed the run
-    for key in want:
-        assert torch.equal(weighted[key], want[key]), key
-    same = run.train(d, keep, cfg, 1, doc_weights={z: 1.0})[-1]  # exact: 1·ℓ, Σw = B
-    for key in plain:
-        assert torch.equal(same[key], plain[key]), key
-    with pytest.raises(ValueError, match=r"doc_weights: documents \[5\] are not in keep"):
-        run.train(d, keep, cfg, 1, doc_weights={5: 0.5})
-    with pytest.raises(ValueError, match="expected a finite weight >= 0"):
-        run.train(d, keep, cfg, 1, doc_weights={z: -1.0})
-
-
-def test_watched_sweeps_record_the_adjoint_and_leave_the_scores_alone():
-    """``hessian_check.watched_sweeps``: the library's adjoint sweep inside it returns the same
-    scores and records the adjoint norms written out for an expanding SGD step (``A = −c I``:
-    the adjoint grows by ``1 + c η`` per step backward), the kept adjoints whole, and a
-    refused (overflowing float32) sweep's kept adjoints before re-raising."""
-    from dattri_llm.attribution.trajectory import base
-    from dattri_llm.attribution.trajectory.unroll import Curvature, SGDStep, StepPushes
-    from experiments.benchmark.tracing.hessian_check import watched_sweeps
-
-    c, lr, n = 3.0, 0.5, 6
-
-    def load_in(dtype):
-        def load(step):
-            op = SGDStep(
-                Curvature(None, operator=lambda x: -c * x), lr=torch.tensor(lr, dtype=dtype)
-            )
-            return op, StepPushes(step, torch.ones(1, 4, dtype=dtype), [f"s{step}"])
-
-        return load
-
-    q = torch.ones(2, 4, dtype=torch.float64)
-    plain = base.adjoint_sweep(list(range(n)), load_in(torch.float64), q)[0]
-    record: list[dict] = []
-    with watched_sweeps(record, keep=(0, 5)):
-        watched = base.adjoint_sweep(list(range(n)), load_in(torch.float64), q)[0]
-    assert torch.equal(watched, plain) and len(record) == 1
-    growth = torch.tensor([(1 + c * lr) ** (n - 1 - k) for k in range(n)], dtype=torch.float64)
-    torch.testing.assert_close(record[0]["norms"]["theta"], 2 * growth[:, None].expand(n, 2))
-    torch.testing.assert_close(record[0]["kept"][0], growth[0] * q)
-    assert record[0]["steps"] == list(range(n))
-
-    record.clear()
-    steps = list(range(120))  # 2.5^119 ≈ 1e47 passes float32's range (3.4e38)
-    with watched_sweeps(record, keep=(119,)), pytest.raises(FloatingPointError):
-        base.adjoint_sweep(steps, load_in(torch.float32), q.float())
-    assert "refused" in record[0] and torch.equal(record[0]["kept"][119], q)

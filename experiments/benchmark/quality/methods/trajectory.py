@@ -650,42 +650,6 @@ def exact_unroll(ctx: Context) -> torch.Tensor:
     return scores
 
 
-# ---- scores kept for quality/trajectory_check.py --------------------------------------------
-def _scores_path(ctx: Context, name: str) -> Path:
-    slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-    return _cache_root(ctx) / "scores" / f"{slug}.safetensors"
-
-
-def saving(name: str, fn: Any) -> Any:
-    """``fn`` that also writes its scores beside the recordings (``cached_scores`` reads them)."""
-
-    def wrapped(ctx: Context) -> torch.Tensor:
-        from safetensors.torch import save_file
-
-        scores = fn(ctx)
-        path = _scores_path(ctx, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"scores": scores.detach().to(torch.float64).contiguous()}, str(path))
-        return scores
-
-    return wrapped
-
-
-def cached_scores(ctx: Context, method: Method) -> torch.Tensor:
-    """The scores the last benchmark run of ``method`` wrote, or run it now."""
-    from safetensors.torch import load_file
-
-    from experiments.benchmark.quality.methods import run_method
-
-    path = _scores_path(ctx, method.name)
-    if path.exists():
-        return load_file(str(path))["scores"]
-    r = run_method(method, ctx)
-    if r.status != "ok":
-        raise RuntimeError(f"{method.name}: {r.status}: {r.note}")
-    return r.scores
-
-
 # ---- rows --------------------------------------------------------------------------------------
 MASK_DIMS = (256, 2048)
 #: gpt2's embeddings (the tied wte / lm_head group and the position embedding).
@@ -701,7 +665,7 @@ def methods(quick: bool, kind: str) -> list[Method]:
             Method(
                 "AdamW-influence (every step, all coordinates)",
                 "dattri_llm",
-                saving("AdamW-influence (every step, all coordinates)", adamw_influence("full")),
+                adamw_influence("full"),
                 "adjoint sweep, float32",
             ),
         ]
@@ -710,29 +674,20 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 Method(
                     "AdamW-influence without curvature (ablation)",
                     "dattri_llm",
-                    saving(
-                        "AdamW-influence without curvature (ablation)",
-                        adamw_influence("full", curvature=False),
-                    ),
+                    adamw_influence("full", curvature=False),
                     "batch curvature term dropped (benchmark subclass)",
                 ),
                 Method(
                     "AdamW-influence (float64 propagation)",
                     "dattri_llm",
-                    saving(
-                        "AdamW-influence (float64 propagation)",
-                        adamw_influence("full", compute_dtype=torch.float64),
-                    ),
+                    adamw_influence("full", compute_dtype=torch.float64),
                     "compute_dtype=torch.float64 (the consumed-gradient check at the recorded "
                     "float32 precision)",
                 ),
                 Method(
                     "AdamW-influence, exact Hessian (every step, all coordinates)",
                     "dattri_llm",
-                    saving(
-                        "AdamW-influence, exact Hessian (every step, all coordinates)",
-                        adamw_influence_exact_hessian,
-                    ),
+                    adamw_influence_exact_hessian,
                     "curvature=ExactHessian(...): each step's batch-loss Hessian by "
                     "Hessian-vector products",
                 ),
@@ -741,10 +696,7 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 Method(
                     "AdamW-influence without the embeddings (diagnosis)",
                     "dattri_llm",
-                    saving(
-                        "AdamW-influence without the embeddings (diagnosis)",
-                        adamw_influence("no-embeddings", exclude=EMBEDDINGS),
-                    ),
+                    adamw_influence("no-embeddings", exclude=EMBEDDINGS),
                     "tied wte / lm_head and wpe left out of the capture",
                 )
             )
@@ -752,7 +704,7 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 Method(
                     "AdamW-influence, MC-Fisher curvature (diagnosis)",
                     "dattri_llm",
-                    saving("AdamW-influence, MC-Fisher curvature (diagnosis)", adamw_influence_mc),
+                    adamw_influence_mc,
                     "benchmark subclass: each step's curvature = Monte-Carlo Fisher (1 sampled "
                     "label per token, scaled to the Gauss-Newton matrix of the mean token loss)",
                 )

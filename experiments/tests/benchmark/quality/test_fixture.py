@@ -345,7 +345,7 @@ def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch
     DVEmb (replayed from parameter snapshots) tracks brute-force trajectory-specific LOO (each
     sample masked out of its batches), and AdamW-influence is refused on an SGD run."""
     from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.trajectory_check import loo_corr
+    from experiments.benchmark.quality.metrics import loo_corr
 
     setting, ctx, deltas = _short_run(monkeypatch, "digits-mlp", epochs=2, n_test=40)
     rows = {m.name: run_method(m, ctx) for m in trajectory.methods(True, setting.trajectory)}
@@ -369,7 +369,7 @@ def test_exact_unrolled_influence_equals_trajectory_loo_on_a_short_lr_run(monkey
     digits-LR run (measured Pearson 0.99995, scale 0.99): the harness's removal semantics
     (mean over the others, every epoch) and the replayed trajectory are the trained ones."""
     from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.trajectory_check import loo_corr
+    from experiments.benchmark.quality.metrics import loo_corr
 
     _, ctx, deltas = _short_run(monkeypatch, "digits-lr", epochs=4)
     r = run_method(ours.Method("exact", "reference", trajectory.exact_unroll), ctx)
@@ -391,7 +391,7 @@ def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monk
     LOO (measured 0.977, scale 0.93)."""
     from experiments.benchmark.quality import digits
     from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.trajectory_check import loo_corr
+    from experiments.benchmark.quality.metrics import loo_corr
 
     for key, value in {"optimizer": "adamw", "lr": 1e-3, "wd": 0.01}.items():
         monkeypatch.setitem(digits.HPARAMS["digits-lr"], key, value)

@@ -158,11 +158,9 @@ def test_removal_ground_truth_keeps_the_subsets_of_an_interrupted_build(tmp_path
     assert fake.calls == 2 * 2 and meta["spec"]["num_subsets"] == 4
 
 
-def test_gpt2_remove_weight_is_a_partial_removal_of_the_whole_set(monkeypatch):
-    """``remove_weight=w`` keeps the removed set at weight ``w`` in a weighted batch mean: at
-    ``w = 1`` it is the full run bit for bit, at ``w = 0`` the removal, and for one index it is
-    the trajectory mask's ``mask_weight`` path (a separate branch) bit for bit; for two indices
-    it equals a written-out weighted loop."""
+def test_gpt2_remove_drops_the_set_from_every_batch(monkeypatch):
+    """``remove=`` drops the set from every batch (the schedule still advances) and equals a
+    written-out loop; ``mask_index`` of one sample is the same run as ``remove`` of it."""
     pytest.importorskip("transformers")
     from experiments.benchmark.quality import gpt2
 
@@ -182,15 +180,10 @@ def test_gpt2_remove_weight_is_a_partial_removal_of_the_whole_set(monkeypatch):
         return s.train_func(loader, seed=3, **kw).state_dict()
 
     full = run()
-    gone = run(remove=torch.tensor([2, 5]))
-    for k in full:
-        assert torch.equal(run(remove=torch.tensor([2, 5]), remove_weight=1.0)[k], full[k])
-        assert torch.equal(run(remove=torch.tensor([2, 5]), remove_weight=0.0)[k], gone[k])
-    one = run(remove=torch.tensor([5]), remove_weight=0.3)
-    masked = run(mask_index=5, mask_weight=0.3)
+    got = run(remove=torch.tensor([2, 5]))
+    one, masked = run(remove=torch.tensor([5])), run(mask_index=5)
     assert all(torch.equal(one[k], masked[k]) for k in full)
-    # written out: the same loop with per-sample weights 0.3 on samples 2 and 5
-    got = run(remove=torch.tensor([2, 5]), remove_weight=0.3)
+    # written out: the same loop with samples 2 and 5 left out of their batches
     gpt2.seed_all(3)
     model = s.make_model()
     model.load_state_dict(start, strict=False)
@@ -204,12 +197,12 @@ def test_gpt2_remove_weight_is_a_partial_removal_of_the_whole_set(monkeypatch):
         for b in range(0, 12, 8):
             step += 1
             idx = perm[b : b + 8]
-            w = torch.tensor([0.3 if int(i) in (2, 5) else 1.0 for i in idx])
+            idx = idx[(idx != 2) & (idx != 5)]
             for group in opt.param_groups:
                 group["lr"] = gpt2.HP["lr"] * (1 - (step - 1) / steps)
             ce = gpt2.per_sample_ce(model, train.x[idx], train.y[idx])
             opt.zero_grad(set_to_none=True)
-            ((w * ce).sum() / w.sum()).backward()
+            ce.mean().backward()
             opt.step()
     want = model.state_dict()
     for k in full:

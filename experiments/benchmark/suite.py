@@ -1,0 +1,267 @@
+"""Every benchmark behind one command: which script makes which docs table, and its quick run.
+
+Usage (from the repository root)::
+
+    python -m experiments.benchmark --list                  # name, script, docs page
+    python -m experiments.benchmark capture                 # the full run of one benchmark
+    python -m experiments.benchmark capture --quick         # its CI-sized run (seconds)
+    python -m experiments.benchmark all --quick --out DIR   # every quick run, DIR/<name>.md each
+    python -m experiments.benchmark tracin -- --parts floor # arguments after -- go to the script
+
+Each benchmark runs in a fresh process with ``OMP_NUM_THREADS=1`` (the scripts also re-execute
+themselves with it), its Markdown tables on stdout, its progress on stderr. With ``--out DIR``
+the tables go to ``DIR/<name>.md`` and the result files the benchmarks write (JSON / Markdown,
+``experiments/benchmark/results/`` otherwise) to ``DIR`` (``DATTRI_BENCH_RESULTS``).
+
+``--quick`` passes the registry's ``quick`` arguments: the script's own ``--quick`` where it
+has one, and the sizes that keep the run to seconds on a 2-core machine, on a tiny model, with
+no peer needed (a peer that is not installed is left out with a printed note, never an
+error). The full run is the command its docs page quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BENCHMARKS", "Benchmark", "command", "main", "missing_needs", "run"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: its module under ``experiments``, its docs page, its quick arguments and
+    the modules it cannot run without (left out with a note where one is missing)."""
+
+    name: str
+    module: str
+    page: str
+    quick: tuple[str, ...] = ("--quick",)
+    needs: tuple[str, ...] = ()
+
+
+def _small(*args: str) -> tuple[str, ...]:
+    """``--quick`` and a tiny GPT-2 (2 layers of width 64, 16 tokens)."""
+    return ("--quick", *args, "--layers", "2", "--width", "64", "--seq", "16")
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("capture", "benchmark.capture", "benchmarks/capture.md"),
+    Benchmark(
+        "routing",
+        "benchmark.routing",
+        "benchmarks/capture.md",
+        ("--quick", "--rounds", "1", "--models", "llama"),
+    ),
+    Benchmark("fixed_weights", "benchmark.fixed_weights", "benchmarks/capture.md"),
+    Benchmark("offload_overhead", "benchmark.offload_overhead", "benchmarks/capture.md"),
+    Benchmark("moe", "benchmark.moe", "benchmarks/capture.md"),
+    Benchmark(
+        "moe_kfac",
+        "benchmark.moe_kfac",
+        "benchmarks/capture.md",
+        ("--rounds", "1", "--batches", "1"),
+    ),
+    # dattri's as-shipped (projected) run is the slow one on CPU: the quick run skips it
+    Benchmark("tracin", "benchmark.tracin", "benchmarks/peers.md", ("--quick", "--no-projected")),
+    Benchmark("tracin_floor", "benchmark.tracin_floor", "benchmarks/scoring.md"),
+    # CUDA when there is one (the docs' table), else the same parts on the CPU
+    Benchmark("gpu_floor", "benchmark.gpu_floor", "benchmarks/gpu.md"),
+    Benchmark("scale", "benchmark.scale", "benchmarks/scoring.md"),
+    Benchmark("store_throughput", "benchmark.store_throughput", "benchmarks/capture.md"),
+    Benchmark(
+        "store_header", "benchmark.store_header", "benchmarks/capture.md", ("--timing-only",)
+    ),
+    Benchmark(
+        "store_compact",
+        "benchmark.store_compact",
+        "guides/scaling.md",
+        ("--train", "8", "--test", "2", "--seq", "32", "--unprojected", "4"),
+    ),
+    Benchmark(
+        "kronecker_statistics_size", "benchmark.kronecker_statistics_size", "STORE_FORMAT.md"
+    ),
+    Benchmark(
+        "store_open",
+        "benchmark.store_open",
+        "benchmarks/scoring.md",
+        ("--n", "2000", "--rounds", "1"),
+    ),
+    Benchmark(
+        "scoring_limit",
+        "benchmark.scoring_limit",
+        "benchmarks/scoring.md",
+        ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10"),
+    ),
+    Benchmark("projection", "benchmark.projection", "benchmarks/quality.md", _small()),
+    Benchmark("projected_fisher", "benchmark.projected_fisher", "benchmarks/quality.md", _small()),
+    Benchmark(
+        "kfac_vs_kronfluence",
+        "benchmark.kfac_vs_kronfluence",
+        "benchmarks/peers.md",
+        ("--quick", "--no-scaling"),
+    ),
+    Benchmark(
+        "trajectory_cost",
+        "benchmark.trajectory_cost",
+        "benchmarks/quality.md",
+        ("--samples", "64", "--queries", "8", "--epochs", "1"),
+    ),
+    Benchmark(
+        "quality",
+        "benchmark.quality.run",
+        "benchmarks/quality.md",
+        ("--setting", "digits-lr", "--quick", "--no-peers", "--methods", "^Grad-Dot$"),
+    ),
+    Benchmark(
+        "removal",
+        "benchmark.quality.removal",
+        "benchmarks/quality.md",
+        ("--setting", "digits-lr", "--quick", "--fractions", "10", "--methods", "^Grad-Dot$"),
+    ),
+    Benchmark(
+        "tracing",
+        "benchmark.tracing.run",
+        "benchmarks/tracing.md",
+        ("--quick", "--rows", "Grad-Dot", "random"),
+    ),
+    # reads the committed result files (no retraining); ``--write`` updates
+    # experiments/benchmark/results/headline.md, which the quality page cites
+    Benchmark(
+        "headline",
+        "benchmark.headline",
+        "benchmarks/quality.md",
+        ("--results", "experiments/benchmark/results"),
+    ),
+    Benchmark(
+        "selection",
+        "benchmark.selection.run",
+        "benchmarks/selection.md",
+        (
+            "--quick",
+            "--seeds",
+            "1",
+            "--methods",
+            "Grad-Cos",
+            "--pool-size",
+            "200",
+            "--n-test",
+            "32",
+            "--pretrain-windows",
+            "200",
+            "--pretrain-epochs",
+            "1",
+            "--warmup-epochs",
+            "2",
+            "--finetune-epochs",
+            "2",
+        ),
+    ),
+    Benchmark("index", "benchmark.index", "benchmarks/index.md", needs=("faiss",)),
+    Benchmark(
+        "serve",
+        "benchmark.serve",
+        "benchmarks/serve.md",
+        ("--quick", "--docs", "12", "--synthetic", "40", "--queries", "2", "--requests", "1")
+        + ("--big-queries", "2", "--capture-repeats", "1"),
+        needs=("starlette", "uvicorn"),
+    ),
+    Benchmark("coverage_matrix", "coverage_matrix", "guides/capturing.md", ()),
+    Benchmark("fidelity", "fidelity.run", "benchmarks/capture.md", needs=("olmo_core",)),
+)
+
+
+def missing_needs(bench: Benchmark) -> list[str]:
+    """The modules ``bench`` needs that are not installed here."""
+    return [m for m in bench.needs if importlib.util.find_spec(m) is None]
+
+
+def _by_name(name: str) -> Benchmark:
+    for b in BENCHMARKS:
+        if b.name == name:
+            return b
+    names = ", ".join(b.name for b in BENCHMARKS)
+    raise SystemExit(f"unknown benchmark {name!r}: expected 'all' or one of {names}")
+
+
+def command(bench: Benchmark, quick: bool, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The command line that runs ``bench`` (its quick arguments with ``quick``)."""
+    args = list(bench.quick) if quick else []
+    return [sys.executable, "-m", f"experiments.{bench.module}", *args, *extra]
+
+
+def run(
+    bench: Benchmark, quick: bool, extra: list[str], out: Path | None
+) -> tuple[int, float, float]:
+    """Run ``bench`` in a fresh single-threaded process: its exit status, wall-clock seconds
+    and CPU seconds (the steadier figure on a shared machine)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = command(bench, quick, extra)
+    print(f"[suite] {bench.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    start, cpu = time.perf_counter(), _children_cpu()
+    if out is None:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    else:  # the result files the benchmark writes go beside its tables
+        env.setdefault("DATTRI_BENCH_RESULTS", str(out))
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{bench.name}.md", "w", encoding="utf-8") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f).returncode
+    return rc, time.perf_counter() - start, _children_cpu() - cpu
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m experiments.benchmark``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("name", nargs="?", help="a benchmark's name, or 'all'")
+    p.add_argument("--quick", action="store_true", help="the CI-sized run (seconds each)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and their pages")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write DIR/<name>.md per benchmark, and their result files to DIR",
+    )
+    args = p.parse_args(argv)
+    if args.list or not args.name:
+        for b in BENCHMARKS:
+            print(f"{b.name:20} experiments/{b.module.replace('.', '/')}.py  docs/{b.page}")
+        return 0
+    todo = list(BENCHMARKS) if args.name == "all" else [_by_name(args.name)]
+    failed = []
+    for b in todo:
+        missing = missing_needs(b)
+        if missing:  # a peer or an optional stack: the rest of the suite still runs
+            print(f"[suite] {b.name}: skipped, {', '.join(missing)} not installed", flush=True)
+            continue
+        rc, seconds, cpu = run(b, args.quick, extra, args.out)
+        print(
+            f"[suite] {b.name}: exit {rc} in {seconds:.1f} s ({cpu:.1f} CPU-s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if rc:
+            failed.append(b.name)
+    if failed:
+        print(f"[suite] failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
