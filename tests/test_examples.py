@@ -7,6 +7,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,17 @@ def test_example_runs(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.setenv("TMPDIR", str(tmp))  # for the processes an example starts
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.setattr(sys, "argv", [str(path)])
-    runpy.run_path(str(path), run_name="__main__")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runpy.run_path(str(path), run_name="__main__")
+    # an example does what the docs recommend, so the library has nothing to warn about
+    # (third-party deprecation notices of transformers / TRL / torch internals aside)
+    warned = [
+        f"{w.category.__name__} ({Path(w.filename).name}): {w.message}"
+        for w in caught
+        if issubclass(w.category, UserWarning) or "dattri_llm" in Path(w.filename).parts
+    ]
+    assert warned == []
     # an example without --out writes to a temporary directory and removes it
     assert leftovers(tmp) == []
 

@@ -218,8 +218,11 @@ def bench_capture(model_dir, model, tokenizer, docs, data, tmp, batch, repeats) 
 
 
 # ---- synthetic store --------------------------------------------------------------------------
-def synthetic_store(real: Path, out: Path, n: int, rows: int = 1000) -> int:
-    """``n`` samples of random vectors with the layers and widths of ``real``'s records.
+def synthetic_store(real: Path, out: Path, n: int, rows: int = 1000, noise: float = 0.5) -> int:
+    """``n`` samples made from ``real``'s captured vectors: each a random captured sample's
+    vector plus Gaussian noise (per layer, ``noise`` times that layer's norm), so an index meets
+    the clusters of real gradients (every captured vector with its noisy copies, cosine ~0.9 to
+    them) at any size, where pure noise has none and ranks at random.
 
     Returns the numbers per sample (the sum of the layers' widths).
     """
@@ -230,23 +233,34 @@ def synthetic_store(real: Path, out: Path, n: int, rows: int = 1000) -> int:
     from dattri_llm.gradient.layer_gradient import Materialized
     from dattri_llm.gradient.sources import DiskGradientSource
 
-    first = next(iter(DiskGradientSource(GradientStorageManager(str(real)))))
-    template = first.gradient
+    blocks = list(DiskGradientSource(GradientStorageManager(str(real))))
+    first = blocks[0]
     meta = dict(first.metadata)
+    kinds = {name: lg.materialize() for name, lg in first.gradient.layers.items()}
+    captured = {
+        name: torch.cat([b.gradient.layers[name].materialize().data for b in blocks])
+        for name in kinds
+    }
+    count = next(iter(captured.values())).shape[0]
     store = GradientStorageManager(str(out), mode="overwrite")
     gen = torch.Generator().manual_seed(0)
     for step, start in enumerate(range(0, n, rows)):
         b = min(rows, n - start)
+        source = torch.randint(count, (b,), generator=gen)
         layers = {}
-        for name, lg in template.layers.items():
-            m = lg.materialize()
-            data = torch.randn(b, *m.data.shape[1:], generator=gen, dtype=m.data.dtype)
-            layers[name] = Materialized(data, m.layer_type, dict(m.module_kwargs))
+        for name, m in kinds.items():
+            base = captured[name][source]
+            flat = base.reshape(b, -1)
+            scale = noise * flat.norm(dim=1, keepdim=True) / flat.shape[1] ** 0.5
+            data = flat + scale * torch.randn(flat.shape, generator=gen, dtype=flat.dtype)
+            layers[name] = Materialized(
+                data.reshape(base.shape), m.layer_type, dict(m.module_kwargs)
+            )
         hashes = [secrets.token_hex(32) for _ in range(b)]
         store.write(GradientRecord(step, hashes, Gradient(layers), first.checkpoint, meta))
     store.close()
     shutil.copy(real / "capture.json", out / "capture.json")
-    return sum(lg.materialize().data[0].numel() for lg in template.layers.values())
+    return sum(m.data[0].numel() for m in kinds.values())
 
 
 # ---- explorer ---------------------------------------------------------------------------------

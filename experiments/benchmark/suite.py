@@ -170,8 +170,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "serve",
         "benchmark.serve",
         "benchmarks/serve.md",
-        ("--quick", "--docs", "12", "--synthetic", "40", "--queries", "2", "--requests", "1")
-        + ("--big-queries", "2", "--capture-repeats", "1"),
+        ("--quick", "--docs", "12", "--sizes", "12,600", "--queries", "2", "--requests", "1")
+        + ("--clients", "1,2", "--capture-repeats", "1"),
         needs=("starlette", "uvicorn"),
     ),
     Benchmark("coverage_matrix", "coverage_matrix", "guides/capturing.md", ()),

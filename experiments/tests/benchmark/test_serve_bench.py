@@ -19,38 +19,22 @@ def test_quick_run_writes_json_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve.py"])
     from experiments.benchmark import serve
 
-    res = serve.main(
-        [
-            "--quick",
-            "--docs",
-            "12",
-            "--synthetic",
-            "40",
-            "--queries",
-            "2",
-            "--requests",
-            "1",
-            "--big-queries",
-            "2",
-            "--capture-repeats",
-            "1",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    argv = ["--quick", "--docs", "12", "--sizes", "12,600", "--queries", "2", "--requests", "1"]
+    res = serve.main([*argv, "--clients", "1,2", "--capture-repeats", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "serve-quick.json").read_text())
     assert saved["capture"]["samples"] == 12
     assert saved["capture"]["cli_over_hand"] > 0
-    stores = {"real 12", "synthetic 40", "synthetic 40 + flat index"}
-    assert set(res["explorer"]) == stores
-    for parts in res["explorer"].values():
-        for s in parts.values():
-            assert s["n"] == 2 and 0 < s["p50_ms"] <= s["p95_ms"]
-    assert set(res["http"]) == stores
-    assert {c: s["n"] for c, s in res["http"]["real 12"].items()} == {"1": 1, "4": 4}
+    small, large = res["sizes"]
+    # index="auto": 12 captured samples are scanned, 600 (> 500) searched through an index
+    # that is exact (flat) at this size
+    assert (small["samples"], small["search"], small["exact"]) == (12, "store scan", True)
+    assert (large["samples"], large["search"], large["exact"]) == (600, "flat index", True)
+    for row in (small, large):
+        for s in row["explorer"].values():
+            assert s["n"] >= 1 and 0 < s["p50_ms"] <= s["p95_ms"]
+        assert {c: s["n"] for c, s in row["http"].items()} == {"1": 1, "2": 2}
     table = (tmp_path / "serve-quick.md").read_text()
-    assert "| synthetic 40 + flat index | scoring |" in table
-    assert "`dattri-llm capture` / hand-written loop" in table
+    assert "| 600 | flat index | yes |" in table
 
 
 def test_percentile_nearest_rank():
