@@ -273,6 +273,22 @@ def test_an_incompatible_test_capture_is_refused(stores, tmp_path):
         index.search(tmp_path / "other", k=3)
 
 
+def test_in_memory_queries_are_checked_against_the_index_capture(stores):
+    """Queries given as blocks (no store facts to read) are checked on their first block: the
+    same capture scores as the store, another projection seed and no block at all are refused."""
+    root, train, test = stores
+    index = GradientIndex.build(root / "train", root / "idx")
+    want = (test @ train.T).topk(3, dim=1)
+    got = index.search([record(0, test, [f"q{i}" for i in range(5)])], k=3).top_k(3)
+    assert got.proponent_hashes == [[f"t{i}" for i in row] for row in want.indices.tolist()]
+    torch.testing.assert_close(got.proponent_scores.double(), want.values, rtol=1e-5, atol=1e-5)
+    other = [record(0, test, [f"q{i}" for i in range(5)], seed=4)]
+    with pytest.raises(IncompatibleGradientsError, match="seed: 3 vs 4"):
+        index.search(other, k=3)
+    with pytest.raises(ValueError, match="the test source yielded no gradients"):
+        index.search([], k=3)
+
+
 def test_not_an_index_is_refused(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(IndexFormatError, match="has no index.json"):
