@@ -89,7 +89,8 @@ def test_flat_search_equals_brute_force_and_tracin(stores, metric):
 
 
 @pytest.mark.parametrize("metric", ["dot", "cosine"])
-def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, metric):
+@pytest.mark.parametrize("given", ["sequence", "mapping"])
+def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, metric, given):
     vecs = train_vectors(24)
     with GradientStorageManager(tmp_path / "train") as store:
         store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)], checkpoint=0))
@@ -97,8 +98,12 @@ def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, 
         store.write(record(2, vecs[16:24], [f"t{i}" for i in range(12, 20)], checkpoint=1))
     write(tmp_path / "test", train_vectors(3, seed=5), prefix="q")
     weights = [0.5, 2.0]
-    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, checkpoint_weights=weights)
-    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=4)
+    by_label = weights if given == "sequence" else {1: 2.0, 0: 0.5}  # a mapping: w_c by label
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, checkpoint_weights=by_label)
+    opened = GradientIndex.open(tmp_path / "idx")
+    saved = weights if given == "sequence" else {"1": 2.0, "0": 0.5}
+    assert opened.meta["checkpoint_weights"] == saved
+    got = opened.search(tmp_path / "test", k=4)
     att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine")
     att.checkpoint_weights = weights
     want = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=4)
