@@ -100,7 +100,7 @@ def test_a_partition_smaller_than_nlist_gets_the_lists_it_can_train(tmp_path):
     root = tmp_path / "train"
     two_rank_store(root)
     index = GradientIndex.build(root, tmp_path / "idx", "dot", "ivf", nlist=300, nprobe=256)
-    assert index.params["nlist"] == 300
+    assert index.params["nlist"] == 300 and index.meta["faiss_version"] == faiss.__version__
     for (part, *_), entry in zip(index._parts, index.meta["parts"]):
         lists = entry["samples"] // 39
         assert entry["params"]["nlist"] == entry["params"]["nprobe"] == lists
