@@ -81,3 +81,33 @@ def test_cli_block_rows(tmp_path, capsys):
     capsys.readouterr()
     code = main(["index", "build", str(tmp_path / "train"), *out, "--block-rows", "0"])
     assert code != 0 and "--block-rows" in capsys.readouterr().err
+
+
+def test_a_partition_smaller_than_nlist_gets_the_lists_it_can_train(tmp_path):
+    """``nlist`` above a partition's ``n``: ``max(1, n // 39)`` lists (FAISS's 39 training
+    points per list), ``nprobe`` clamped to them; ``nlist`` up to ``n`` and other kinds: as
+    given. Built: each part's FAISS index has those lists, probes all of them, and so finds
+    the exact top-k."""
+    from dattri_llm.attribution.index.builder import part_params
+
+    given = {"nlist": 300, "nprobe": 4}
+    for n, lists in ((240, 6), (117, 3), (77, 1), (20, 1)):
+        got = part_params("ivf", given, n)
+        assert got == {"nlist": lists, "nprobe": min(4, lists)}, n
+        assert type(got["nlist"]) is int
+    assert part_params("ivf", given, 300) == given and part_params("flat", given, 20) == given
+    assert given == {"nlist": 300, "nprobe": 4}  # the build's dict is not changed
+    root = tmp_path / "train"
+    two_rank_store(root)
+    index = GradientIndex.build(root, tmp_path / "idx", "dot", "ivf", nlist=300, nprobe=256)
+    assert index.params["nlist"] == 300 and index.meta["faiss_version"] == faiss.__version__
+    for (part, *_), entry in zip(index._parts, index.meta["parts"]):
+        lists = entry["samples"] // 39
+        assert entry["params"]["nlist"] == entry["params"]["nprobe"] == lists
+        assert faiss.downcast_index(part).nlist == faiss.downcast_index(part).nprobe == lists
+    write(tmp_path / "test", train_vectors(6, seed=11), prefix="q")
+    exact = GradientIndex.build(root, tmp_path / "flat", "dot", "flat")
+    got = index.search(tmp_path / "test", k=5).top_k(5)
+    want = exact.search(tmp_path / "test", k=5).top_k(5)
+    assert got.proponent_hashes == want.proponent_hashes
+    assert got.opponent_hashes == want.opponent_hashes

@@ -14,7 +14,7 @@ import torch
 from dattri_llm.attribution.index import GradientIndex
 from dattri_llm.attribution.index import kinds as K
 from dattri_llm.attribution.index.calibrate import CALIBRATION_K, calibration_rows
-from tests.helpers.index import faiss_bytes, write
+from tests.helpers.index import clustered, faiss_bytes, write
 
 faiss = pytest.importorskip("faiss")
 
@@ -130,6 +130,7 @@ def test_an_unreachable_target_warns_and_the_named_fixes_reach_it(tmp_path):
         )
     record = short.meta["parts"][0]["calibration"]
     assert record["reached"] is False and record["nprobe"] == 16
+    assert [s["nprobe"] for s in record["sweep"]] == [1, 2, 4, 8, 16]  # each once
     assert short.expected_recall == record["recall"] < 0.999
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -192,3 +193,93 @@ def test_cli_build_reports_the_expected_recall(tmp_path, capsys):
     assert f"expected recall@10 {index.expected_recall:.3f}" in capsys.readouterr().out
     assert main([*argv, "--overwrite", "--target-recall", "1.5"]) != 0
     assert "--target-recall" in capsys.readouterr().err
+
+
+# ---- the record itself, against references written here ---------------------------------------
+def documented_rows(n: int, params: dict) -> np.ndarray:
+    """The calibration rows by the documented rule: ``calibration_queries`` distinct rows drawn
+    by ``default_rng([seed, 1])`` from the rows outside the training sample (when enough)."""
+    size = min(n, params["calibration_queries"])
+    pool = np.arange(n)
+    if params["train_size"] < n:
+        trained = np.random.default_rng(params["seed"]).choice(n, params["train_size"], False)
+        if n - len(trained) >= size:
+            pool = np.setdiff1d(pool, trained)
+    return np.sort(np.random.default_rng([params["seed"], 1]).choice(pool, size, replace=False))
+
+
+def direction_recalls(index: GradientIndex, x: torch.Tensor, rows: np.ndarray) -> list[float]:
+    """Recall@10 of the proponents and of the opponents (leave-one-out, ties found), float64
+    brute force, the part searched at its recorded ``nprobe``; the tolerance is relative."""
+    (part, *_), entry = index._parts[0], index.meta["parts"][0]
+    base = faiss.downcast_index(part)
+    base.nprobe = entry["params"]["nprobe"]
+    out = []
+    for sign in (1.0, -1.0):
+        exact = sign * (x[rows] @ x.T)
+        exact[torch.arange(len(rows)), torch.as_tensor(rows)] = -torch.inf
+        top = exact.topk(CALIBRATION_K, dim=1).values
+        _, ids = base.search(np.ascontiguousarray(sign * x[rows].numpy(), np.float32), 11)
+        hits = 0
+        for j, found in enumerate(ids):
+            got = [i for i in found.tolist() if i != rows[j]][:CALIBRATION_K]
+            hits += int((exact[j, got] >= top[j, -1] - 1e-5 * top[j, 0].abs()).sum())
+        out.append(hits / (CALIBRATION_K * len(rows)))
+    return out
+
+
+def test_the_record_is_each_directions_recall_on_the_documented_held_out_rows(tmp_path):
+    """Small dot products (a relative tolerance, not an absolute one), an offset that makes the
+    two directions' recalls differ, and exactly ``calibration_queries`` rows outside the training
+    sample: the queries are all of them, distinct, and each direction is reported as measured."""
+    x = 1e-3 * (low_rank(2000, 12, 0.05, seed=1) + 0.6)
+    write(tmp_path / "train", x, batch=500)
+    params = {"nlist": 16, "nprobe": 1, "train_size": 1872, "seed": 3}
+    index = GradientIndex.build(tmp_path / "train", tmp_path / "idx", "dot", "ivf", **params)
+    entry = index.meta["parts"][0]
+    record = entry["calibration"]
+    rows = documented_rows(2000, entry["params"])
+    trained = np.random.default_rng(3).choice(2000, 1872, replace=False)
+    assert set(rows.tolist()) == set(range(2000)) - set(trained.tolist())  # every held-out row
+    assert calibration_rows(2000, entry["params"]).tolist() == rows.tolist()
+    for train_size, queries in ((1000, 128), (1900, 120), (2000, 300)):  # a draw from a pool
+        other = {**entry["params"], "train_size": train_size, "calibration_queries": queries}
+        drawn = calibration_rows(2000, other)
+        assert drawn.tolist() == documented_rows(2000, other).tolist()
+        assert len(set(drawn.tolist())) == queries  # distinct rows
+    pro, opp = direction_recalls(index, x, rows)
+    assert abs(pro - opp) > 0.02 and max(pro, opp) < 0.99  # the check can tell them apart
+    assert record["proponents"] == pytest.approx(pro, abs=1e-12)
+    assert record["opponents"] == pytest.approx(opp, abs=1e-12)
+    assert record["recall"] == index.expected_recall == min(record["proponents"], opp)
+    assert set(record) == {"k", "queries", "target_recall", "nprobe", "recall", "proponents",
+                           "opponents", "reached", "sweep"}  # fmt: skip
+    assert record["queries"] == 128 and record["nprobe"] == 1 and record["reached"] is None
+
+
+def test_a_target_of_one_stops_at_the_first_nprobe_that_finds_every_neighbour(tmp_path):
+    """A recall equal to the target reaches it: the sweep stops there, without a warning."""
+    write(tmp_path / "train", clustered(1000, 4, D, seed=1), batch=500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index = GradientIndex.build(
+            tmp_path / "train", tmp_path / "idx", "dot", "ivf", nlist=16, target_recall=1.0
+        )
+    record = index.meta["parts"][0]["calibration"]
+    sweep = [(s["nprobe"], s["recall"]) for s in record["sweep"]]
+    assert sweep[-1] == (8, 1.0) and all(r < 1.0 for _, r in sweep[:-1])  # 8 of the 16 lists
+    assert index.params["nprobe"] == record["nprobe"] == 8 and record["reached"] is True
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_a_part_of_few_vectors_measures_its_recall_at_k_below_its_size(tmp_path, n):
+    """Leave-one-out leaves ``n - 1`` neighbours: recall@``min(10, n - 1)``; one vector: none."""
+    write(tmp_path / "train", clustered(n, 2, D, seed=1), batch=8)
+    index = GradientIndex.build(tmp_path / "train", tmp_path / "idx", "dot", "ivf", nlist=1)
+    entry = index.meta["parts"][0]
+    if n == 1:
+        assert "calibration" not in entry and index.expected_recall is None
+        return
+    record = entry["calibration"]
+    assert record["k"] == n - 1 and record["queries"] == n
+    assert record["recall"] == index.expected_recall == 1.0  # one list: the search is exact

@@ -89,7 +89,8 @@ def test_flat_search_equals_brute_force_and_tracin(stores, metric):
 
 
 @pytest.mark.parametrize("metric", ["dot", "cosine"])
-def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, metric):
+@pytest.mark.parametrize("given", ["sequence", "mapping"])
+def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, metric, given):
     vecs = train_vectors(24)
     with GradientStorageManager(tmp_path / "train") as store:
         store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)], checkpoint=0))
@@ -97,8 +98,12 @@ def test_rows_at_several_steps_and_checkpoints_are_summed_like_tracin(tmp_path, 
         store.write(record(2, vecs[16:24], [f"t{i}" for i in range(12, 20)], checkpoint=1))
     write(tmp_path / "test", train_vectors(3, seed=5), prefix="q")
     weights = [0.5, 2.0]
-    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, checkpoint_weights=weights)
-    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=4)
+    by_label = weights if given == "sequence" else {1: 2.0, 0: 0.5}  # a mapping: w_c by label
+    GradientIndex.build(tmp_path / "train", tmp_path / "idx", metric, checkpoint_weights=by_label)
+    opened = GradientIndex.open(tmp_path / "idx")
+    saved = weights if given == "sequence" else {"1": 2.0, "0": 0.5}
+    assert opened.meta["checkpoint_weights"] == saved
+    got = opened.search(tmp_path / "test", k=4)
     att = TracInAttributor(args(tmp_path), normalized_grad=metric == "cosine")
     att.checkpoint_weights = weights
     want = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=4)
@@ -271,6 +276,22 @@ def test_an_incompatible_test_capture_is_refused(stores, tmp_path):
     index = GradientIndex.build(root / "train", root / "idx")
     with pytest.raises(IncompatibleGradientsError, match="seed: 3 vs 4"):
         index.search(tmp_path / "other", k=3)
+
+
+def test_in_memory_queries_are_checked_against_the_index_capture(stores):
+    """Queries given as blocks (no store facts to read) are checked on their first block: the
+    same capture scores as the store, another projection seed and no block at all are refused."""
+    root, train, test = stores
+    index = GradientIndex.build(root / "train", root / "idx")
+    want = (test @ train.T).topk(3, dim=1)
+    got = index.search([record(0, test, [f"q{i}" for i in range(5)])], k=3).top_k(3)
+    assert got.proponent_hashes == [[f"t{i}" for i in row] for row in want.indices.tolist()]
+    torch.testing.assert_close(got.proponent_scores.double(), want.values, rtol=1e-5, atol=1e-5)
+    other = [record(0, test, [f"q{i}" for i in range(5)], seed=4)]
+    with pytest.raises(IncompatibleGradientsError, match="seed: 3 vs 4"):
+        index.search(other, k=3)
+    with pytest.raises(ValueError, match="the test source yielded no gradients"):
+        index.search([], k=3)
 
 
 def test_not_an_index_is_refused(tmp_path):

@@ -21,6 +21,8 @@ from dattri_llm import (
     KFACAttributor,
     ProjectedFisherAttributor,
 )
+from dattri_llm.gradient.gradient import Gradient, GradientRecord
+from dattri_llm.gradient.layer_gradient import Factorized, Shared
 from dattri_llm.gradient.streaming import GradientStreamer
 from tests.helpers.kronecker import CONFIG, dataset, loss_fn, make_model, offload, rel, run_args
 
@@ -148,6 +150,40 @@ def test_in_memory_blocks_modified_in_place_are_fitted_again(tmp_path, cls):
     assert len(calls) == 2
     want = cls(run_args(tmp_path)).attribute_sources(blocks, queries).scores
     assert rel(got, want) < 1e-12
+
+
+def tied_record(step: int, n: int, seed: int) -> GradientRecord:
+    """One layer whose weight is used at two sites (a :class:`Shared` of two Linear captures)."""
+    gen = torch.Generator().manual_seed(seed)
+    kw = {"in_features": 4, "out_features": 3, "bias": False}
+
+    def site() -> Factorized:
+        a = torch.randn(n, 2, 4, generator=gen, dtype=torch.float64)
+        return Factorized(
+            a, torch.randn(n, 2, 3, generator=gen, dtype=torch.float64), "nn.Linear", kw
+        )
+
+    hashes = [f"s{step}-{i}" for i in range(n)]
+    return GradientRecord(step, hashes, Gradient({"tied": Shared([site(), site()], ["a", "b"])}))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_shared_layers_sites_modified_in_place_are_fitted_again(tmp_path, cls):
+    """A tied weight's gradient is the sum over its sites: changing the tensors of one site (not
+    the first) in place changes the Fisher, so the fit must not be reused."""
+    blocks = [tied_record(0, 3, seed=1), tied_record(1, 3, seed=2)]
+    queries = [tied_record(0, 2, seed=3)]
+    ctor = {} if cls is ProjectedFisherAttributor else {"non_kronecker": "diagonal"}
+    att = cls(run_args(tmp_path), **ctor)
+    calls = counting(att)
+    before = att.attribute_sources(blocks, queries).scores
+    att.attribute_sources(blocks, queries)
+    assert len(calls) == 1
+    blocks[0].gradient.layers["tied"].sites[1].a.mul_(2.0)
+    got = att.attribute_sources(blocks, queries).scores
+    assert len(calls) == 2
+    want = cls(run_args(tmp_path), **ctor).attribute_sources(blocks, queries).scores
+    assert rel(got, want) < 1e-12 and rel(before, want) > 1e-3  # the change does move the scores
 
 
 @pytest.mark.parametrize("cls", CLASSES)
