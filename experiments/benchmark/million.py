@@ -25,7 +25,7 @@ each phase's peak resident memory, ``VmHWM``, is its own), one thread, in one in
     OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 1000000  # --until: a time cap
 
 Stores go to ``--data`` (default ``/work/wt/_data/bench1m``, outside the repository); results to
-``experiments/benchmark/results/million_<N><tag>.json``; tables: ``million_report.py``.
+``experiments/benchmark/results/million_<N><tag>.json``.
 """
 
 from __future__ import annotations
