@@ -64,10 +64,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     # CUDA when there is one (the docs' table), else the same parts on the CPU
     Benchmark("gpu_floor", "benchmark.gpu_floor", "benchmarks/gpu.md"),
     Benchmark("scale", "benchmark.scale", "benchmarks/scoring.md"),
-    Benchmark("store_throughput", "benchmark.store_throughput", "benchmarks/capture.md"),
-    Benchmark(
-        "store_header", "benchmark.store_header", "benchmarks/capture.md", ("--timing-only",)
-    ),
     Benchmark(
         "store_open",
         "benchmark.store_open",
