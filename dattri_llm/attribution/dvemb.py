@@ -249,7 +249,7 @@ class DVEmbAttributor(TrajectoryAttributor):
             samples) or ``"adjoint"`` (the queries carried backward: ∝ queries; no embeddings
             kept). Both give the same scores; :meth:`embed` always runs forward. On a 1000-sample
             run scored for 100 queries the forward sweep took 26× the adjoint's time
-            (``experiments/benchmark/trajectory_cost.py``, docs/benchmarks/quality.md).
+            (``experiments/benchmark/trajectory_cost.py`` at commit 0a80d14).
         compute_dtype: Raise the propagation's precision.
         normalized_grad: TrackStar's unit normalization of both sides: each sample's
             embedding summed over its occurrences and each query divided by its norm (see

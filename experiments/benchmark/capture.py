@@ -14,11 +14,6 @@ one process run:
 
 Targets: factorized <= 1.05x the plain step, materialized <= 1.25x, hooked Gram
 >= 3x faster than the vmap reference at equal exactness.
-
-Usage::
-
-    python experiments/benchmark/capture.py            # full run (~15 min on 1 thread)
-    python experiments/benchmark/capture.py --quick    # small shapes (~1 min)
 """
 
 from __future__ import annotations
@@ -61,7 +56,7 @@ from utils.models import (  # noqa: E402
     hook_config,
     make_batch,
 )
-from utils.reference import flat_gram, vmap_per_sample_grads  # noqa: E402
+from utils.reference import flat_gram, rel_err, vmap_per_sample_grads  # noqa: E402
 from utils.table import fmt_bytes, fmt_s, fmt_x, md_table  # noqa: E402
 from utils.timing import Variant, paired_ratio, time_interleaved  # noqa: E402
 
@@ -76,22 +71,16 @@ def log(msg: str) -> None:
 
 
 def shapes(quick: bool, which: list[str]) -> list[ModelShape]:
-    if quick:
-        table = {
-            "gpt2": ModelShape("gpt2", 2, 128, 4, 4096, 64, 4),
-            "llama": ModelShape("llama", 2, 128, 4, 4096, 64, 4),
-        }
-    else:
+    table = {
+        "gpt2": ModelShape("gpt2", 2, 128, 4, 4096, 64, 4),
+        "llama": ModelShape("llama", 2, 128, 4, 4096, 64, 4),
+    }
+    if not quick:
         table = {
             "gpt2": ModelShape("gpt2", 6, 512, 8, 50257, 128, 8),
             "llama": ModelShape("llama", 4, 256, 4, 32000, 128, 8, intermediate=688),
         }
     return [table[w] for w in which]
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| / max |ref| (normwise: off-diagonal entries can be near zero)."""
-    return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
 def plain_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
@@ -139,15 +128,9 @@ def bench_model(shape: ModelShape, rounds: int, use_opacus: bool, ref64: bool) -
         variants.append(
             Variant(name, lambda h=h: h(ids), h.setup, h.teardown, keep_record(name, h))
         )
-    variants.append(
-        Variant(
-            "Gram: hook + pairwise_dot",
-            ours_gram,
-            gram_step.setup,
-            gram_step.teardown,
-            keep_gram("Gram: hook + pairwise_dot"),
-        )
-    )
+    ours_name = "Gram: hook + pairwise_dot"
+    after = keep_gram(ours_name)
+    variants.append(Variant(ours_name, ours_gram, gram_step.setup, gram_step.teardown, after))
     variants.append(Variant("Gram: vmap + GEMM", vmap_gram, after=keep_gram("Gram: vmap + GEMM")))
     kept["Gram: vmap + GEMM"] = b * n_params * 4
     if use_opacus:
@@ -201,41 +184,14 @@ def bench_model(shape: ModelShape, rounds: int, use_opacus: bool, ref64: bool) -
         wall_ratio = paired_ratio(t, base)
         target = TARGETS.get(v.name)
         verdict = (
-            ""
-            if target is None
-            else (f"<= {target:.2f}x: {'met' if ratio <= target else 'MISSED'}")
+            "" if target is None else f"<= {target:.2f}x: {'met' if ratio <= target else 'MISSED'}"
         )
         err = f"{rel_err(grams[v.name], ref):.1e}" if ref is not None and v.name in grams else ""
-        rows.append(
-            [
-                v.name,
-                fmt_s(t.cpu_median),
-                fmt_s(t.median),
-                fmt_x(ratio),
-                fmt_x(wall_ratio),
-                verdict,
-                fmt_bytes(peaks[v.name]),
-                fmt_bytes(kept.get(v.name)),
-                err,
-            ]
-        )
-    out = [f"### {describe(shape, model)}\n"]
-    out.append(
-        md_table(
-            [
-                "variant",
-                "CPU time (median)",
-                "wall (median)",
-                "ratio vs plain (CPU)",
-                "ratio (wall)",
-                "target (CPU ratio)",
-                "peak memory",
-                "bytes kept / step",
-                "Gram rel. err vs f64",
-            ],
-            rows,
-        )
-    )
+        times = [fmt_s(t.cpu_median), fmt_s(t.median), fmt_x(ratio), fmt_x(wall_ratio), verdict]
+        rows.append([v.name, *times, fmt_bytes(peaks[v.name]), fmt_bytes(kept.get(v.name)), err])
+    heads = "variant|CPU time (median)|wall (median)|ratio vs plain (CPU)|ratio (wall)|"
+    heads += "target (CPU ratio)|peak memory|bytes kept / step|Gram rel. err vs f64"
+    out = [f"### {describe(shape, model)}\n", md_table(heads.split("|"), rows)]
     out.append(
         "\nPer-sample gradients without a Gram: the Gram rows below (an 8x8 GEMM on "
         "top of them is negligible); they keep B x P x 4 bytes "
@@ -250,41 +206,16 @@ def bench_model(shape: ModelShape, rounds: int, use_opacus: bool, ref64: bool) -
         target = ""
         if name == "Gram: vmap + GEMM":
             target = f">= 3x: {'met' if speed >= 3 else 'MISSED'}"
-        grows.append(
-            [
-                name,
-                fmt_s(t.cpu_median),
-                fmt_s(t.median),
-                fmt_x(paired_ratio(t, base, cpu=True)),
-                fmt_x(speed),
-                fmt_x(paired_ratio(t, g_ours)),
-                target,
-                fmt_bytes(peaks[name]),
-                fmt_bytes(kept.get(name)),
-                err,
-            ]
-        )
+        times = [fmt_s(t.cpu_median), fmt_s(t.median), fmt_x(paired_ratio(t, base, cpu=True))]
+        times += [fmt_x(speed), fmt_x(paired_ratio(t, g_ours)), target]
+        grows.append([name, *times, fmt_bytes(peaks[name]), fmt_bytes(kept.get(name)), err])
     out.append(
         f"\nPer-sample Gram of the batch ({b}x{b}); `pairwise_dot` alone on a kept "
         f"factorized record (one call): {fmt_s(dot_t)} CPU.\n"
     )
-    out.append(
-        md_table(
-            [
-                "method",
-                "CPU time (median)",
-                "wall (median)",
-                "ratio vs plain step (CPU)",
-                "time / ours (CPU)",
-                "time / ours (wall)",
-                "target (CPU)",
-                "peak memory",
-                "bytes kept",
-                "max rel. err vs f64 vmap",
-            ],
-            grows,
-        )
-    )
+    heads = "method|CPU time (median)|wall (median)|ratio vs plain step (CPU)|time / ours (CPU)|"
+    heads += "time / ours (wall)|target (CPU)|peak memory|bytes kept|max rel. err vs f64 vmap"
+    out.append(md_table(heads.split("|"), grows))
     if use_opacus and shape.family == "gpt2":
         out.append(
             "\nOpacus gives GPT-2's `wpe` (fed an un-batched position index) one "

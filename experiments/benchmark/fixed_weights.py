@@ -13,11 +13,6 @@ first-step coverage check out of the timing; process CPU time, so other load mat
 each without projection and with ``ProjectionConfig("logra", 256)`` for the whole model (an
 RMS norm wider than 256 then takes ``dense`` 256, see ``nearest_projection``), and checks
 that both captures give the same per-sample gradients.
-
-Usage::
-
-    OMP_NUM_THREADS=1 python experiments/benchmark/fixed_weights.py          # 4 x 256, seq 256
-    OMP_NUM_THREADS=1 python experiments/benchmark/fixed_weights.py --quick  # 2 x 64, seq 64
 """
 
 from __future__ import annotations

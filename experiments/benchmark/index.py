@@ -9,10 +9,6 @@ top-k. The FAISS indexes are built with the library's own constructor
 (``dattri_llm.attribution.index.kinds.make_index``), the one ``GradientIndex.build`` uses.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/benchmark/index.py --n 100000 --dim 1024
-
-``--real`` runs the 1M real-gradient benchmark instead (``million.py``: a tiny GPT-2 over >= 1M
-real-text windows, projected capture, exact ``top_k``, FAISS sweep, ``GradientIndex``); the
-other arguments go to it, e.g. ``python experiments/benchmark/index.py --real --n 1000000``.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -65,10 +60,6 @@ def index_bytes(faiss, index) -> int:
 
 
 def main() -> None:
-    if "--real" in sys.argv[1:]:  # the real-gradient run lives in million.py
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "million.py")
-        rest = [x for x in sys.argv[1:] if x != "--real"]
-        os.execv(sys.executable, [sys.executable, script, *rest])
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--dim", type=int, default=1024)
@@ -117,15 +108,9 @@ def main() -> None:
             )
             ids = ids.numpy()
         recall = np.mean([len(set(ids[i]) & set(exact[i])) / k for i in range(a.queries)])
-        rows.append(
-            {
-                "setting": name,
-                "build_s": build_s,
-                "bytes": size,
-                "ms_per_query": 1e3 * t / a.queries,
-                "recall": float(recall),
-            }
-        )
+        ms = 1e3 * t / a.queries
+        rows.append({"setting": name, "build_s": build_s, "bytes": size, "ms_per_query": ms})
+        rows[-1]["recall"] = float(recall)
         r = rows[-1]
         print(
             f"{name:44s} build {build_s:7.1f} s  {size / 2**20:8.1f} MiB  "

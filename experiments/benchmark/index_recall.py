@@ -11,10 +11,7 @@ Over a train store captured by ``million.py`` (its test store beside it, ``<stor
    (``nprobe = max(8, nlist / 16)``), then an ``nprobe`` sweep: recall@10 on the real queries
    (the lower of proponents / opponents, as the build measures it) and time per query.
 
-    OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 200000 --only 0 --queries 200 \\
-        --data /tmp/recall_data
-    OMP_NUM_THREADS=1 python experiments/benchmark/index_recall.py \\
-        --store /tmp/recall_data/store_sparse_float32 --out results/index_recall_200k.json
+The commands: ``docs/benchmarks/index.md``.
 """
 
 from __future__ import annotations

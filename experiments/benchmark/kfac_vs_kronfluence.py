@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from utils.memory import status_bytes  # noqa: E402
 from utils.table import md_table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -99,15 +99,7 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process (``VmHWM``: unlike ``ru_maxrss`` it is not
-    inherited from the parent across fork + exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return status_bytes("VmHWM") / 2**20
 
 
 def load_work(work: Path, cfg: dict) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -206,18 +198,12 @@ def run_kronfluence(work: Path, cfg: dict, fit_only: bool) -> dict:
     analyzer = Analyzer(
         "bench", model, task, cpu=True, disable_tqdm=True, output_dir=str(work / "kronfluence_out")
     )
-    f64 = {}
-    if cfg.get("dtype") == "float64":
-        f64 = {
-            k: torch.float64
-            for k in (
-                "activation_covariance_dtype",
-                "gradient_covariance_dtype",
-                "per_sample_gradient_dtype",
-                "lambda_dtype",
-            )
-        }
-    fargs = FactorArguments(strategy="ekfac", use_empirical_fisher=True, **f64)
+    f64 = cfg.get("dtype") == "float64"
+    dtypes = "activation_covariance_dtype gradient_covariance_dtype per_sample_gradient_dtype"
+    f64_fit = {k: torch.float64 for k in (dtypes + " lambda_dtype").split()} if f64 else {}
+    f64_score = "per_sample_gradient_dtype precondition_dtype score_dtype".split()
+    f64_score = {k: torch.float64 for k in f64_score} if f64 else {}
+    fargs = FactorArguments(strategy="ekfac", use_empirical_fisher=True, **f64_fit)
     t0 = time.perf_counter()
     analyzer.fit_all_factors(
         "ekfac",
@@ -236,17 +222,7 @@ def run_kronfluence(work: Path, cfg: dict, fit_only: bool) -> dict:
             DS(train_ids),
             per_device_query_batch_size=cfg["batch"],
             per_device_train_batch_size=cfg["batch"],
-            score_args=ScoreArguments(
-                damping_factor=cfg.get("damping"),
-                **(
-                    {
-                        k: torch.float64
-                        for k in ("per_sample_gradient_dtype", "precondition_dtype", "score_dtype")
-                    }
-                    if f64
-                    else {}
-                ),
-            ),
+            score_args=ScoreArguments(damping_factor=cfg.get("damping"), **f64_score),
             overwrite_output_dir=True,
         )
         out["score_s"] = time.perf_counter() - t1
@@ -305,22 +281,10 @@ def prepare(work: Path, cfg: dict) -> None:
 
 def launch(peer: str, work: Path, cfg: dict, fit_only: bool) -> dict:
     py = sys.executable if peer == "ours" else str(PEER_PY)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [
-        py,
-        str(Path(__file__).resolve()),
-        "--peer",
-        peer,
-        "--work",
-        str(work),
-        "--cfg",
-        json.dumps(cfg),
-    ] + (["--fit-only"] if fit_only else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    cmd = [py, str(Path(__file__).resolve()), "--peer", peer, "--work", str(work)]
+    cmd += ["--cfg", json.dumps(cfg)] + (["--fit-only"] if fit_only else [])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
     if res.returncode != 0:
         raise RuntimeError(f"peer {peer} failed:\n{res.stderr[-4000:]}")
@@ -354,15 +318,9 @@ def versions() -> dict:
 
     peer = []
     if PEER_PY.exists():
-        peer = subprocess.run(
-            [
-                str(PEER_PY),
-                "-c",
-                "import kronfluence,torch;print(kronfluence.__version__,torch.__version__)",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout.split()
+        code = "import kronfluence,torch;print(kronfluence.__version__,torch.__version__)"
+        peer = subprocess.run([str(PEER_PY), "-c", code], capture_output=True, text=True)
+        peer = peer.stdout.split()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

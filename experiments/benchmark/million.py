@@ -25,7 +25,7 @@ each phase's peak resident memory, ``VmHWM``, is its own), one thread, in one in
     OMP_NUM_THREADS=1 python experiments/benchmark/million.py --n 1000000  # --until: a time cap
 
 Stores go to ``--data`` (default ``/work/wt/_data/bench1m``, outside the repository); results to
-``experiments/benchmark/results/million_<N><tag>.json``; tables: ``million_report.py``.
+``experiments/benchmark/results/million_<N><tag>.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from utils.env import BENCH_DIR, ensure_env  # noqa: E402
+from utils.memory import status_bytes  # noqa: E402
 
 if __name__ == "__main__":
     ensure_env()
@@ -59,17 +60,8 @@ def log(msg: str) -> None:
     print(f"[million {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _status_bytes(field: str) -> int:
-    """A memory field of ``/proc/self/status`` (``VmHWM``, ``RssAnon``, ...) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
 def peak_rss() -> int:
-    return _status_bytes("VmHWM")
+    return status_bytes("VmHWM")
 
 
 def dir_bytes(path: str) -> int:
@@ -149,23 +141,13 @@ def phase_capture(a) -> dict:
     size = dir_bytes(a.store)
     plain_wall = 2 / (1 / plain_before[0] + 1 / plain_after[0])
     plain_cpu = 2 / (1 / plain_before[1] + 1 / plain_after[1])
-    return {
-        "style": a.style,
-        "dtype": a.dtype,
-        "n": n,
-        "numbers_per_sample": 8 * 256,
-        "capture_s": wall,
-        "capture_cpu_s": cpu,
-        "capture_sps": n / wall,
-        "capture_sps_cpu": n / cpu,
-        "plain_sps_before_after": [plain_before[0], plain_after[0]],
-        "plain_sps_cpu_before_after": [plain_before[1], plain_after[1]],
-        "ratio_to_plain": plain_wall / (n / wall),
-        "ratio_to_plain_cpu": plain_cpu / (n / cpu),
-        "store_bytes": size,
-        "bytes_per_sample": size / n,
-        "payload_bytes_per_sample": 8 * 256 * (4 if a.dtype == "float32" else 2),
-    }
+    return {"style": a.style, "dtype": a.dtype, "n": n, "numbers_per_sample": 8 * 256,
+            "capture_s": wall, "capture_cpu_s": cpu, "capture_sps": n / wall,
+            "capture_sps_cpu": n / cpu, "plain_sps_before_after": [plain_before[0], plain_after[0]],
+            "plain_sps_cpu_before_after": [plain_before[1], plain_after[1]],
+            "ratio_to_plain": plain_wall / (n / wall), "ratio_to_plain_cpu": plain_cpu / (n / cpu),
+            "store_bytes": size, "bytes_per_sample": size / n,
+            "payload_bytes_per_sample": 8 * 256 * (4 if a.dtype == "float32" else 2)}  # fmt: skip
 
 
 def _child(a, phase: str, **extra: object) -> subprocess.Popen:
@@ -190,17 +172,13 @@ def phase_score(a) -> dict:
         os.unlink(done)
     limit = _child(a, "limit", beside=True) if not a.sequential else None
     args = AttributionArguments(output_dir=a.scratch, use_cpu=True, show_progress=False)
-    try:  # the contiguous-block fast path (store-scale branch); both paths are measured
-        from dattri_llm.attribution.engine import vector_scan
-    except ImportError:
-        vector_scan = None
-    general = None
-    if vector_scan is not None:
-        vector_scan.ENABLED = False
-        t0, c0 = time.perf_counter(), time.process_time()
-        g = TracInAttributor(args).attribute_from_cache(a.store, a.store + "_test", top_k=K)
-        general = (time.perf_counter() - t0, time.process_time() - c0, g.top_k(K))
-        vector_scan.ENABLED = True
+    from dattri_llm.attribution.engine import vector_scan  # the fast path; both are measured
+
+    vector_scan.ENABLED = False
+    t0, c0 = time.perf_counter(), time.process_time()
+    g = TracInAttributor(args).attribute_from_cache(a.store, a.store + "_test", top_k=K)
+    general = (time.perf_counter() - t0, time.process_time() - c0, g.top_k(K))
+    vector_scan.ENABLED = True
     t0, c0 = time.perf_counter(), time.process_time()
     s = TracInAttributor(args).attribute_from_cache(a.store, a.store + "_test", top_k=K)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -209,13 +187,12 @@ def phase_score(a) -> dict:
         json.dump({"test": top.test_hashes, "proponents": top.proponent_hashes}, f)
     out = {"score_s": wall, "score_cpu_s": cpu, "score_sps": s.num_train / wall,
            "score_sps_cpu": s.num_train / cpu, "n": s.num_train, "queries": s.num_test,
-           "fast_path": vector_scan is not None}  # fmt: skip
-    if general is not None:
-        out["general_path"] = {
-            "score_s": general[0], "score_cpu_s": general[1],
-            "score_sps": s.num_train / general[0], "score_sps_cpu": s.num_train / general[1],
-            "same_top10": general[2].proponent_hashes == top.proponent_hashes,
-        }  # fmt: skip
+           "fast_path": True}  # fmt: skip
+    out["general_path"] = {
+        "score_s": general[0], "score_cpu_s": general[1],
+        "score_sps": s.num_train / general[0], "score_sps_cpu": s.num_train / general[1],
+        "same_top10": general[2].proponent_hashes == top.proponent_hashes,
+    }  # fmt: skip
     if limit is not None:
         res = {**_collect(limit), "ran_beside_score": True}
         if "failed" not in res:
@@ -304,19 +281,11 @@ def phase_limit(a) -> dict:
     np.save(os.path.join(a.scratch, "queries.npy"), q.numpy())
     _read_files(a.store)  # first pass: bring the files into the page cache
     read_s2, read_cpu, nbytes = _read_files(a.store)
-    return {
-        "n": n,
-        "dim": dim,
-        "matmul_topk_s": mm_s,
-        "matmul_topk_cpu_s": mm_cpu,
-        "matmul_sps": n / mm_s,
-        "matmul_sps_cpu": n / mm_cpu,
-        "store_read_pagecache_s": read_s2,
-        "store_read_pagecache_cpu_s": read_cpu,
-        "store_read_bytes": nbytes,
-        "store_read_GBps": nbytes / read_s2 / 1e9,
-        "load_record_s": read_s,
-    }
+    return {"n": n, "dim": dim, "matmul_topk_s": mm_s, "matmul_topk_cpu_s": mm_cpu,
+            "matmul_sps": n / mm_s, "matmul_sps_cpu": n / mm_cpu,
+            "store_read_pagecache_s": read_s2, "store_read_pagecache_cpu_s": read_cpu,
+            "store_read_bytes": nbytes, "store_read_GBps": nbytes / read_s2 / 1e9,
+            "load_record_s": read_s}  # fmt: skip
 
 
 def _ivf(faiss, dim: int, nlist: int, pq_m: int | None):
@@ -439,7 +408,7 @@ def _exact_hashes(a, metric: str) -> list[list[str]] | None:
 
 def rss_anon() -> int:
     """Current anonymous resident memory (not the page cache a memory map touches)."""
-    return _status_bytes("RssAnon")
+    return status_bytes("RssAnon")
 
 
 def phase_gindex(a) -> dict:
@@ -545,36 +514,16 @@ def driver(a) -> None:
     scratch = os.path.join(a.data, "scratch")
     os.makedirs(scratch, exist_ok=True)
     common = {"scratch": scratch, "vectors": os.path.join(a.data, "vectors.npy")}
-    plan = [
-        ("capture", {"style": "sparse", "dtype": "float32", "n": a.n, "store": main}),
-        ("score", {"store": main}),
-        ("limit", {"store": main}),
-        ("faiss", {"store": main}),
-        (
-            "capture",
-            {"style": "logra", "dtype": "float32", "n": a.logra_n, "store": st("logra", "float32")},
-        ),  # fmt: skip
-        ("gindex", {"store": st("logra", "float32")}),
-        (
-            "capture",
-            {
-                "style": "sparse",
-                "dtype": "bfloat16",
-                "n": a.bf16_n,
-                "store": st("sparse", "bfloat16"),
-            },
-        ),  # fmt: skip
-        (
-            "capture",
-            {
-                "style": "logra",
-                "dtype": "bfloat16",
-                "n": a.bf16_n,
-                "store": st("logra", "bfloat16"),
-            },
-        ),  # fmt: skip
-        ("gindex", {"store": main}),  # 8: the public API at the full N (run with --only 8)
-    ]
+
+    def cap(style: str, dtype: str, n: int) -> tuple[str, dict]:
+        return "capture", {"style": style, "dtype": dtype, "n": n, "store": st(style, dtype)}
+
+    logra = st("logra", "float32")
+    plan = [cap("sparse", "float32", a.n), ("score", {"store": main}), ("limit", {"store": main}),
+            ("faiss", {"store": main}), cap("logra", "float32", a.logra_n),
+            ("gindex", {"store": logra}), cap("sparse", "bfloat16", a.bf16_n),
+            cap("logra", "bfloat16", a.bf16_n),
+            ("gindex", {"store": main})]  # fmt: skip  # 8: the public API at the full N (--only 8)
     for j, (phase, over) in enumerate(plan):
         if phase in a.skip or (a.only and j not in a.only):
             continue
@@ -611,12 +560,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--only", type=int, nargs="*", default=[], help="plan steps (0-7) to run")
     ap.add_argument("--tag", default="", help="suffix of the results files")
-    ap.add_argument(
-        "--until",
-        type=float,
-        default=None,
-        help="unix time: a capture stops there (the largest N reached is reported)",
-    )
+    ap.add_argument("--until", type=float, default=None,
+                    help="unix time: a capture stops there (reports the N reached)")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the side stores")
     ap.add_argument("--data", default="/work/wt/_data/bench1m")
     # per-phase (set by the driver)
@@ -630,11 +575,8 @@ def main() -> None:
     ap.add_argument("--job", help="faiss_job: metric:flat | metric:pq<m>")
     ap.add_argument("--beside", action="store_true", help="limit: running beside score")
     ap.add_argument("--test-only", action="store_true", help="capture: the query store only")
-    ap.add_argument(
-        "--sequential",
-        action="store_true",
-        help="run score/limit and the FAISS jobs one after the other",
-    )
+    ap.add_argument("--sequential", action="store_true",
+                    help="run score/limit and the FAISS jobs one after the other")  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.phase is None:

@@ -181,15 +181,9 @@ def query(run: str, qrun: str, a) -> dict:
                 truth = idx
             recall = float(np.mean([len(set(idx[i]) & set(truth[i])) / 10
                                     for i in range(len(idx))]))  # fmt: skip
-            rows.append(
-                {
-                    "index": factory,
-                    "nprobe": nprobe,
-                    "open_or_build_s": build_s,
-                    "ms_per_query": 1e3 * s / len(idx),
-                    "recall_vs_flat": recall,
-                }
-            )
+            ms = 1e3 * s / len(idx)
+            rows.append({"index": factory, "nprobe": nprobe, "open_or_build_s": build_s,
+                         "ms_per_query": ms, "recall_vs_flat": recall})  # fmt: skip
             log(f"query {factory} nprobe={nprobe}: {rows[-1]}")
     return {"query": rows, "modules": list(names)}
 

@@ -9,15 +9,7 @@ measures in one run, interleaved:
   ``CaptureCallback`` in each capture style (the manager built untimed, without the one-time
   first-step coverage check), the factorized first step with that check, and the bytes each
   keeps per step;
-* the fraction of the trainable parameters ``REGISTER_ALL`` captures, with this checkout and
-  (``--before REV``) with the package as it was at git revision ``REV`` (extracted with
-  ``git archive`` into a temporary directory and run in a child process).
-
-Usage::
-
-    python experiments/benchmark/moe.py                  # ~5 min on 1 thread
-    python experiments/benchmark/moe.py --quick          # small shapes (~1 min)
-    python experiments/benchmark/moe.py --before 8f3f2ba # + coverage before this change
+* the fraction of the trainable parameters ``REGISTER_ALL`` captures.
 """
 
 from __future__ import annotations
@@ -25,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,15 +30,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes, 2 rounds")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
-    p.add_argument("--before", default=None, help="git revision to measure coverage before")
-    p.add_argument("--coverage-only", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 ARGS = parse_args()
-if __name__ == "__main__" and not ARGS.coverage_only:
+if __name__ == "__main__":
     ensure_env()
-    sys.path.insert(0, REPO)  # this checkout's dattri_llm (the child of --before sets its own)
+    sys.path.insert(0, REPO)  # this checkout's dattri_llm
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -105,26 +93,9 @@ def coverage(model: torch.nn.Module) -> float:
     )
 
 
-def coverage_before(rev: str, shape: str) -> dict[str, float]:
-    """Coverage with the package as at ``rev`` (child process, ``git archive`` copy)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(
-            ["git", "-C", REPO, "archive", rev, "dattri_llm"], check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        env = {**os.environ, "PYTHONPATH": tmp, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, os.path.abspath(__file__), "--coverage-only"]
-        cmd += ["--quick"] if shape == "quick" else []
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tmp)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     shape = "quick" if ARGS.quick else "full"
     s = SHAPES[shape]
-    if ARGS.coverage_only:
-        print(json.dumps({k: coverage(build(k, s)) for k in ("mixtral", "llama")}))
-        return
     from utils.env import header
     from utils.table import fmt_bytes, fmt_s, fmt_x, md_table
     from utils.timing import Variant, paired_ratio, time_interleaved
@@ -136,18 +107,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 1000, (s["batch"], s["seq"]), generator=gen)
     rows, cov_rows = [], []
-    before = coverage_before(ARGS.before, shape) if ARGS.before else {}
     for kind in ("mixtral", "llama"):
         model = build(kind, s)
         n_params = sum(p.numel() for p in model.parameters())
-        cov_rows.append(
-            [
-                kind,
-                f"{n_params / 1e6:.2f} M",
-                f"{100 * before[kind]:.1f} %" if kind in before else "—",
-                f"{100 * coverage(model):.1f} %",
-            ]
-        )
+        cov_rows.append([kind, f"{n_params / 1e6:.2f} M", f"{100 * coverage(model):.1f} %"])
 
         def plain(model=model) -> None:
             model.zero_grad(set_to_none=True)
@@ -178,18 +141,12 @@ def main() -> None:
             variants.append(Variant(label, step, setup=setup, teardown=teardown))
         t = time_interleaved(variants, rounds, warmup=1)
         for v in variants:
-            rows.append(
-                [
-                    kind,
-                    v.name,
-                    fmt_s(t[v.name].median),
-                    fmt_s(t[v.name].cpu_median),
-                    "1.00x" if v.name == "plain" else fmt_x(paired_ratio(t[v.name], t["plain"])),
-                    "" if v.name == "plain" else fmt_x(paired_ratio(t[v.name], t["plain"], True)),
-                    fmt_bytes(kept.get(v.name)),
-                ]
-            )
-    print(md_table(["model", "trainable params", "REGISTER_ALL before", "now"], cov_rows))
+            tv, base = t[v.name], t["plain"]
+            ratios = [fmt_x(paired_ratio(tv, base)), fmt_x(paired_ratio(tv, base, True))]
+            ratios = ["1.00x", ""] if v.name == "plain" else ratios
+            rows.append([kind, v.name, fmt_s(tv.median), fmt_s(tv.cpu_median), *ratios,
+                         fmt_bytes(kept.get(v.name))])  # fmt: skip
+    print(md_table(["model", "trainable params", "REGISTER_ALL captures"], cov_rows))
     print()
     heads = ["model", "step", "wall", "CPU", "wall / plain", "CPU / plain", "kept per step"]
     print(md_table(heads, rows))

@@ -11,11 +11,6 @@ the store's flush (``on_context_end``), all timed; the figure is seconds per ste
   asynchronous writes, ``max_pending=1``, fsync on), and with synchronous writes.
 
 Target: offloading adds <= 10% to the plain step (factorized capture).
-
-Usage::
-
-    python experiments/benchmark/offload_overhead.py --quick
-    python experiments/benchmark/offload_overhead.py
 """
 
 from __future__ import annotations
@@ -143,29 +138,14 @@ def bench(shape: ModelShape, steps: int, rounds: int, root: str) -> str:
             )
         per_step = r.bytes_written / steps if r.bytes_written else None
         rate = f"{r.bytes_written / 1e6 / (tv.median):.0f} MB/s" if r.bytes_written else ""
-        rows.append(
-            [
-                names[k],
-                fmt_s(tv.median / steps),
-                fmt_s(tv.cpu_median / steps),
-                fmt_x(ratio),
-                fmt_x(cpu_ratio),
-                target,
-                fmt_bytes(per_step) if per_step else "",
-                rate,
-            ]
-        )
+        times = [fmt_s(tv.median / steps), fmt_s(tv.cpu_median / steps)]
+        written = fmt_bytes(per_step) if per_step else ""
+        rows.append([names[k], *times, fmt_x(ratio), fmt_x(cpu_ratio), target, written, rate])
     return f"### {describe(shape, model)}, {steps} steps per run, AdamW\n\n" + md_table(
-        [
-            "variant",
-            "wall / step (median)",
-            "CPU / step (median)",
-            "ratio vs plain (wall)",
-            "ratio (CPU, writer thread included)",
-            "target",
-            "written / step",
-            "write rate",
-        ],
+        (
+            "variant|wall / step (median)|CPU / step (median)|ratio vs plain (wall)|"
+            "ratio (CPU, writer thread included)|target|written / step|write rate"
+        ),
         rows,
     )
 
@@ -191,13 +171,11 @@ def main() -> None:
             },
         )
     )
-    if args.quick:
-        shapes = [ModelShape("gpt2", 2, 128, 4, 4096, 64, 8)]
-    else:
-        shapes = [
-            ModelShape("gpt2", 4, 256, 4, 50257, 64, 8),
-            ModelShape("gpt2", 6, 512, 8, 50257, 128, 8),
-        ]
+    shapes = [
+        ModelShape("gpt2", 4, 256, 4, 50257, 64, 8),
+        ModelShape("gpt2", 6, 512, 8, 50257, 128, 8),
+    ]
+    shapes = [ModelShape("gpt2", 2, 128, 4, 4096, 64, 8)] if args.quick else shapes
     for shape in shapes:
         print(bench(shape, steps, rounds, root), flush=True)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")

@@ -11,11 +11,6 @@ Parts (CPU, one thread per process):
 * ``ranks`` — scoring throughput with 1 and 2 ``gloo`` ranks on the same store (``torchrun``
   style: every rank calls ``attribute_from_cache``; the train records are split), full matrix and
   ``top_k``; on a shared 2-core machine the ratio is bounded by the free cores.
-
-Usage::
-
-    python experiments/benchmark/scale.py --parts scale --n 50000
-    python experiments/benchmark/scale.py --parts ranks --n 20000
 """
 
 from __future__ import annotations
@@ -118,20 +113,16 @@ print(json.dumps({{"n": rows, "wall": box["wall"], "cpu": box["cpu"], "peak": pe
 """
 
 
+def _paths(root: str) -> dict[str, str]:
+    names = {"train": "train", "test": "test", "out": "scores"}
+    return {k: os.path.join(root, v) for k, v in names.items()}
+
+
 def score_subprocess(root: str, n: int, top_k: int | None) -> dict:
-    code = _SCORE.format(
-        bench=BENCH_DIR,
-        out=os.path.join(root, "scores"),
-        train=os.path.join(root, "train"),
-        test=os.path.join(root, "test"),
-    )
+    code = _SCORE.format(bench=BENCH_DIR, **_paths(root))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    res = subprocess.run(
-        [sys.executable, "-c", code, str(n), "none" if top_k is None else str(top_k)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    argv = [sys.executable, "-c", code, str(n), "none" if top_k is None else str(top_k)]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(res.stderr[-3000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -146,16 +137,9 @@ def part_scale(root: str, n: int, sizes: list[int], k: int) -> str:
     for m in sizes:
         r = score_subprocess(root, m, k)
         log(f"scored {r['n']}: {r['wall']:.1f}s, peak {r['peak'] / 1e6:.0f} MB")
-        rows.append(
-            [
-                r["n"],
-                fmt_s(r["wall"]),
-                fmt_s(r["cpu"]),
-                f"{r['n'] / r['wall']:.0f}",
-                fmt_bytes(r["peak"]),
-                r["kept_rows"],
-            ]
-        )
+        rate = f"{r['n'] / r['wall']:.0f}"
+        rows.append([r["n"], fmt_s(r["wall"]), fmt_s(r["cpu"]), rate, fmt_bytes(r["peak"])])
+        rows[-1].append(r["kept_rows"])
     last = score_subprocess(root, sizes[-1], k)
     per_m = 1e6 / last["n"]
     plan = [
@@ -207,23 +191,15 @@ if world > 1:
 
 
 def run_ranks(root: str, world: int, top_k: int | None) -> dict:
-    code = _RANK.format(
-        out=os.path.join(root, "scores"),
-        train=os.path.join(root, "train"),
-        test=os.path.join(root, "test"),
-    )
+    code = _RANK.format(**_paths(root))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
+    argv = [sys.executable, "-c", code]
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), str(world), port, str(top_k or "none")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        subprocess.Popen([*argv, str(r), str(world), port, str(top_k or "none")], **pipe)
         for r in range(world)
     ]
     outs = [p.communicate() for p in procs]
@@ -245,16 +221,9 @@ def part_ranks(root: str, n: int, rounds: int) -> str:
                 times[world].append(run_ranks(root, world, top_k)["wall"])
                 log(f"ranks={world} top_k={top_k}: {times[world][-1]:.1f}s")
         med = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
-        rows.append(
-            [
-                "full matrix" if top_k is None else f"top_k={top_k}",
-                fmt_s(med[1]),
-                fmt_s(med[2]),
-                f"{n / med[1]:.0f}",
-                f"{n / med[2]:.0f}",
-                f"{med[1] / med[2]:.2f}x",
-            ]
-        )
+        what = "full matrix" if top_k is None else f"top_k={top_k}"
+        rates = [f"{n / med[1]:.0f}", f"{n / med[2]:.0f}", f"{med[1] / med[2]:.2f}x"]
+        rows.append([what, fmt_s(med[1]), fmt_s(med[2]), *rates])
     return (
         f"### Scoring throughput with 1 and 2 gloo ranks: {n} train samples x 100 queries "
         f"(GPT-2 2x128, seq 32, unprojected: per-sample gradients formed at scoring), median of "

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 from utils.env import header  # noqa: E402
+from utils.memory import status_bytes  # noqa: E402
 from utils.table import emit, md_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,13 +50,7 @@ def log(msg: str) -> None:
 
 
 def hwm_mb() -> float:
-    """Peak resident memory of this process image (``VmHWM``: reset by exec, unlike
-    ``ru_maxrss``, which would count the parent's pages copied at fork)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return status_bytes("VmHWM") / 2**20
 
 
 # ---- the stores ---------------------------------------------------------------------------------
@@ -194,42 +188,22 @@ def main() -> None:
     t_mm = matmul_limit(a.n, a.dim, a.queries, a.resident)
     log(f"matmul limit: {t_mm}")
     limit = (max(t_read[0], t_mm[0]), max(t_read[1], t_mm[1]))
-    rows = [
-        [
-            "matmul limit (torch.mm, in memory)",
-            f"{t_mm[0]:.3f}",
-            f"{t_mm[1]:.3f}",
-            f"{a.n / t_mm[0]:,.0f}",
-            "",
-            "",
-        ],
-        [
-            "read limit (page cache)",
-            f"{t_read[0]:.3f}",
-            f"{t_read[1]:.3f}",
-            f"{a.n / t_read[0]:,.0f}",
-            f"{nbytes / t_read[0] / 2**30:.2f} GiB/s",
-            "",
-        ],
-    ]
+
+    def row(what: str, wall: float, cpu: float, *rest: str) -> list[str]:
+        return [what, f"{wall:.3f}", f"{cpu:.3f}", f"{a.n / wall:,.0f}", *rest]
+
+    rows = [row("matmul limit (torch.mm, in memory)", *t_mm, "", "")]
+    rows.append(
+        row("read limit (page cache)", *t_read, f"{nbytes / t_read[0] / 2**30:.2f} GiB/s", "")
+    )
     names = {
         "fast": "top_k, vector fast path",
         "no-verify": "top_k, vector fast path, verify=False (no CRC-32)",
         "general": "top_k, general loop",
     }
     for mode, r in results.items():
-        name = names[mode]
         ratio = f"{limit[0] / r['wall']:.2f} (CPU {limit[1] / r['cpu']:.2f})"
-        rows.append(
-            [
-                name,
-                f"{r['wall']:.3f}",
-                f"{r['cpu']:.3f}",
-                f"{a.n / r['wall']:,.0f}",
-                ratio,
-                f"{r['peak_mb']:.0f} MB",
-            ]
-        )
+        rows.append(row(names[mode], r["wall"], r["cpu"], ratio, f"{r['peak_mb']:.0f} MB"))
     assert len({r["top"] for r in results.values()}) == 1, "the paths ranked differently"
     table = md_table(
         ["what", "wall s", "CPU s", "samples/s (wall)", "limit / time (wall, CPU)", "peak RSS"],

@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from utils.env import header  # noqa: E402
+from utils.memory import status_bytes  # noqa: E402
 from utils.table import emit, md_table  # noqa: E402
 
 
@@ -61,12 +61,7 @@ def build(path: Path, n: int, batch: int) -> float:
 
 
 def rss_kb(field: str = "VmRSS:") -> int:
-    """A ``/proc/self/status`` size of this process (default: resident now), in KiB."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return status_bytes(field.rstrip(":")) // 1024
 
 
 def child(path: str, mode: str) -> None:

@@ -55,40 +55,15 @@ def _small(*args: str) -> tuple[str, ...]:
 
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("capture", "benchmark.capture", "benchmarks/capture.md"),
-    Benchmark(
-        "routing",
-        "benchmark.routing",
-        "benchmarks/capture.md",
-        ("--quick", "--rounds", "1", "--models", "llama"),
-    ),
     Benchmark("fixed_weights", "benchmark.fixed_weights", "benchmarks/capture.md"),
     Benchmark("offload_overhead", "benchmark.offload_overhead", "benchmarks/capture.md"),
     Benchmark("moe", "benchmark.moe", "benchmarks/capture.md"),
-    Benchmark(
-        "moe_kfac",
-        "benchmark.moe_kfac",
-        "benchmarks/capture.md",
-        ("--rounds", "1", "--batches", "1"),
-    ),
     # dattri's as-shipped (projected) run is the slow one on CPU: the quick run skips it
     Benchmark("tracin", "benchmark.tracin", "benchmarks/peers.md", ("--quick", "--no-projected")),
     Benchmark("tracin_floor", "benchmark.tracin_floor", "benchmarks/scoring.md"),
     # CUDA when there is one (the docs' table), else the same parts on the CPU
     Benchmark("gpu_floor", "benchmark.gpu_floor", "benchmarks/gpu.md"),
     Benchmark("scale", "benchmark.scale", "benchmarks/scoring.md"),
-    Benchmark("store_throughput", "benchmark.store_throughput", "benchmarks/capture.md"),
-    Benchmark(
-        "store_header", "benchmark.store_header", "benchmarks/capture.md", ("--timing-only",)
-    ),
-    Benchmark(
-        "store_compact",
-        "benchmark.store_compact",
-        "guides/scaling.md",
-        ("--train", "8", "--test", "2", "--seq", "32", "--unprojected", "4"),
-    ),
-    Benchmark(
-        "kronecker_statistics_size", "benchmark.kronecker_statistics_size", "STORE_FORMAT.md"
-    ),
     Benchmark(
         "store_open",
         "benchmark.store_open",
@@ -101,19 +76,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "benchmarks/scoring.md",
         ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10"),
     ),
-    Benchmark("projection", "benchmark.projection", "benchmarks/quality.md", _small()),
-    Benchmark("projected_fisher", "benchmark.projected_fisher", "benchmarks/quality.md", _small()),
     Benchmark(
         "kfac_vs_kronfluence",
         "benchmark.kfac_vs_kronfluence",
         "benchmarks/peers.md",
         ("--quick", "--no-scaling"),
-    ),
-    Benchmark(
-        "trajectory_cost",
-        "benchmark.trajectory_cost",
-        "benchmarks/quality.md",
-        ("--samples", "64", "--queries", "8", "--epochs", "1"),
     ),
     Benchmark(
         "quality",

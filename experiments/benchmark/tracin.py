@@ -10,17 +10,13 @@ Parts (CPU, one thread, GPT-2 architecture built from config, random weights = t
    ``<grad l(z_train), grad l(z_test)>`` from float64 ``torch.func`` per-sample gradients.
 2. **Physical floor.** ``attribute()`` time / one plain forward+backward (weight gradients
    included, as in training) over the same train and test samples and batch size.
-3. **Scaling** of our time and peak memory with ``N`` train and with the model width.
-
-Usage::
-
-    python experiments/benchmark/tracin.py --quick
-    python experiments/benchmark/tracin.py            # ~15 min on one loaded core
+3. **Scaling** of our time and peak memory with ``N`` train.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -38,6 +34,7 @@ from torch.func import functional_call, grad, vmap  # noqa: E402
 from utils.env import header  # noqa: E402
 from utils.memory import peak_rss_bytes  # noqa: E402
 from utils.models import ModelShape, batch_loss, build_model, describe, make_batch  # noqa: E402
+from utils.reference import rel_err  # noqa: E402
 from utils.table import fmt_bytes, fmt_s, fmt_x, md_table  # noqa: E402
 
 from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor  # noqa: E402
@@ -115,7 +112,7 @@ def exact_scores(
     model: torch.nn.Module, train: torch.Tensor, test: torch.Tensor, chunk: int = 8
 ) -> torch.Tensor:
     """Brute force in float64: per-sample gradients by vmap(grad), then inner products."""
-    m64 = build_model_like(model)
+    m64 = copy.deepcopy(model).double()
     params = {k: v.detach() for k, v in m64.named_parameters()}
 
     def one(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -133,23 +130,12 @@ def exact_scores(
     return torch.cat(rows)
 
 
-def build_model_like(model: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    m = copy.deepcopy(model).double()
-    return m
-
-
 def plain_fwd_bwd(model: torch.nn.Module, samples: torch.Tensor, bs: int) -> None:
     """One training-style forward+backward over ``samples`` (weight gradients included)."""
     for i in range(0, len(samples), bs):
         model.zero_grad(set_to_none=True)
         batch_loss(model, samples[i : i + bs]).backward()
     model.zero_grad(set_to_none=True)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
 def part_vs_dattri(
@@ -162,19 +148,10 @@ def part_vs_dattri(
     runs = [("dattri_llm TracInAttributor (auto routing)", lambda: ours(model, train, test, bs))]
     n_d = min(n, proj_rows)
     suffix = f", first {n_d} train rows, time x{n / n_d:g}" if n_d < n else ""
-    runs.append(
-        (
-            "dattri 0.3.0 TracInAttributor, unprojected" + suffix,
-            lambda: dattri_scores(model, train[:n_d], test, bs, projected=False),
-        )
-    )
-    if with_projected:
-        runs.append(
-            (
-                "dattri 0.3.0 TracInAttributor as shipped (proj_dim 512)" + suffix,
-                lambda: dattri_scores(model, train[:n_d], test, bs, projected=True),
-            )
-        )
+    peer = "dattri 0.3.0 TracInAttributor"
+    for proj in (False, True)[: 1 + with_projected]:
+        name = f"{peer} as shipped (proj_dim 512)" if proj else f"{peer}, unprojected"
+        runs.append((name + suffix, lambda p=proj: dattri_scores(model, train[:n_d], test, bs, p)))
     for name, fn in runs:
         results[name] = measure(fn)
         log(f"{name}: {results[name][0]:.1f}s wall")
@@ -184,29 +161,14 @@ def part_vs_dattri(
     rows = []
     for name, (wall, cpu, peak, scores) in results.items():
         scale = n / scores.shape[0]  # dattri as shipped runs on a prefix; its cost is linear in N
-        rows.append(
-            [
-                name,
-                fmt_s(wall * scale),
-                fmt_s(cpu * scale),
-                fmt_x(cpu * scale / base[1]),
-                fmt_x(wall * scale / base[0]),
-                fmt_bytes(peak),
-                f"{rel_err(scores, ref[: scores.shape[0]]):.1e}",
-            ]
-        )
+        ratios = [fmt_x(cpu * scale / base[1]), fmt_x(wall * scale / base[0]), fmt_bytes(peak)]
+        err = f"{rel_err(scores, ref[: scores.shape[0]]):.1e}"
+        rows.append([name, fmt_s(wall * scale), fmt_s(cpu * scale), *ratios, err])
     return (
         f"### vs dattri: {describe(shape, model)}; {n} train x {m} test, batch {bs}\n\n"
         + md_table(
-            [
-                "method",
-                "wall",
-                "CPU",
-                "time / ours (CPU)",
-                "time / ours (wall)",
-                "peak memory",
-                "max rel. err vs exact f64",
-            ],
+            "method|wall|CPU|time / ours (CPU)|time / ours (wall)|peak memory|"
+            "max rel. err vs exact f64".split("|"),
             rows,
         )
         + "\nmax rel. err = max |S - S_exact| / max |S_exact| over the N x M matrix.\n"
@@ -227,35 +189,17 @@ def part_floor(shapes: list[ModelShape], n: int, m: int, bs: int, rounds: int) -
         ratio_wall = sorted(a[0] / p[0] for a, p in zip(att, pl))[len(att) // 2]
         a_cpu = sorted(a[1] for a in att)[len(att) // 2]
         p_cpu = sorted(p[1] for p in pl)[len(pl) // 2]
-        rows.append(
-            [
-                describe(shape, model),
-                f"{n} x {m}",
-                fmt_s(a_cpu),
-                fmt_s(p_cpu),
-                fmt_x(ratio_cpu),
-                fmt_x(ratio_wall),
-                f"<= 1.3x: {'met' if ratio_cpu <= 1.3 else 'MISSED'}",
-                fmt_bytes(max(a[2] for a in att)),
-                fmt_bytes(max(p[2] for p in pl)),
-            ]
-        )
+        met = f"<= 1.3x: {'met' if ratio_cpu <= 1.3 else 'MISSED'}"
+        peaks = fmt_bytes(max(a[2] for a in att)), fmt_bytes(max(p[2] for p in pl))
+        row = [fmt_s(a_cpu), fmt_s(p_cpu), fmt_x(ratio_cpu), fmt_x(ratio_wall), met, *peaks]
+        rows.append([describe(shape, model), f"{n} x {m}", *row])
         log(f"floor {shape.label}: {ratio_cpu:.2f}x")
     return (
         f"### Physical floor: attribute() / one plain forward+backward over the same "
         f"samples (batch {bs}, median of {rounds} paired runs)\n\n"
         + md_table(
-            [
-                "model",
-                "train x test",
-                "attribute() CPU",
-                "plain fwd+bwd CPU",
-                "ratio (CPU)",
-                "ratio (wall)",
-                "target (CPU)",
-                "peak attribute()",
-                "peak plain",
-            ],
+            "model|train x test|attribute() CPU|plain fwd+bwd CPU|ratio (CPU)|ratio (wall)|"
+            "target (CPU)|peak attribute()|peak plain".split("|"),
             rows,
         )
     )
@@ -276,45 +220,10 @@ def part_scaling_n(shape: ModelShape, ns: list[int], m: int, bs: int) -> str:
     )
 
 
-def part_scaling_width(base: ModelShape, widths: list[int], n: int, m: int, bs: int) -> str:
-    rows = []
-    for w in widths:
-        shape = ModelShape(
-            base.family, base.n_layer, w, max(2, w // 64), base.vocab, base.seq, base.batch
-        )
-        model = build_model(shape)
-        train, test = make_batch(shape, n=n, seed=1), make_batch(shape, n=m, seed=2)
-        both = torch.cat([train, test])
-        wall, cpu, peak, _ = measure(lambda m=model, a=train, b=test: ours(m, a, b, bs))
-        _, pc, _, _ = measure(lambda m=model, a=both: plain_fwd_bwd(m, a, bs))
-        rows.append(
-            [
-                describe(shape, model),
-                fmt_s(wall),
-                fmt_s(cpu),
-                fmt_bytes(peak),
-                fmt_s(pc),
-                fmt_x(cpu / pc),
-            ]
-        )
-        log(f"scaling width={w}: {wall:.1f}s")
-    return f"### Scaling with width: {n} train x {m} test, batch {bs}\n\n" + md_table(
-        [
-            "model",
-            "attribute() wall",
-            "attribute() CPU",
-            "peak memory",
-            "plain fwd+bwd CPU",
-            "ratio (CPU)",
-        ],
-        rows,
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--parts", default="dattri,floor,n,width")
+    p.add_argument("--parts", default="dattri,floor,n")
     p.add_argument(
         "--no-projected",
         action="store_true",
@@ -367,10 +276,6 @@ def main() -> None:
         shape = ModelShape("gpt2", 2, 128, 4, vocab, 32 if q else 64, 8)
         ns = [32, 128] if q else [256, 1024, 4096]
         print(part_scaling_n(shape, ns, 8 if q else 32, 32), flush=True)
-    if "width" in parts:
-        base = ModelShape("gpt2", 2 if q else 4, 128, 2, vocab, 32 if q else 64, 8)
-        widths = [64, 128] if q else [128, 256, 512]
-        print(part_scaling_width(base, widths, 32 if q else 256, 8 if q else 32, 32), flush=True)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -14,7 +14,7 @@ import ctypes
 import gc
 from collections.abc import Callable
 
-__all__ = ["peak_rss_bytes", "rss_bytes", "memory_method_ok"]
+__all__ = ["peak_rss_bytes", "rss_bytes", "memory_method_ok", "status_bytes"]
 
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
@@ -22,7 +22,9 @@ except OSError:  # pragma: no cover - non-glibc systems
     _LIBC = None
 
 
-def _status(key: str) -> int:
+def status_bytes(key: str) -> int:
+    """A size field of ``/proc/self/status`` in bytes: ``VmHWM`` is this process image's peak
+    (reset by exec, unlike ``ru_maxrss``, which counts the parent's pages copied at fork)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -32,7 +34,7 @@ def _status(key: str) -> int:
 
 def rss_bytes() -> int:
     """Current resident set size in bytes."""
-    return _status("VmRSS")
+    return status_bytes("VmRSS")
 
 
 def peak_rss_bytes(fn: Callable[[], object]) -> tuple[int, object]:
@@ -44,7 +46,7 @@ def peak_rss_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         f.write("5")
     before = rss_bytes()
     out = fn()
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     return peak, out
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["vmap_per_sample_grads", "flat_gram"]
+__all__ = ["vmap_per_sample_grads", "flat_gram", "rel_err"]
 
 
 def vmap_per_sample_grads(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -33,3 +33,8 @@ def flat_gram(per_sample: dict[str, torch.Tensor]) -> torch.Tensor:
         total = part if total is None else total + part
     assert total is not None
     return total
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |x - ref| / max |ref|`` (normwise: single entries of ``ref`` can be near zero)."""
+    return float((x.double() - ref).abs().max() / ref.abs().max())

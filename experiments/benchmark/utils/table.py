@@ -7,8 +7,10 @@ from collections.abc import Sequence
 __all__ = ["md_table", "fmt_bytes", "fmt_s", "fmt_x"]
 
 
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table."""
+def md_table(headers: Sequence[str] | str, rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; ``headers`` a list or one string of ``|``-separated names."""
+    if isinstance(headers, str):
+        headers = headers.split("|")
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out) + "\n"
