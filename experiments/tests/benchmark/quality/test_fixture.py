@@ -360,7 +360,6 @@ def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch
     delta = deltas(removed)
     corr = {name: loo_corr(r.scores[removed].numpy(), delta) for name, r in rows.items()}
     assert corr["DVEmb (empirical Fisher)"] > 0.85, corr  # measured 0.95
-    assert corr["DVEmb (MC Fisher)"] > 0.85, corr
 
 
 def test_exact_unrolled_influence_equals_trajectory_loo_on_a_short_lr_run(monkeypatch):
