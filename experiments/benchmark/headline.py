@@ -8,8 +8,7 @@ and puts them side by side, one Markdown table per setting:
   peak memory;
 * ``results/removal_<setting>[-quick].json`` (measured with ``quality/removal.py`` at commit
   0a80d14): LDS at 1 / 5 / 10 / 50 % removals (common random numbers), with intervals, time and
-  memory; the full protocol's file wins, a fraction or row it lacks comes from the quick file
-  and is labelled so;
+  memory (the full protocol's file, else the quick one);
 * ``results/tracing[-quick].json`` (``tracing/run.py``): recall@10, MRR and the causal drop of
   fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
 
@@ -447,74 +446,38 @@ def quality_part(s: Setting, results: Path) -> Part | None:
     return part
 
 
-def _fractions_of(result: dict | None) -> set[int]:
-    """The removal fractions (in %) a removal result has a ground truth for."""
-    if result is None:
-        return set()
-    return {pct for pct in FRACTIONS if f"{pct} %" in (result.get("truth") or {})}
-
-
 def removal_part(s: Setting, results: Path) -> Part | None:
-    """LDS at each removal fraction, against run 0 (the attributed run).
-
-    The full protocol's file wins; a fraction it lacks is taken from the quick file (its column
-    is then labelled ``(quick)``), and a row only the quick file has is marked ``(q)``.
-    """
+    """LDS at each removal fraction against run 0 (the attributed run), from the full protocol's
+    file (the quick one where there is no full one)."""
     found = _result(s.removal and f"removal_{s.removal}", results)
     if found is None:
         return None
-    main, r_full, r_quick = found
-    other = r_quick if r_full else None  # the quick file, where it backs the full one up
+    main, r_full, _ = found
     part = Part()
     rows = pick("removal", main["rows"])
-    extra = pick("removal", other["rows"]) if other else {}
-    extra = {n: r for n, r in extra.items() if n not in rows}  # quick-only rows, marked (q)
     part.add_rows(rows)
-    part.add_rows(extra)
-    have = _fractions_of(main)
-    backed = {pct for pct in _fractions_of(other) if pct not in have}
     for pct in FRACTIONS:
-        src = other if pct in backed else main
-        src_rows = pick("removal", src["rows"]) if pct in backed else rows
 
-        def fn(name: str, pct: int = pct, src: dict = src, src_rows: dict = src_rows) -> str:
+        def fn(name: str, pct: str = f"{pct} %") -> str:
             if name == GROUND_TRUTH:
-                gt = (src.get("truth") or {}).get(f"{pct} %") or {}
+                gt = (main.get("truth") or {}).get(pct) or {}
                 return fmt_ci(gt.get("reliability")) or "not measured"
+            return metric_cell(rows.get(name), lambda r: fmt_ci((r.get("lds_run0") or {}).get(pct)))
 
-            def stat(r: dict) -> str | None:
-                return fmt_ci((r.get("lds_run0") or {}).get(f"{pct} %"))
-
-            if name in extra and src is main:
-                return metric_cell(extra[name], stat) + " (q)"
-            return metric_cell(src_rows.get(name), stat)
-
-        part.columns.append((f"LDS {pct} %" + (" (quick)" if pct in backed else ""), fn))
+        part.columns.append((f"LDS {pct} %", fn))
 
     def cost(name: str) -> str:
-        if name == GROUND_TRUTH:
-            return "—"
-        if name in extra:
-            return cost_cell(extra[name], other["rows"]) + " (q)"
-        return cost_cell(rows.get(name), main["rows"])
+        return "—" if name == GROUND_TRUTH else cost_cell(rows.get(name), main["rows"])
 
     part.columns.append(("time / peak RSS (removal scoring)", cost))
-    for res, is_full in ((main, r_full is not None), (other, False)):
-        if res is None or (res is other and not backed and not extra):
-            continue
-        kind = "full" if is_full else "quick"
-        p = res["protocol"]
-        what = "LDS at 1 / 5 / 10 / 50 %"
-        if res is other:
-            used = [f"{pct} %" for pct in sorted(backed)] + (["(q) rows"] if extra else [])
-            what = f"LDS, quick protocol for: {', '.join(used)}"
-        part.header.append(
-            f"- *{what}*: `results/removal_{s.removal}{'' if is_full else '-quick'}.json`, "
-            f"**{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
-            f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS "
-            "against run 0, the attributed run); measured with "
-            "`experiments/benchmark/quality/removal.py` at commit 0a80d14."
-        )
+    p = main["protocol"]
+    part.header.append(
+        f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
+        f".json`, **{'full' if r_full else 'quick'} protocol** (subsets: "
+        f"{_per_fraction(p['num_subsets'])}; {p['runs']} common-random-number runs, "
+        f"{p.get('test_limit') or 'all'} test queries; LDS against run 0, the attributed run); "
+        "measured with `experiments/benchmark/quality/removal.py` at commit 0a80d14."
+    )
     return part
 
 

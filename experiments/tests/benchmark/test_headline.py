@@ -168,54 +168,6 @@ def test_setting_table_on_synthetic_results(tmp_path):
     assert hl.setting_table(setting, tmp_path) == text  # deterministic
 
 
-def _removal(fractions, rows, subsets):
-    return {
-        "protocol": {"num_subsets": subsets, "runs": 2, "test_limit": None},
-        "truth": {f"{p} %": {"reliability": ci(0.9)} for p in fractions},
-        "rows": [
-            {"method": m, "source": "dattri_llm", "status": "ok", "seconds": t, "peak_mb": 10.0,
-             "note": "", "lds": {}, "lds_run0": {f"{p} %": ci(v + p / 1000) for p in fractions}}
-            for m, v, t in rows
-        ],
-    }  # fmt: skip
-
-
-def test_removal_prefers_the_full_protocol_and_labels_what_comes_from_quick(tmp_path):
-    # the full run has 1 % and 5 % only (stopped early) and no K-FAC row; the quick one has all
-    full = _removal((1, 5), [("Grad-Dot", 0.3, 20.0)], 100)
-    quick = _removal(
-        hl.FRACTIONS, [("Grad-Dot", 0.2, 5.0), ("K-FAC (damping=default)", 0.7, 6.0)], 12
-    )
-    _write(tmp_path, "removal_s.json", full)
-    _write(tmp_path, "removal_s-quick.json", quick)
-    text = hl.setting_table(hl.Setting("s", "synthetic", removal="s"), tmp_path)
-    header = next(line for line in text.splitlines() if line.startswith("| method"))
-    cols = [c.strip() for c in header.strip("|").split("|")]
-    assert cols == [
-        "method", "LDS 1 %", "LDS 5 %", "LDS 10 % (quick)", "LDS 50 % (quick)",
-        "time / peak RSS (removal scoring)",
-    ]  # fmt: skip
-    rows = {
-        line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.strip("|").split(" | ")]
-        for line in text.splitlines()
-        if line.startswith("| ") and not line.startswith("| method")
-    }
-    grad = rows["Grad-Dot"]
-    assert grad[1] == "0.301 [0.201, 0.401]"  # full
-    assert grad[3] == "0.210 [0.110, 0.310]"  # quick, in its labelled column
-    assert grad[5] == "20 s / 10 MB"  # the full run's cost
-    kfac = rows["K-FAC (default damping)"]
-    assert kfac[1] == "0.701 [0.601, 0.801] (q)" and kfac[3] == "0.710 [0.610, 0.810]"
-    assert kfac[5] == "6.0 s / 10 MB (q)"
-    assert "`results/removal_s.json`, **full protocol** (subsets: 100 per fraction" in text
-    assert "quick protocol for: 10 %, 50 %, (q) rows*: `results/removal_s-quick.json`" in text
-    # only the full file: no quick label, no second source line
-    (tmp_path / "removal_s-quick.json").unlink()
-    alone = hl.setting_table(hl.Setting("s", "synthetic", removal="s"), tmp_path)
-    assert "(quick)" not in alone and "removal_s-quick" not in alone
-    assert "| Grad-Dot | 0.301 [0.201, 0.401] | 0.305 [0.205, 0.405] | not scored |" in alone
-
-
 def test_tracing_cells_and_missing_memory(tmp_path):
     seed = {
         "rows": {
