@@ -259,43 +259,30 @@ def queries(
 
 
 def chunked(
-    ctx: Context,
-    hook_config: Any,
-    score_fn: Any,
-    itemsize: int,
-    train: Any = None,
-    limit: int | None = None,
+    ctx: Context, hook_config: Any, score_fn: Any, itemsize: int, train: Any = None
 ) -> torch.Tensor:
     """``(n_train, n_test)`` scores of ``score_fn(query_blocks) -> AttributionScore`` over
     query chunks of ``QUERY_CHUNK_BYTES`` (``itemsize`` bytes per coordinate); train rows in
-    the order of ``train`` (samples or hashes; default the train set); ``limit``: the first
-    test samples only."""
+    the order of ``train`` (samples or hashes; default the train set)."""
     probe = queries(ctx, hook_config, batch_size=1, limit=1)[0]
     width = int(probe.gradient.flatten().shape[1])
     rows = max(1, QUERY_CHUNK_BYTES // (itemsize * width))
     train = _samples(ctx)[0] if train is None else train
     cols = []
-    for block in queries(ctx, hook_config, batch_size=rows, limit=limit):
+    for block in queries(ctx, hook_config, batch_size=rows):
         cols.append(score_fn([block]).query(train, list(block.hashes)))
     return torch.cat(cols, dim=1)
 
 
 # ---- AdamW-influence ---------------------------------------------------------------------------
-def adamw_influence(name: str, projection: dict | None = None) -> Any:
-    """AdamW-influence over every step of the recorded reference run (adjoint sweep)."""
+def adamw_influence(name: str) -> Any:
+    """AdamW-influence over every step of the recorded reference run (adjoint sweep), on the
+    recording ``name``."""
 
     def fn(ctx: Context) -> torch.Tensor:
-        from dattri_llm import (
-            AdamWInfluenceAttributor,
-            HookManagerConfig,
-            OptimizerDynamics,
-            ProjectionConfig,
-        )
+        from dattri_llm import AdamWInfluenceAttributor, OptimizerDynamics
 
-        config = HookManagerConfig(
-            capture_style="materialized",
-            projection=None if projection is None else ProjectionConfig(**projection),
-        )
+        config = _full_config()
         rec = recording(ctx, name, config)
         dynamics = OptimizerDynamics(rec["trajectory"])
         with tempfile.TemporaryDirectory() as tmp:
