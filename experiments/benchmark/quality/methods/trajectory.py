@@ -410,45 +410,30 @@ def _replay_hashes(ctx: Context) -> list[str]:
     return hashes
 
 
-def dvemb_sgd(curvature: str) -> Any:
-    """DVEmb over every step of the recorded SGD run, replayed from parameter snapshots."""
+def dvemb_sgd(ctx: Context) -> torch.Tensor:
+    """DVEmb (empirical Fisher) over every step of the recorded SGD run, replayed from
+    parameter snapshots."""
+    from dattri_llm import DVEmbAttributor, OptimizerDynamics, ReplayGradientSource
 
-    def fn(ctx: Context) -> torch.Tensor:
-        from dattri_llm import DVEmbAttributor, OptimizerDynamics, ReplayGradientSource
-        from dattri_llm.attribution.dvemb import sampled_cross_entropy
+    config = _full_config()
+    rec = recording(ctx, "replay", config, store=False, snapshots=True)
 
-        config = _full_config()
-        rec = recording(ctx, "replay", config, store=False, snapshots=True)
-        model = ctx.model()
+    def train_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(batch["x"]), batch["y"])  # as trained
 
-        def train_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(m(batch["x"]), batch["y"])  # as trained
-
-        def sampled_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
-            return sampled_cross_entropy(m(batch["x"]), reduction="mean")
-
-        train_src = ReplayGradientSource(model, rec["trajectory"], train_loss, config)
-        curv = None
-        if curvature == "mc_fisher":
-            curv = ReplayGradientSource(model, rec["trajectory"], sampled_loss, config)
-        dynamics = OptimizerDynamics(rec["trajectory"])
-        with tempfile.TemporaryDirectory() as tmp:
-            attributor = DVEmbAttributor(
-                _args(tmp), curvature=curvature, loss_reduction="mean", method="adjoint"
-            )
-            scores = chunked(
-                ctx,
-                config,
-                lambda q: attributor.attribute_from_cache(
-                    train_src, q, dynamics=dynamics, curvature_source=curv
-                ),
-                4,
-                train=_replay_hashes(ctx),
-            )
-        ctx.extra["last_note"] = _note(rec, "replayed from parameter snapshots")
-        return scores
-
-    return fn
+    train_src = ReplayGradientSource(ctx.model(), rec["trajectory"], train_loss, config)
+    dynamics = OptimizerDynamics(rec["trajectory"])
+    with tempfile.TemporaryDirectory() as tmp:
+        attributor = DVEmbAttributor(_args(tmp), loss_reduction="mean", method="adjoint")
+        scores = chunked(
+            ctx,
+            config,
+            lambda q: attributor.attribute_from_cache(train_src, q, dynamics=dynamics),
+            4,
+            train=_replay_hashes(ctx),
+        )
+    ctx.extra["last_note"] = _note(rec, "replayed from parameter snapshots")
+    return scores
 
 
 def adamw_influence_on_sgd(ctx: Context) -> torch.Tensor:
@@ -569,7 +554,7 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 exact_unroll,
                 "float64; DVEmb's maths with each step's exact batch Hessian",
             ),
-            Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd("empirical_fisher")),
+            Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd),
             Method("AdamW-influence", "dattri_llm", adamw_influence_on_sgd),
         ]
     return []
