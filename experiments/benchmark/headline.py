@@ -6,21 +6,20 @@ and puts them side by side, one Markdown table per setting:
 * ``results/quality_<setting>[-quick].json`` (``quality/run.py``): half-data LDS, dattri's LOO
   and the trajectory-specific LOO, each with its 95 % interval, and the row's scoring time and
   peak memory;
-* ``results/removal_<setting>[-quick].json`` (``quality/removal.py``): LDS at 1 / 5 / 10 / 50 %
-  removals (common random numbers), with intervals, time and memory; the full protocol's file
-  wins, a fraction or row it lacks comes from the quick file and is labelled so;
+* ``results/removal_<setting>[-quick].json`` (measured with ``quality/removal.py`` at commit
+  0a80d14): LDS at 1 / 5 / 10 / 50 % removals (common random numbers), with intervals, time and
+  memory (the full protocol's file, else the quick one);
 * ``results/tracing[-quick].json`` (``tracing/run.py``): recall@10, MRR and the causal drop of
   fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
 
 Each benchmark names its rows its own way (``EK-FAC (damping=default)`` / ``EK-FAC``,
-``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): ``headline_names.METHODS`` maps
-them to one name per method (``canonical_name``). A method a benchmark refused or skipped says
+``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): :data:`NAMES` maps them to one
+name per method. A method a benchmark refused or skipped says
 so in its cells (``refused: <why>``), one it did not run says ``not run``; nothing is blank.
 
     python experiments/benchmark/headline.py            # print the tables
     python experiments/benchmark/headline.py --write    # replace the marked section of
                                                         # experiments/benchmark/results/headline.md
-    python experiments/benchmark/headline.py --names    # every result row -> its headline name
 """
 
 from __future__ import annotations
@@ -37,12 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: make ``experiments`` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.benchmark.headline_names import (  # noqa: E402
-    GROUND_TRUTH,
-    METHODS,
-    canonical_name,
-    pick,
-)
 from experiments.benchmark.tracing.metrics import mean_ci  # noqa: E402
 from experiments.benchmark.utils.env import RESULTS_DIR  # noqa: E402
 from experiments.benchmark.utils.table import md_table  # noqa: E402
@@ -51,6 +44,119 @@ RESULTS = RESULTS_DIR
 DOC = ROOT / "experiments" / "benchmark" / "results" / "headline.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 FRACTIONS = (1, 5, 10, 50)
+GROUND_TRUTH = "ground truth"
+PEERS = ("dattri 0.3.0", "kronfluence")
+
+#: Each method's headline name (in table order), then ``| <benchmarks> <row name>`` for each row
+#: name that stands for it: ``q`` ``quality/run.py`` (full and quick files), ``r`` the removal
+#: files, ``t`` ``tracing/run.py``; a line starting with ``|`` continues the one above. The first
+#: listed name present wins; a peer's row (which shares our names) is ``<source>: <name>``.
+NAMES = """
+ground truth | t carriers (ground truth)
+ground truth padded to the same size (carriers + random) | t carriers + random (same size)
+Random | qr Random | t random
+TF-IDF (scikit-learn, lexical) | t TF-IDF (scikit-learn)
+BM25 (rank-bm25, lexical) | t BM25 (rank-bm25)
+Grad-Dot | qrt Grad-Dot
+Grad-Cos | qrt Grad-Cos
+Grad-Dot, dense-256 projection | q Grad-Dot proj dense-256
+Grad-Dot, logra-256 projection | q Grad-Dot proj logra-256
+Grad-Dot, mask-256 projection | q Grad-Dot proj mask-256
+Grad-Cos, sparse-1024 projection | t Grad-Cos sparse-1024
+Grad-Cos, logra-256 projection | t Grad-Cos logra-256
+Grad-Dot mask-2048 (the second-moment rows' coordinates) | q Grad-Dot mask-2048
+Grad-Cos mask-2048 | r Grad-Cos mask-2048
+Grad-Dot mask-2048 + second moment | q Grad-Dot mask-2048 + second moment
+Grad-Cos mask-2048 + second moment (TrackStar, R = I)
+    | qr Grad-Cos mask-2048 + second moment (TrackStar, R = I)
+ProjectedFisher mask-2048, unit-normalized | r ProjectedFisher mask-2048 unit-normalized
+ProjectedFisher mask-2048 unit + second moment (TrackStar with its R)
+    | r ProjectedFisher mask-2048 unit + second moment (TrackStar with R)
+TracIn (checkpoints, w = lr) | qr TracIn (4 ckpts, w=lr)
+TracIn-Cos (checkpoints) | t TracIn-Cos (3 ckpts)
+TracIn-Cos + second moment (checkpoints; TrackStar, R = I)
+    | t TracIn-Cos + second moment (3 ckpts)
+ProjectedFisher unit + second moment, mask-1024 (checkpoints; TrackStar with its R)
+    | t TrackStar: ProjectedFisher unit + second moment, mask-1024 (3 ckpts)
+EK-FAC unit + diagonal + second moment (checkpoints)
+    | t EK-FAC unit, diagonal + second moment (3 ckpts)
+K-FAC (default damping) | qr K-FAC (damping=default)
+EK-FAC (default damping) | qr EK-FAC (damping=default) | t EK-FAC
+EK-FAC, unit-normalized | q EK-FAC unit-normalized (normalized_grad=True) (damping=default)
+    | t EK-FAC unit
+EK-FAC + diagonal embeddings / norms | q EK-FAC + diagonal (damping=default)
+EK-FAC unit-normalized + diagonal embeddings / norms | t EK-FAC unit, diagonal non-Kronecker
+EK-FAC unit-normalized + diagonal embeddings / norms, summed over checkpoints
+    | t EK-FAC unit, diagonal non-Kronecker (3 ckpts)
+EK-FAC fit on train + queries (mix=0.5)
+    | q EK-FAC fit on train + queries (mix=0.5) (damping=default)
+EK-FAC unit-normalized, mix=0.5 | t EK-FAC unit mix=0.5
+LESS (checkpoints, frozen form) | qr LESS (4 ckpts, frozen form) | t LESS (3 ckpts, frozen form)
+DVEmb (empirical Fisher) | qr DVEmb (empirical Fisher) | qr DVEmb (assumes SGD)
+    | t DVEmb (assumes SGD; warns on this AdamW run)
+DVEmb (Monte-Carlo Fisher) | q DVEmb (MC Fisher)
+AdamW-influence (empirical Fisher) | qr AdamW-influence (every step, all coordinates)
+    | qr AdamW-influence | t AdamW-influence (every step)
+AdamW-influence, mask-2048 | q AdamW-influence mask-2048
+AdamW-influence, mask-256 | q AdamW-influence mask-256
+AdamW-influence, mask-256, unit-normalized
+    | q AdamW-influence mask-256 unit-normalized (normalized_grad=True)
+AdamW-influence, `ExactHessian`
+    | qr AdamW-influence, exact Hessian (every step, all coordinates)
+    | t AdamW-influence, exact Hessian (every step)
+AdamW-influence (empirical Fisher), `push="exact"`
+    | r AdamW-influence + exact push (every step, all coordinates)
+    | t AdamW-influence + exact push (every step)
+AdamW-influence, `ExactHessian`, `push="exact"`
+    | r AdamW-influence, exact Hessian + exact push (every step, all coordinates)
+    | t AdamW-influence, exact Hessian + exact push (every step)
+AdamW-influence (empirical Fisher), `push="exact", exact_steps=2`
+    | r AdamW-influence + exact push, exact_steps=2 (every step, all coordinates)
+AdamW-influence, `ExactHessian`, `push="exact", exact_steps=2`
+    | r AdamW-influence, exact Hessian + exact push, exact_steps=2 (every step, all coordinates)
+AdamW-influence, `ExactHessian`, `push="exact", exact_steps=4`
+    | r AdamW-influence, exact Hessian + exact push, exact_steps=4 (every step, all coordinates)
+AdamW-influence, `ExactHessian`, `push="exact", exact_steps=16`
+    | r AdamW-influence, exact Hessian + exact push, exact_steps=16 (every step, all coordinates)
+reference: exact IF (explicit Hessian, float64) | qr Exact IF (explicit Hessian)
+reference: exact unrolled influence (per-step Hessians, float64)
+    | qr Exact unrolled influence (explicit per-step Hessians)
+peer: dattri 0.3.0 TRAK, 5 half-data models | q dattri 0.3.0: TRAK-5 (half-data models)
+peer: kronfluence EK-FAC (its heuristic damping)
+    | q kronfluence: EK-FAC (damping=heuristic 0.1 x mean eig)
+"""
+
+
+def _methods() -> list[tuple[str, dict[str, list[str]]]]:
+    """:data:`NAMES` as ``[(headline name, {benchmark: [row names]})]``."""
+    out: list[tuple[str, dict[str, list[str]]]] = []
+    for line in NAMES.strip().replace("\n    |", " |").splitlines():
+        name, *fields = line.split(" | ")
+        raw: dict[str, list[str]] = {}
+        for f in fields:
+            benches, row = f.split(" ", 1)
+            for b in benches:
+                raw.setdefault({"q": "quality", "r": "removal", "t": "tracing"}[b], []).append(row)
+        out.append((name, raw))
+    return out
+
+
+METHODS = _methods()
+
+
+def pick(bench: str, rows: list[dict]) -> dict[str, dict]:
+    """Headline name -> the row of ``bench`` (``quality``, ``removal``, ``tracing``) standing
+    for it (the first listed name present)."""
+    by_key = {
+        (f"{r['source']}: {r['method']}" if r.get("source") in PEERS else r["method"]): r
+        for r in rows
+    }
+    out = {}
+    for name, raw in METHODS:
+        key = next((k for k in raw.get(bench, ()) if k in by_key), None)
+        if key is not None:
+            out[name] = by_key[key]
+    return out
 
 
 # ---- cells --------------------------------------------------------------------------------
@@ -181,14 +287,7 @@ def load(stem: str, results: Path) -> tuple[dict | None, dict | None]:
     """The full and the quick result of a benchmark file stem (either may be missing)."""
 
     def read(path: Path) -> dict | None:
-        if not path.exists():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except ValueError as e:
-            raise SystemExit(
-                f"{path}: not valid JSON ({e}); regenerate it with its benchmark."
-            ) from None
+        return json.loads(path.read_text()) if path.exists() else None
 
     return read(results / f"{stem}.json"), read(results / f"{stem}-quick.json")
 
@@ -347,77 +446,38 @@ def quality_part(s: Setting, results: Path) -> Part | None:
     return part
 
 
-def _fractions_of(result: dict | None) -> set[int]:
-    """The removal fractions (in %) a removal result has a ground truth for."""
-    if result is None:
-        return set()
-    return {pct for pct in FRACTIONS if f"{pct} %" in (result.get("truth") or {})}
-
-
-def removal_part(s: Setting, results: Path, truth: str) -> Part | None:
-    """LDS at each removal fraction, against run 0 (``truth="run0"``) or the runs' mean.
-
-    The full protocol's file wins; a fraction it lacks is taken from the quick file (its column
-    is then labelled ``(quick)``), and a row only the quick file has is marked ``(q)``.
-    """
+def removal_part(s: Setting, results: Path) -> Part | None:
+    """LDS at each removal fraction against run 0 (the attributed run), from the full protocol's
+    file (the quick one where there is no full one)."""
     found = _result(s.removal and f"removal_{s.removal}", results)
     if found is None:
         return None
-    main, r_full, r_quick = found
-    other = r_quick if r_full else None  # the quick file, where it backs the full one up
+    main, r_full, _ = found
     part = Part()
     rows = pick("removal", main["rows"])
-    extra = pick("removal", other["rows"]) if other else {}
-    extra = {n: r for n, r in extra.items() if n not in rows}  # quick-only rows, marked (q)
     part.add_rows(rows)
-    part.add_rows(extra)
-    key = "lds_run0" if truth == "run0" else "lds"
-    have = _fractions_of(main)
-    backed = {pct for pct in _fractions_of(other) if pct not in have}
     for pct in FRACTIONS:
-        src = other if pct in backed else main
-        src_rows = pick("removal", src["rows"]) if pct in backed else rows
 
-        def fn(name: str, pct: int = pct, src: dict = src, src_rows: dict = src_rows) -> str:
+        def fn(name: str, pct: str = f"{pct} %") -> str:
             if name == GROUND_TRUTH:
-                gt = (src.get("truth") or {}).get(f"{pct} %") or {}
+                gt = (main.get("truth") or {}).get(pct) or {}
                 return fmt_ci(gt.get("reliability")) or "not measured"
+            return metric_cell(rows.get(name), lambda r: fmt_ci((r.get("lds_run0") or {}).get(pct)))
 
-            def stat(r: dict) -> str | None:
-                return fmt_ci((r.get(key) or {}).get(f"{pct} %"))
-
-            if name in extra and src is main:
-                return metric_cell(extra[name], stat) + " (q)"
-            return metric_cell(src_rows.get(name), stat)
-
-        part.columns.append((f"LDS {pct} %" + (" (quick)" if pct in backed else ""), fn))
+        part.columns.append((f"LDS {pct} %", fn))
 
     def cost(name: str) -> str:
-        if name == GROUND_TRUTH:
-            return "—"
-        if name in extra:
-            return cost_cell(extra[name], other["rows"]) + " (q)"
-        return cost_cell(rows.get(name), main["rows"])
+        return "—" if name == GROUND_TRUTH else cost_cell(rows.get(name), main["rows"])
 
     part.columns.append(("time / peak RSS (removal scoring)", cost))
-    against = "run 0, the attributed run" if truth == "run0" else "the mean of the runs"
-    for res, is_full in ((main, r_full is not None), (other, False)):
-        if res is None or (res is other and not backed and not extra):
-            continue
-        kind = "full" if is_full else "quick"
-        p = res["protocol"]
-        what = "LDS at 1 / 5 / 10 / 50 %"
-        if res is other:
-            used = [f"{pct} %" for pct in sorted(backed)] + (["(q) rows"] if extra else [])
-            what = f"LDS, quick protocol for: {', '.join(used)}"
-        part.header.append(
-            f"- *{what}*: `results/removal_{s.removal}{'' if is_full else '-quick'}.json`, "
-            f"**{kind} protocol** (subsets: {_per_fraction(p['num_subsets'])}; {p['runs']} "
-            f"common-random-number runs, {p.get('test_limit') or 'all'} test queries; LDS "
-            f"against {against}); `python -m experiments.benchmark.quality.removal --setting "
-            f"{s.removal}{'' if is_full else ' --quick'}` (`--part truth`, `--part scores`, "
-            "`--part table`)."
-        )
+    p = main["protocol"]
+    part.header.append(
+        f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
+        f".json`, **{'full' if r_full else 'quick'} protocol** (subsets: "
+        f"{_per_fraction(p['num_subsets'])}; {p['runs']} common-random-number runs, "
+        f"{p.get('test_limit') or 'all'} test queries; LDS against run 0, the attributed run); "
+        "measured with `experiments/benchmark/quality/removal.py` at commit 0a80d14."
+    )
     return part
 
 
@@ -479,9 +539,9 @@ def tracing_part(s: Setting, results: Path) -> Part | None:
     return part
 
 
-def setting_table(s: Setting, results: Path = RESULTS, removal_truth: str = "run0") -> str:
+def setting_table(s: Setting, results: Path = RESULTS) -> str:
     """The headline table of one setting, with the sources of its columns, as Markdown."""
-    removal = removal_part(s, results, removal_truth)
+    removal = removal_part(s, results)
     quality = quality_part(s, results)
     tracing = tracing_part(s, results)
     parts = [p for p in (removal, quality, tracing) if p is not None]
@@ -517,7 +577,7 @@ def setting_table(s: Setting, results: Path = RESULTS, removal_truth: str = "run
     return "\n".join(lines + ["", table] + notes + ([""] if notes else []))
 
 
-def headline(results: Path = RESULTS, removal_truth: str = "run0") -> str:
+def headline(results: Path = RESULTS) -> str:
     """Every setting's table, in :data:`SETTINGS` order."""
     intro = (
         "Generated by `python experiments/benchmark/headline.py --write` from the result files "
@@ -529,7 +589,7 @@ def headline(results: Path = RESULTS, removal_truth: str = "run0") -> str:
         "~3x); `+ recording`: the trajectory methods' shared re-run of training under the "
         "hooks, not in the row's own time."
     )
-    body = [intro, ""] + [setting_table(s, results, removal_truth) for s in SETTINGS]
+    body = [intro, ""] + [setting_table(s, results) for s in SETTINGS]
     return "\n".join(body).rstrip() + "\n\n"  # a blank line before the end marker
 
 
@@ -550,43 +610,12 @@ def write_section(doc: Path, text: str) -> None:
     doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
 
 
-def name_report(results: Path = RESULTS) -> str:
-    """Every row of the result files the tables read, and the headline name it maps to."""
-    out = []
-    for s in SETTINGS:
-        files = [("quality", f"quality_{s.quality}")] if s.quality else []
-        files += [("removal", f"removal_{s.removal}")] if s.removal else []
-        files += [("tracing", s.tracing)] if s.tracing else []
-        for bench, stem in files:
-            for suffix, result in zip(("", "-quick"), load(stem, results)):
-                if result is None:
-                    continue
-                raw = result.get("rows") or [
-                    {"method": m} for sd in result["seeds"] for m in sd["rows"]
-                ]
-                for r in {(r["method"], r.get("source")): r for r in raw}.values():
-                    name = canonical_name(bench, r["method"], r.get("source"))
-                    src = f" ({r['source']})" if r.get("source") else ""
-                    out.append([f"{stem}{suffix}", f"{r['method']}{src}", name or "—"])
-    return md_table(["file", "row (source)", "headline name"], out)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"replace the marked section of {DOC}")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the result JSONs")
-    parser.add_argument(
-        "--removal-truth",
-        choices=("run0", "mean"),
-        default="run0",
-        help="LDS by removal fraction against run 0 (the attributed run) or the mean of the runs",
-    )
-    parser.add_argument("--names", action="store_true", help="print the row -> name mapping")
     ns = parser.parse_args(argv)
-    if ns.names:
-        print(name_report(ns.results))
-        return
-    text = headline(ns.results, ns.removal_truth)
+    text = headline(ns.results)
     if ns.write:
         write_section(DOC, text)
         print(f"wrote the headline section of {DOC}")

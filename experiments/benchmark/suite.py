@@ -89,12 +89,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--setting", "digits-lr", "--quick", "--no-peers", "--methods", "^Grad-Dot$"),
     ),
     Benchmark(
-        "removal",
-        "benchmark.quality.removal",
-        "benchmarks/quality.md",
-        ("--setting", "digits-lr", "--quick", "--fractions", "10", "--methods", "^Grad-Dot$"),
-    ),
-    Benchmark(
         "tracing",
         "benchmark.tracing.run",
         "benchmarks/tracing.md",

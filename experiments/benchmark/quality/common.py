@@ -147,15 +147,12 @@ def loader_batches(dataloader: Any) -> Any:
         yield x, y
 
 
-def loader_index_batches(
-    dataloader: Any, mask_index: int | None = None, remove: torch.Tensor | None = None
-) -> Any:
+def loader_index_batches(dataloader: Any, mask_index: int | None = None) -> Any:
     """As :func:`loader_batches`, with each batch's train-set indices: ``(idx, x, y)``.
 
     ``idx`` is ``None`` for a loader that is not over a (``Subset`` of a) ``TupleDataset``.
     ``mask_index`` drops that train-set index from every batch it falls in (trajectory-specific
-    LOO); the other batches are exactly the unmasked run's. ``remove`` drops a set of train-set
-    indices the same way (small-removal LDS); a batch left empty is skipped.
+    LOO); the other batches are exactly the unmasked run's.
     """
     ds, base = dataloader.dataset, None
     if isinstance(ds, torch.utils.data.Subset) and isinstance(ds.dataset, TupleDataset):
@@ -163,25 +160,17 @@ def loader_index_batches(
     elif isinstance(ds, TupleDataset):
         base, remap = ds, None
     if base is None or dataloader.batch_sampler is None:
-        if mask_index is not None or remove is not None:
-            raise ValueError("mask_index / remove need a loader over a (Subset of a) TupleDataset.")
+        if mask_index is not None:
+            raise ValueError("mask_index needs a loader over a (Subset of a) TupleDataset.")
         for x, y in dataloader:
             yield None, x, y
         return
-    drop = None
-    if remove is not None:
-        drop = torch.zeros(len(base), dtype=torch.bool)
-        drop[torch.as_tensor(remove, dtype=torch.long)] = True
     for idx in dataloader.batch_sampler:
         idx = torch.as_tensor(idx, dtype=torch.long)
         if remap is not None:
             idx = remap[idx]
         if mask_index is not None:
             idx = idx[idx != int(mask_index)]
-        if drop is not None:
-            idx = idx[~drop[idx]]
-            if len(idx) == 0:
-                continue
         yield idx, base.x[idx], base.y[idx]
 
 

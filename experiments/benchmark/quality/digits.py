@@ -98,13 +98,11 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         return_checkpoints: bool = False,
         mask_index: int | None = None,
         observer: TrainObserver | None = None,
-        remove: torch.Tensor | None = None,
         **_: Any,
     ) -> Any:
         """dattri's train contract. ``mask_index`` (trajectory-specific LOO): that train sample
         is dropped from every batch it falls in (the batch's mean loss is over the others),
-        all else as in the unmasked run; ``remove`` drops a set of train samples the same way
-        (small-removal LDS); ``observer`` watches the loop."""
+        all else as in the unmasked run; ``observer`` watches the loop."""
         if seed is not None:
             seed_all(seed)
         model = make_model()
@@ -114,7 +112,7 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         model.train()
         with observer.run(model, opt):
             for epoch in range(1, hp["epochs"] + 1):
-                for idx, x, y in loader_index_batches(dataloader, mask_index, remove):
+                for idx, x, y in loader_index_batches(dataloader, mask_index):
                     observer.before_backward(step, idx, {"x": x, "y": y})
                     opt.zero_grad()
                     F.cross_entropy(model(x), y).backward()

@@ -234,7 +234,6 @@ def make_setting(name: str = "gpt2") -> Setting:
         return_checkpoints: bool = False,
         mask_index: int | None = None,
         observer: TrainObserver | None = None,
-        remove: torch.Tensor | None = None,
         **_: Any,
     ) -> Any:
         """dattri's train contract: fine-tune the pre-trained model on the loader's samples.
@@ -243,9 +242,6 @@ def make_setting(name: str = "gpt2") -> Setting:
         it falls in (the batch's mean loss is taken over the others); the batch order, the
         step count and the learning-rate schedule stay those of the unmasked run.
         ``observer`` watches the loop (the trajectory methods record the reference run with it).
-        ``remove`` (small-removal LDS, ``quality/removal.py``): a set of train indices dropped
-        from every batch the same way; a batch left empty skips its update (the schedule
-        still advances).
         """
         seed = 0 if seed is None else int(seed)
         members = _members(dataloader, len(train))
@@ -260,9 +256,6 @@ def make_setting(name: str = "gpt2") -> Setting:
         steps = HP["epochs"] * math.ceil(len(members) / bs)
         ckpts, step = [], 0
         observer = observer or TrainObserver()
-        dropped = torch.zeros(len(train), dtype=torch.bool)
-        if remove is not None:
-            dropped[torch.as_tensor(remove, dtype=torch.long)] = True
         model.train()
         with observer.run(model, opt):
             for _epoch in range(HP["epochs"]):
@@ -272,8 +265,6 @@ def make_setting(name: str = "gpt2") -> Setting:
                     idx = perm[s : s + bs]
                     if mask_index is not None:
                         idx = idx[idx != int(mask_index)]
-                    if remove is not None:
-                        idx = idx[~dropped[idx]]
                     for group in opt.param_groups:
                         group["lr"] = lr_at(step, steps)
                     if len(idx) == 0:

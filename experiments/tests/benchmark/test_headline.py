@@ -7,7 +7,6 @@ import json
 import pytest
 
 from experiments.benchmark import headline as hl
-from experiments.benchmark.headline_names import canonical_name, pick
 
 REFUSED = (
     "N/A, refused by the library: AdamWInfluenceAttributor: the run was trained with SGD; "
@@ -23,22 +22,28 @@ def ci(m: float) -> dict:
     return {"mean": m, "lo": m - 0.1, "hi": m + 0.1}
 
 
+def _name(bench: str, method: str, source: str = "dattri_llm") -> str | None:
+    return next(iter(hl.pick(bench, [{"method": method, "source": source}])), None)
+
+
 def test_names_across_benchmarks():
-    assert canonical_name("quality", "EK-FAC (damping=default)") == "EK-FAC (default damping)"
-    assert canonical_name("removal", "EK-FAC (damping=default)") == "EK-FAC (default damping)"
-    assert canonical_name("tracing", "EK-FAC") == "EK-FAC (default damping)"
-    assert canonical_name("tracing", "random") == "Random" == canonical_name("quality", "Random")
+    assert _name("quality", "EK-FAC (damping=default)") == "EK-FAC (default damping)"
+    assert _name("removal", "EK-FAC (damping=default)") == "EK-FAC (default damping)"
+    assert _name("tracing", "EK-FAC") == "EK-FAC (default damping)"
+    assert _name("tracing", "random") == "Random" == _name("quality", "Random")
     # DVEmb is named after the run it was given; one method
-    assert canonical_name("quality", "DVEmb (assumes SGD)") == "DVEmb (empirical Fisher)"
-    assert canonical_name("removal", "DVEmb (empirical Fisher)") == "DVEmb (empirical Fisher)"
+    assert _name("quality", "DVEmb (assumes SGD)") == "DVEmb (empirical Fisher)"
+    assert _name("removal", "DVEmb (empirical Fisher)") == "DVEmb (empirical Fisher)"
+    # a continued line of the name map
+    assert _name("tracing", "AdamW-influence (every step)") == "AdamW-influence (empirical Fisher)"
     # a peer shares our row names: only its source tells them apart
     heuristic = "EK-FAC (damping=heuristic 0.1 x mean eig)"
-    assert canonical_name("quality", heuristic, "kronfluence").startswith("peer: kronfluence")
-    assert canonical_name("quality", heuristic, "dattri_llm") is None
-    assert canonical_name("quality", "Grad-Dot", "dattri 0.3.0") is None
+    assert _name("quality", heuristic, "kronfluence").startswith("peer: kronfluence")
+    assert _name("quality", heuristic) is None
+    assert _name("quality", "Grad-Dot", "dattri 0.3.0") is None
     # not headline rows, and a name of one benchmark is not looked up in another
-    assert canonical_name("quality", "EK-FAC (damping=1e-07)") is None
-    assert canonical_name("quality", "EK-FAC") is None
+    assert _name("quality", "EK-FAC (damping=1e-07)") is None
+    assert _name("quality", "EK-FAC") is None
 
 
 def test_pick_takes_the_first_listed_name_and_keeps_peers_apart():
@@ -47,7 +52,7 @@ def test_pick_takes_the_first_listed_name_and_keeps_peers_apart():
         {"method": "DVEmb (empirical Fisher)", "source": "dattri_llm", "x": 1},
         {"method": "Grad-Dot", "source": "dattri 0.3.0", "x": 3},
     ]
-    picked = pick("quality", rows)
+    picked = hl.pick("quality", rows)
     assert picked["DVEmb (empirical Fisher)"]["x"] == 1
     assert "Grad-Dot" not in picked
 
@@ -160,57 +165,7 @@ def test_setting_table_on_synthetic_results(tmp_path):
     assert "(q): run on the quick protocol only" in text and "baselines, Grad-Dot 0.140" in text
     assert "run on both: +0.060 to +0.060" in text
     assert "`python -m q --setting s` + 1 more command(s)" in text
-    mean = hl.setting_table(setting, tmp_path, removal_truth="mean")
-    assert "-0.010 [-0.110, 0.090]" in mean
     assert hl.setting_table(setting, tmp_path) == text  # deterministic
-
-
-def _removal(fractions, rows, subsets):
-    return {
-        "protocol": {"num_subsets": subsets, "runs": 2, "test_limit": None},
-        "truth": {f"{p} %": {"reliability": ci(0.9)} for p in fractions},
-        "rows": [
-            {"method": m, "source": "dattri_llm", "status": "ok", "seconds": t, "peak_mb": 10.0,
-             "note": "", "lds": {}, "lds_run0": {f"{p} %": ci(v + p / 1000) for p in fractions}}
-            for m, v, t in rows
-        ],
-    }  # fmt: skip
-
-
-def test_removal_prefers_the_full_protocol_and_labels_what_comes_from_quick(tmp_path):
-    # the full run has 1 % and 5 % only (stopped early) and no K-FAC row; the quick one has all
-    full = _removal((1, 5), [("Grad-Dot", 0.3, 20.0)], 100)
-    quick = _removal(
-        hl.FRACTIONS, [("Grad-Dot", 0.2, 5.0), ("K-FAC (damping=default)", 0.7, 6.0)], 12
-    )
-    _write(tmp_path, "removal_s.json", full)
-    _write(tmp_path, "removal_s-quick.json", quick)
-    text = hl.setting_table(hl.Setting("s", "synthetic", removal="s"), tmp_path)
-    header = next(line for line in text.splitlines() if line.startswith("| method"))
-    cols = [c.strip() for c in header.strip("|").split("|")]
-    assert cols == [
-        "method", "LDS 1 %", "LDS 5 %", "LDS 10 % (quick)", "LDS 50 % (quick)",
-        "time / peak RSS (removal scoring)",
-    ]  # fmt: skip
-    rows = {
-        line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.strip("|").split(" | ")]
-        for line in text.splitlines()
-        if line.startswith("| ") and not line.startswith("| method")
-    }
-    grad = rows["Grad-Dot"]
-    assert grad[1] == "0.301 [0.201, 0.401]"  # full
-    assert grad[3] == "0.210 [0.110, 0.310]"  # quick, in its labelled column
-    assert grad[5] == "20 s / 10 MB"  # the full run's cost
-    kfac = rows["K-FAC (default damping)"]
-    assert kfac[1] == "0.701 [0.601, 0.801] (q)" and kfac[3] == "0.710 [0.610, 0.810]"
-    assert kfac[5] == "6.0 s / 10 MB (q)"
-    assert "`results/removal_s.json`, **full protocol** (subsets: 100 per fraction" in text
-    assert "quick protocol for: 10 %, 50 %, (q) rows*: `results/removal_s-quick.json`" in text
-    # only the full file: no quick label, no second source line
-    (tmp_path / "removal_s-quick.json").unlink()
-    alone = hl.setting_table(hl.Setting("s", "synthetic", removal="s"), tmp_path)
-    assert "(quick)" not in alone and "removal_s-quick" not in alone
-    assert "| Grad-Dot | 0.301 [0.201, 0.401] | 0.305 [0.205, 0.405] | not scored |" in alone
 
 
 def test_tracing_cells_and_missing_memory(tmp_path):

@@ -1,7 +1,6 @@
 """Method adapters: each turns the reference checkpoints into an (n_train, n_test) score matrix.
 
-A method raises :class:`Pending` when the code it needs has not landed yet (its row then reads
-"pending"), or :class:`Skipped` when it does not apply to the setting (with the reason).
+A method raises :class:`Skipped` when it does not apply to the setting (with the reason).
 """
 
 from __future__ import annotations
@@ -18,10 +17,6 @@ import torch
 from torch import nn
 
 from experiments.benchmark.quality.common import Setting
-
-
-class Pending(Exception):
-    """The method's implementation is not available yet."""
 
 
 class Skipped(Exception):
@@ -69,7 +64,7 @@ class Method:
 class MethodResult:
     name: str
     source: str
-    status: str  # ok | pending | skipped | error
+    status: str  # ok | skipped | error
     scores: torch.Tensor | None = None
     seconds: float = 0.0
     note: str = ""
@@ -102,8 +97,6 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
     t0 = time.perf_counter()
     try:
         peak_mb, scores = measured()
-    except Pending as e:
-        return MethodResult(method.name, method.source, "pending", note=str(e) or method.note)
     except Skipped as e:
         return MethodResult(method.name, method.source, "skipped", note=str(e))
     except Exception as e:  # noqa: BLE001 - a failing peer must not sink the whole table
@@ -113,14 +106,7 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
     extra = ctx.extra.pop("last_note", "")
     note = "; ".join(n for n in (method.note, extra) if n)
     scores = scores.detach().to(torch.float64).cpu()
-    if tuple(scores.shape) != (n_train, n_test):
-        return MethodResult(
-            method.name,
-            method.source,
-            "error",
-            seconds=seconds,
-            note=f"score shape {tuple(scores.shape)} != {(n_train, n_test)}",
-        )
+    assert tuple(scores.shape) == (n_train, n_test), (method.name, tuple(scores.shape))
     return MethodResult(method.name, method.source, "ok", scores, seconds, note, peak_mb)
 
 

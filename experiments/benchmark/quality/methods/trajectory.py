@@ -259,142 +259,39 @@ def queries(
 
 
 def chunked(
-    ctx: Context,
-    hook_config: Any,
-    score_fn: Any,
-    itemsize: int,
-    train: Any = None,
-    limit: int | None = None,
+    ctx: Context, hook_config: Any, score_fn: Any, itemsize: int, train: Any = None
 ) -> torch.Tensor:
     """``(n_train, n_test)`` scores of ``score_fn(query_blocks) -> AttributionScore`` over
     query chunks of ``QUERY_CHUNK_BYTES`` (``itemsize`` bytes per coordinate); train rows in
-    the order of ``train`` (samples or hashes; default the train set); ``limit``: the first
-    test samples only."""
+    the order of ``train`` (samples or hashes; default the train set)."""
     probe = queries(ctx, hook_config, batch_size=1, limit=1)[0]
     width = int(probe.gradient.flatten().shape[1])
     rows = max(1, QUERY_CHUNK_BYTES // (itemsize * width))
     train = _samples(ctx)[0] if train is None else train
     cols = []
-    for block in queries(ctx, hook_config, batch_size=rows, limit=limit):
+    for block in queries(ctx, hook_config, batch_size=rows):
         cols.append(score_fn([block]).query(train, list(block.hashes)))
     return torch.cat(cols, dim=1)
 
 
 # ---- AdamW-influence ---------------------------------------------------------------------------
-def _attributor_class(curvature: bool) -> Any:
-    """``AdamWInfluenceAttributor``, or (``curvature=False``, ablation) a benchmark subclass
-    with each step's batch curvature term dropped (δg = push)."""
-    from dattri_llm import AdamWInfluenceAttributor
-
-    class Variant(AdamWInfluenceAttributor):
-        def _step(self, *args: Any, **kwargs: Any) -> Any:
-            step = super()._step(*args, **kwargs)
-            step.curvature.vectors = None
-            return step
-
-    return AdamWInfluenceAttributor if curvature else Variant
-
-
-def _mc_fisher_class(curvature_source: Any) -> Any:
-    """AdamW-influence with each step's curvature vectors replaced by Monte-Carlo Fisher
-    vectors (diagnosis; the library's curvature is the empirical Fisher of the captured
-    per-sample gradients): ``curvature_source`` replays every step with labels sampled from
-    the model, scaled so that ``κ Σ ŝ ŝᵀ`` estimates the Gauss-Newton matrix of the batch's
-    mean token loss (see :func:`mc_fisher_loss`)."""
-    from dattri_llm import AdamWInfluenceAttributor
-    from dattri_llm.attribution.trajectory.base import dense_rows, step_index
-
-    index = step_index(curvature_source)
-
-    class MCFisher(AdamWInfluenceAttributor):
-        def _step(self, dyn: Any, step: int, layers: list, shares: Any, dtype: Any, device: Any):
-            out = super()._step(dyn, step, layers, shares, dtype, device)
-            out.curvature.vectors, _ = dense_rows(index.load(step), layers, dtype, device)
-            return out
-
-    return MCFisher
-
-
-def mc_fisher_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Sampled-label token cross-entropy summed over a batch of ``B`` blocks of ``T`` tokens,
-    divided by ``B √T``: each block's captured share is ``ŝ = Σ_t ĝ_t / (B √T)``, so
-    ``B Σ ŝ ŝᵀ`` has the expectation ``(1/(B T)) Σ_blocks Σ_t F_t``, the Gauss-Newton matrix of
-    the batch's mean (over blocks and tokens) loss. (Scaling by ``1/(B T)``, the training
-    loss's own reduction, would give ``1/T`` of it: a per-block gradient averages its
-    tokens' independent sampled gradients.)"""
-    import hashlib
-
-    from dattri_llm.attribution.dvemb import sampled_cross_entropy
-
-    b, t = batch["x"].shape
-    # the run draws no random numbers, so every replayed step starts from the same global RNG
-    # state: seed the labels by the batch's content instead (distinct per step, reproducible)
-    digest = hashlib.sha256(batch["x"].numpy().tobytes()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    logits = model(batch["x"])
-    return sampled_cross_entropy(logits, reduction="sum", generator=gen) / (b * t**0.5)
-
-
-def adamw_influence_mc(ctx: Context) -> torch.Tensor:
-    """AdamW-influence with a Monte-Carlo Fisher curvature (diagnosis row, see above)."""
-    from dattri_llm import OptimizerDynamics, ReplayGradientSource
-
-    config = _full_config()
-    rec = recording(ctx, "full", config)
-    snaps = recording(ctx, "snapshots", config, store=False, snapshots=True)
-    source = ReplayGradientSource(ctx.model(), snaps["trajectory"], mc_fisher_loss, config)
-    cls = _mc_fisher_class(source)
-    dynamics = OptimizerDynamics(rec["trajectory"])
-    with tempfile.TemporaryDirectory() as tmp:
-        attributor = cls(_args(tmp), loss_reduction="mean")
-        scores = chunked(
-            ctx,
-            config,
-            lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
-            4,
-        )
-    ctx.extra["last_note"] = _note(rec) + "; curvature replayed from parameter snapshots"
-    return scores
-
-
-def adamw_influence(
-    name: str,
-    projection: dict | None = None,
-    compute_dtype: torch.dtype | None = None,
-    curvature: bool = True,
-    exclude: tuple[str, ...] = (),
-    push: str = "linear",
-    exact_steps: int = 0,
-) -> Any:
-    """AdamW-influence over every step of the recorded reference run (adjoint sweep);
-    ``exclude``: module-name regexes left out of the capture (their coordinates are then
-    neither pushed nor propagated); ``push`` / ``exact_steps``: the attributor's."""
+def adamw_influence(name: str) -> Any:
+    """AdamW-influence over every step of the recorded reference run (adjoint sweep), on the
+    recording ``name``."""
 
     def fn(ctx: Context) -> torch.Tensor:
-        from dattri_llm import HookManagerConfig, OptimizerDynamics, ProjectionConfig
+        from dattri_llm import AdamWInfluenceAttributor, OptimizerDynamics
 
-        config = HookManagerConfig(
-            capture_style="materialized",
-            projection=None if projection is None else ProjectionConfig(**projection),
-            exclude=exclude,
-        )
+        config = _full_config()
         rec = recording(ctx, name, config)
-        cls = _attributor_class(curvature)
         dynamics = OptimizerDynamics(rec["trajectory"])
-        itemsize = 8 if compute_dtype == torch.float64 else 4
         with tempfile.TemporaryDirectory() as tmp:
-            attributor = cls(
-                _args(tmp),
-                loss_reduction="mean",
-                compute_dtype=compute_dtype,
-                push=push,
-                exact_steps=exact_steps,
-            )
+            attributor = AdamWInfluenceAttributor(_args(tmp), loss_reduction="mean")
             scores = chunked(
                 ctx,
                 config,
                 lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
-                itemsize,
+                4,
             )
         ctx.extra["last_note"] = _note(rec)
         return scores
@@ -402,21 +299,11 @@ def adamw_influence(
     return fn
 
 
-def adamw_influence_exact_hessian(
-    ctx: Context,
-    limit: int | None = None,
-    push: str = "linear",
-    exact_steps: int = 0,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def adamw_influence_exact_hessian(ctx: Context) -> torch.Tensor:
     """AdamW-influence with each step's true batch-loss Hessian (the library's
     ``ExactHessian``: Hessian-vector products at θ_t on the step's batch, both replayed from
-    a parameter-snapshot recording of the same run); every step, every coordinate, float32
-    (``compute_dtype``: raise it, e.g. float64 where float32's range is passed).
-    Language-model settings only (the loss is the gpt2 setting's mean next-token CE).
-    ``limit``: the first test samples only (each query costs one HVP per step). ``push``: the
-    attributor's ``push=`` (``"exact"``: each removal's own step taken exactly) and
-    ``exact_steps=``."""
+    a parameter-snapshot recording of the same run); every step, every coordinate, float32.
+    Language-model settings only (the loss is the gpt2 setting's mean next-token CE)."""
     from dattri_llm import AdamWInfluenceAttributor, ExactHessian, OptimizerDynamics
     from experiments.benchmark.quality.gpt2 import per_sample_ce
 
@@ -435,16 +322,12 @@ def adamw_influence_exact_hessian(
             _args(tmp),
             loss_reduction="mean",
             curvature=curvature,
-            push=push,
-            exact_steps=exact_steps,
-            compute_dtype=compute_dtype,
         )
         scores = chunked(
             ctx,
             config,
             lambda q: attributor.attribute_from_cache(str(rec["store"]), q, dynamics=dynamics),
-            8 if compute_dtype == torch.float64 else 4,
-            limit=limit,
+            4,
         )
     ctx.extra["last_note"] = _note(
         rec, f"curvature replayed from a parameter-snapshot recording ({_note(snaps)})"
@@ -527,45 +410,30 @@ def _replay_hashes(ctx: Context) -> list[str]:
     return hashes
 
 
-def dvemb_sgd(curvature: str) -> Any:
-    """DVEmb over every step of the recorded SGD run, replayed from parameter snapshots."""
+def dvemb_sgd(ctx: Context) -> torch.Tensor:
+    """DVEmb (empirical Fisher) over every step of the recorded SGD run, replayed from
+    parameter snapshots."""
+    from dattri_llm import DVEmbAttributor, OptimizerDynamics, ReplayGradientSource
 
-    def fn(ctx: Context) -> torch.Tensor:
-        from dattri_llm import DVEmbAttributor, OptimizerDynamics, ReplayGradientSource
-        from dattri_llm.attribution.dvemb import sampled_cross_entropy
+    config = _full_config()
+    rec = recording(ctx, "replay", config, store=False, snapshots=True)
 
-        config = _full_config()
-        rec = recording(ctx, "replay", config, store=False, snapshots=True)
-        model = ctx.model()
+    def train_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(batch["x"]), batch["y"])  # as trained
 
-        def train_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(m(batch["x"]), batch["y"])  # as trained
-
-        def sampled_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
-            return sampled_cross_entropy(m(batch["x"]), reduction="mean")
-
-        train_src = ReplayGradientSource(model, rec["trajectory"], train_loss, config)
-        curv = None
-        if curvature == "mc_fisher":
-            curv = ReplayGradientSource(model, rec["trajectory"], sampled_loss, config)
-        dynamics = OptimizerDynamics(rec["trajectory"])
-        with tempfile.TemporaryDirectory() as tmp:
-            attributor = DVEmbAttributor(
-                _args(tmp), curvature=curvature, loss_reduction="mean", method="adjoint"
-            )
-            scores = chunked(
-                ctx,
-                config,
-                lambda q: attributor.attribute_from_cache(
-                    train_src, q, dynamics=dynamics, curvature_source=curv
-                ),
-                4,
-                train=_replay_hashes(ctx),
-            )
-        ctx.extra["last_note"] = _note(rec, "replayed from parameter snapshots")
-        return scores
-
-    return fn
+    train_src = ReplayGradientSource(ctx.model(), rec["trajectory"], train_loss, config)
+    dynamics = OptimizerDynamics(rec["trajectory"])
+    with tempfile.TemporaryDirectory() as tmp:
+        attributor = DVEmbAttributor(_args(tmp), loss_reduction="mean", method="adjoint")
+        scores = chunked(
+            ctx,
+            config,
+            lambda q: attributor.attribute_from_cache(train_src, q, dynamics=dynamics),
+            4,
+            train=_replay_hashes(ctx),
+        )
+    ctx.extra["last_note"] = _note(rec, "replayed from parameter snapshots")
+    return scores
 
 
 def adamw_influence_on_sgd(ctx: Context) -> torch.Tensor:
@@ -651,15 +519,10 @@ def exact_unroll(ctx: Context) -> torch.Tensor:
 
 
 # ---- rows --------------------------------------------------------------------------------------
-MASK_DIMS = (256, 2048)
-#: gpt2's embeddings (the tied wte / lm_head group and the position embedding).
-EMBEDDINGS = (r"gpt\.transformer\.wte", r"gpt\.lm_head", r"gpt\.transformer\.wpe")
-
-
 def methods(quick: bool, kind: str) -> list[Method]:
     """The trajectory rows of a setting whose run is ``kind`` (``Setting.trajectory``): AdamW
-    runs get AdamW-influence, LESS and DVEmb (with its warning); SGD runs get DVEmb's three
-    curvatures and AdamW-influence's refusal."""
+    runs get AdamW-influence, LESS and DVEmb (with its warning); SGD runs get DVEmb, its exact
+    reference and AdamW-influence's refusal."""
     if kind == "adamw":
         out = [
             Method(
@@ -669,65 +532,20 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 "adjoint sweep, float32",
             ),
         ]
-        if not quick:  # each is one more sweep over the whole run
-            out += [
-                Method(
-                    "AdamW-influence without curvature (ablation)",
-                    "dattri_llm",
-                    adamw_influence("full", curvature=False),
-                    "batch curvature term dropped (benchmark subclass)",
-                ),
-                Method(
-                    "AdamW-influence (float64 propagation)",
-                    "dattri_llm",
-                    adamw_influence("full", compute_dtype=torch.float64),
-                    "compute_dtype=torch.float64 (the consumed-gradient check at the recorded "
-                    "float32 precision)",
-                ),
+        if not quick:  # one more sweep over the whole run
+            out.append(
                 Method(
                     "AdamW-influence, exact Hessian (every step, all coordinates)",
                     "dattri_llm",
                     adamw_influence_exact_hessian,
                     "curvature=ExactHessian(...): each step's batch-loss Hessian by "
                     "Hessian-vector products",
-                ),
-            ]
-            out.append(
-                Method(
-                    "AdamW-influence without the embeddings (diagnosis)",
-                    "dattri_llm",
-                    adamw_influence("no-embeddings", exclude=EMBEDDINGS),
-                    "tied wte / lm_head and wpe left out of the capture",
                 )
             )
-            out.append(
-                Method(
-                    "AdamW-influence, MC-Fisher curvature (diagnosis)",
-                    "dattri_llm",
-                    adamw_influence_mc,
-                    "benchmark subclass: each step's curvature = Monte-Carlo Fisher (1 sampled "
-                    "label per token, scaled to the Gauss-Newton matrix of the mean token loss)",
-                )
-            )
-        for dim in MASK_DIMS[:1] if quick else MASK_DIMS:
-            out.append(
-                Method(
-                    f"AdamW-influence mask-{dim}",
-                    "dattri_llm",
-                    adamw_influence(f"mask-{dim}", {"style": "mask", "proj_dim": dim, "seed": 0}),
-                    f"random mask of {dim} coordinates per layer at capture",
-                )
-            )
-        from experiments.benchmark.quality.methods import trajectory_diagnosis
-
-        return (
-            out
-            + [
-                Method("LESS (4 ckpts, frozen form)", "dattri_llm", less),
-                Method("DVEmb (assumes SGD)", "dattri_llm", dvemb_on_adam),
-            ]
-            + trajectory_diagnosis.methods()
-        )
+        return out + [
+            Method("LESS (4 ckpts, frozen form)", "dattri_llm", less),
+            Method("DVEmb (assumes SGD)", "dattri_llm", dvemb_on_adam),
+        ]
     if kind == "sgd":
         return [
             Method(
@@ -736,9 +554,7 @@ def methods(quick: bool, kind: str) -> list[Method]:
                 exact_unroll,
                 "float64; DVEmb's maths with each step's exact batch Hessian",
             ),
-            Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd("empirical_fisher")),
-            Method("DVEmb (MC Fisher)", "dattri_llm", dvemb_sgd("mc_fisher")),
-            Method("DVEmb (no curvature)", "dattri_llm", dvemb_sgd("none")),
+            Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd),
             Method("AdamW-influence", "dattri_llm", adamw_influence_on_sgd),
         ]
     return []
