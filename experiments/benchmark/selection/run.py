@@ -227,56 +227,6 @@ def score_methods(
     return out
 
 
-def momentum_diagnostic(
-    model: nn.Module, ckpts: list[dict], states: list[dict], pool_ids: torch.Tensor
-) -> list[dict]:
-    """How much of LESS's Γ is the sample's own gradient, at each checkpoint.
-
-    For a few pool samples (one backward each, the hooked layers' parameters): the median of
-    ``|(1-β1) g_z| / |β1 m|`` (the sample's share of the new first moment against the shared
-    momentum) and the mean pairwise cosine of the Γ(z) and of the raw g(z). When the momentum
-    dominates, every Γ points the same way and LESS's cosine separates samples less than
-    Grad-Cos's.
-    """
-    import re
-
-    names = [n for n, _ in model.named_parameters() if re.match(BLOCKS[0], n.rsplit(".", 1)[0])]
-    out = []
-    for ckpt, state in zip(ckpts, states):
-        model.load_state_dict(ckpt)
-        params = dict(model.named_parameters())
-        order = [n for n, _ in model.named_parameters()]
-        group = state["param_groups"][0]
-        (b1, b2), eps = group["betas"], group["eps"]
-        st = {order[i]: s for i, s in state["state"].items()}
-        c = int(st[names[0]]["step"]) + 1
-        m = torch.cat([st[n]["exp_avg"].flatten() for n in names])
-        v = torch.cat([st[n]["exp_avg_sq"].flatten() for n in names])
-        gs, gammas = [], []
-        for x in pool_ids:
-            model.zero_grad(set_to_none=True)
-            batch_loss(model, x[None]).backward()
-            g = torch.cat([params[n].grad.flatten() for n in names])
-            m1, v1 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-            gammas.append((m1 / (1 - b1**c)) / ((v1 / (1 - b2**c)).sqrt() + eps))
-            gs.append(g)
-        model.zero_grad(set_to_none=True)
-        g, gam = torch.stack(gs), torch.stack(gammas)
-        ratio = ((1 - b1) * g.norm(dim=1) / (b1 * m.norm())).median()
-
-        def mean_cos(x: torch.Tensor) -> float:
-            x = x / x.norm(dim=1, keepdim=True)
-            gram = x @ x.T
-            n = len(x)
-            return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
-
-        out.append(
-            {"step": c - 1, "sample_vs_momentum": float(ratio), "cos_gamma": mean_cos(gam),
-             "cos_grad": mean_cos(g)}
-        )  # fmt: skip
-    return out
-
-
 def pretrained_base(model: nn.Module, pre_ids: torch.Tensor, args: argparse.Namespace) -> dict:
     """Pretrain the base model (or load it from the cache: same windows, same settings)."""
     import hashlib
@@ -307,42 +257,31 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run")
     p.add_argument("--target", default="python-docs", choices=DOMAINS)
-    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated pool domains")
-    p.add_argument("--pool-size", type=int, default=None, help="default 2000 (quick: 600)")
-    p.add_argument("--target-share", type=float, default=0.1)
-    p.add_argument("--n-val", type=int, default=None, help="queries (default 32, quick: 16)")
-    p.add_argument("--n-test", type=int, default=None, help="default 256 (quick: 96)")
-    p.add_argument("--select-frac", type=float, default=0.05)
-    p.add_argument("--warmup-frac", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=int, default=4, help="= checkpoints kept")
-    p.add_argument("--finetune-epochs", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3, help="warm-up and fine-tuning")
-    p.add_argument("--pretrain-windows", type=int, default=None, help="default 3000 (quick 1000)")
-    p.add_argument("--pretrain-epochs", type=int, default=5)
-    p.add_argument("--pretrain-lr", type=float, default=5e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated subset of LESS,TracIn-Cos,Grad-Cos,EK-FAC (default: all; quick: "
-        "LESS,Grad-Cos,EK-FAC)",
-    )
-    p.add_argument("--full-pool", action="store_true", help="also fine-tune on the whole pool")
-    p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--from-json", default=None, help="re-render the tables of a results JSON")
+    p.add_argument("--methods", default=None, help="subset of LESS,TracIn-Cos,Grad-Cos,EK-FAC")
+    for name, default in [
+        ("pool-size", None),
+        ("n-test", None),
+        ("pretrain-windows", None),
+        ("pretrain-epochs", 5),
+        ("warmup-epochs", 4),
+        ("finetune-epochs", 4),
+    ]:
+        p.add_argument(f"--{name}", type=int, default=default)  # fmt: skip
     args = p.parse_args(argv)
     q = args.quick
     args.pool_size = args.pool_size or (600 if q else 2000)
-    args.n_val = args.n_val or (16 if q else 32)
+    args.n_val = 16 if q else 32
     args.n_test = args.n_test or (96 if q else 256)
     args.pretrain_windows = args.pretrain_windows or (1000 if q else 3000)
     default = "LESS,Grad-Cos,EK-FAC" if q else "LESS,TracIn-Cos,Grad-Cos,EK-FAC"
     args.methods = (args.methods or default).split(",")
+    # the protocol's fixed settings (docs/benchmarks/selection.md)
+    args.__dict__.update(
+        domains=",".join(DOMAINS), target_share=0.1, select_frac=0.05, warmup_frac=0.05,
+        lr=1e-3, pretrain_lr=5e-3, batch_size=16, seq_len=64, vocab=2048, width=128, layers=2,
+        data_seed=0,
+    )  # fmt: skip
     return args
 
 
@@ -404,8 +343,6 @@ def run(args: argparse.Namespace) -> dict:
             seed=seed, keep_checkpoints=True,
         )  # fmt: skip
         warm_loss = eval_loss(model, test_ids)
-        diag = momentum_diagnostic(model, ckpts, states, pool_ids[:48])
-        log(f"  Γ diagnostic: {diag}")
         scores = score_methods(
             model, ckpts, states, epoch_lrs, pool_items, val_items, args.methods, 32
         )
@@ -418,8 +355,6 @@ def run(args: argparse.Namespace) -> dict:
             for how in ("max", "mean"):
                 sel = aggregate(m, val_groups, how).topk(k).indices
                 selections[f"{name} ({how})"] = (sel, cost)
-        if args.full_pool:
-            selections["full pool (reference)"] = (torch.arange(len(sp.pool)), None)
         rows = {}
         for name, (idx, cost) in selections.items():
             loss = finetune(idx, seed)
@@ -432,16 +367,9 @@ def run(args: argparse.Namespace) -> dict:
                 "selected": sorted(idx.tolist()),
             }
             log(f"  {name:<32} loss {loss:.4f}  target share {rows[name]['target_share']:.0%}")
-        overlap = {}
-        names = [n for n in rows if "(" in n and not n.startswith(("random", "full"))]
-        for a in names:
-            for b in names:
-                if a < b:
-                    sa, sb = set(rows[a]["selected"]), set(rows[b]["selected"])
-                    overlap[f"{a} & {b}"] = len(sa & sb) / k
         per_seed.append(
-            {"seed": seed, "warmup_target_loss": warm_loss, "epoch_lrs": epoch_lrs, "gamma": diag,
-             "methods": rows, "overlap": overlap}
+            {"seed": seed, "warmup_target_loss": warm_loss, "epoch_lrs": epoch_lrs,
+             "methods": rows}
         )  # fmt: skip
     return {
         "config": {**vars(args), "params": n_params, "model": f"GPT-2 {args.layers}x{args.width}"},
@@ -517,10 +445,6 @@ def report(res: dict, args: argparse.Namespace) -> str:
         "fine-tune order, random selection)",
         "memory method": f"ok (100 MB probe read {memory_method_ok()[1]:.0f} MB)",
     }
-    if args.from_json:
-        extra["note"] = (
-            f"tables re-rendered from {args.from_json}; the run itself: `{res['command']}`"
-        )
     table, _ = summarize(res)
     base = res["base_target_loss"]
     warm = _stats([s["warmup_target_loss"] for s in res["seeds"]])
@@ -533,49 +457,13 @@ def report(res: dict, args: argparse.Namespace) -> str:
         f"model: {warm[0]:.3f} ± {warm[1]:.3f}. Loss: mean next-token cross-entropy (nats) "
         "on the target test windows, mean ± std over seeds; 'beats random': seeds where the "
         f"selection's loss is below random's. Total time {res['total_s'] / 60:.1f} min.",
-        "",
-        "Composition of the selections (mean count over seeds):",
-        "",
     ]
-    doms = list(data["pool"])
-    comp_rows = []
-    for name in res["seeds"][0]["methods"]:
-        counts = [
-            sum(s["methods"][name]["domains"][d] for s in res["seeds"]) / len(res["seeds"])
-            for d in doms
-        ]
-        comp_rows.append([name, *(f"{c:.1f}" for c in counts)])
-    lines.append(md_table(["selection", *doms], comp_rows))
-    lines.append(
-        "LESS's Γ at each warm-up checkpoint (48 pool windows, seed 0): the sample's share of "
-        "the new first moment against the carried momentum, median of |(1-β1) g| / |β1 m|, "
-        "and the mean pairwise cosine of the Γ(z) and of the raw gradients g(z):\n"
-    )
-    lines.append(
-        md_table(
-            ["optimizer step", "|(1-β1) g| / |β1 m|", "mean cos(Γ(z), Γ(z'))", "mean cos(g, g')"],
-            [[d["step"], f"{d['sample_vs_momentum']:.2f}", f"{d['cos_gamma']:.3f}",
-              f"{d['cos_grad']:.3f}"] for d in res["seeds"][0]["gamma"]],
-        )
-    )  # fmt: skip
-    ov = res["seeds"][0]["overlap"]
-    if ov:
-        lines.append("Overlap of the selections of one aggregation (seed 0, share of k):\n")
-        same = [(k, v) for k, v in ov.items() if k.count("(max)") == 2 or k.count("(mean)") == 2]
-        lines.append(md_table(["pair", "overlap"], [[k, f"{v:.0%}"] for k, v in same]))
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse(argv)
-    if args.from_json:
-        res = json.loads(open(args.from_json).read())
-        res.setdefault("command", "OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run")
-        for key in ("quick", "target"):
-            setattr(args, key, res["config"][key])
-    else:
-        res = run(args)
-        res["command"] = header("").splitlines()[2].split("`")[1]
+    res = run(args)
     md = report(res, args)
     print(md)
     stem = "selection-quick" if args.quick else "selection"

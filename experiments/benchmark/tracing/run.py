@@ -226,27 +226,23 @@ def _attribute(
         return attributor.attribute(train, test, **(call or {})).query(train, test)
 
 
-def _streamed(
-    d: tdata.TracingData, state: dict, cls_name: str, kw: dict, stream: Any = None
-) -> torch.Tensor:
+def _streamed(d: tdata.TracingData, state: dict, cls_name: str, kw: dict) -> torch.Tensor:
     """``cls_name(**kw)`` over train and query gradients streamed once at ``state``'s weights,
-    through ``attribute_sources``; ``stream(model)`` gives extra ``GradientStreamer`` options
-    (e.g. a capture-time correction with an optimizer over ``model``'s parameters)."""
+    through ``attribute_sources``."""
     import dattri_llm
     from dattri_llm.gradient.streaming import GradientStreamer
 
     train, test = samples(d)
-    model = load(d, state)
     with tempfile.TemporaryDirectory() as tmp:
         args = dattri_llm.AttributionArguments(output_dir=tmp, use_cpu=True, show_progress=False)
         task = dattri_llm.AttributionTask(
-            loss_func=doc_loss_sum, model=model, checkpoints=[state], target_func=query_loss_sum
-        )
+            loss_func=doc_loss_sum, model=load(d, state), checkpoints=[state],
+            target_func=query_loss_sum,
+        )  # fmt: skip
         attributor = getattr(dattri_llm, cls_name)(args, task=task, **kw)
         task.load_checkpoint(0)
-        extra = stream(task.model) if stream is not None else {}
         blocks = [
-            list(GradientStreamer(task.model, ds, loss, batch_size=64, **extra))
+            list(GradientStreamer(task.model, ds, loss, batch_size=64))
             for ds, loss in ((train, task.train_loss), (test, task.test_loss))
         ]
         return attributor.attribute_sources(*blocks).query(train, test)
@@ -438,10 +434,6 @@ def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[
             ),
             "EK-FAC unit, diagonal + second moment (3 ckpts)": (
                 lambda d, s, seed: recipes.ekfac_moment(d, s, _attribute, load)
-            ),
-            recipes.TRACKSTAR_DENSE: lambda d, s, seed: recipes.trackstar_dense(d, s, _streamed),
-            recipes.TRACIN_DENSE: lambda d, s, seed: recipes.trackstar_dense(
-                d, s, _streamed, "TracInAttributor"
             ),
             "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
                 d,
