@@ -2,32 +2,15 @@
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run [--quick] [--target dialogues]
 
-Protocol (the paper's, scaled to a CPU; details in docs/benchmarks/selection.md):
-
-1. Pool of ``--pool-size`` 64-token windows from four offline corpora (Python docs,
-   Shakespeare, chatterbot dialogues, ABC news; see :mod:`.data`), ``--target-share`` of them
-   from the target domain; ``--n-val`` validation queries (one per group of the target domain:
-   LESS's few-shot set) and a disjoint ``--n-test`` target test set.
-2. Base model: a GPT-2 2x128 built from a config with a fixed seed (no download), BPE
-   tokenizer trained on the corpora on the fly.
-3. Per seed: warm-up run of the base model on a random ``--warmup-frac`` of the pool
-   (AdamW, linear decay, ``--warmup-epochs`` epochs), keeping the weights and the optimizer
-   state at the end of every epoch.
-4. Selection of ``--select-frac`` of the pool by each method:
-   * LESS, frozen form: Γ (AdamW's update direction for the sample alone, from the
-     checkpoint's optimizer state) at every checkpoint, raw query gradients at the same
-     weights, ``score = Σ_k η̄_k cos(Γ_k(z), ∇ℓ(q; θ_k))`` with η̄_k the mean learning rate of
-     epoch k (the paper's weights);
-   * TracIn-Cos over the same checkpoints (raw gradients: LESS without the Adam map);
-   * Grad-Cos (``TracInAttributor(normalized_grad=True)``) and EK-FAC (default damping) at
-     the last warm-up checkpoint;
-   * random, and random *from the target domain* (a reference no method can see);
-   each gradient method's per-query scores aggregated over the queries by ``max`` (the paper:
-   max over validation subtasks of the mean over the subtask; here one query per subtask) and
-   by ``mean``.
-5. Fine-tune the base model on each selection (same epochs and schedule as the warm-up) and
-   report the target test loss (mean ± std over seeds), the selection's share of
-   target-domain samples, and each selection method's time and peak memory.
+The protocol (docs/benchmarks/selection.md), per seed: warm up the pretrained base model on a
+random 5 % of a pool of four corpora (:mod:`.data`; AdamW, weights and optimizer state kept at
+every epoch: LESS's checkpoints); select 5 % of the pool by LESS (frozen form: Γ at every
+checkpoint, ``Σ_k η̄_k cos(Γ_k(z), ∇ℓ(q; θ_k))`` with η̄_k epoch k's mean learning rate),
+TracIn-Cos over the same checkpoints, Grad-Cos and EK-FAC at the last one, random, and random
+from the target domain (a reference no method sees), each gradient method's per-query scores
+aggregated by ``max`` over query groups (LESS) and by ``mean``; fine-tune the base model on each
+selection and report the target test loss (mean ± std over seeds), the selection's share of
+target-domain windows and each method's time and peak memory.
 
 Writes experiments/benchmark/results/selection[-quick].{json,md} and prints the tables.
 """
@@ -429,7 +412,8 @@ def summarize(res: dict) -> tuple[str, list[dict]]:
     return md_table(heads, table), rows
 
 
-def report(res: dict, args: argparse.Namespace) -> str:
+def report(res: dict) -> str:
+    """The results as Markdown: the header, the selection table and the base-model losses."""
     cfg, data = res["config"], res["data"]
     extra = {
         "pool": f"{sum(data['pool'].values())} windows of {cfg['seq_len']} tokens: "
@@ -464,7 +448,7 @@ def report(res: dict, args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse(argv)
     res = run(args)
-    md = report(res, args)
+    md = report(res)
     print(md)
     stem = "selection-quick" if args.quick else "selection"
     if args.target != "python-docs":
