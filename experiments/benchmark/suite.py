@@ -135,7 +135,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         + ("--clients", "1,2", "--capture-repeats", "1"),
         needs=("starlette", "uvicorn"),
     ),
-    Benchmark("coverage_matrix", "coverage_matrix", "guides/capturing.md", ()),
     Benchmark("fidelity", "fidelity.run", "benchmarks/capture.md", needs=("olmo_core",)),
 )
 

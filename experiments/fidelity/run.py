@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:  # also runnable as ``python experiments/fidelity/
     sys.path.insert(0, str(ROOT))
 
 from experiments.benchmark.utils.env import header  # noqa: E402
+from experiments.benchmark.utils.table import md_table  # noqa: E402
 
 VARIANTS = ("untied", "tied", "norm-bias")
 TOLERANCE = 1e-5  # relative, float32 training (the measured errors are 0 on this CPU)
@@ -124,19 +125,6 @@ def run(work: Path, parts: set[str], quick: bool) -> dict:
                 results["failures"].append(f"{variant}: coverage {c}")
             if c["stored_steps"] != c["real_steps"] or c["first_step"] != 1:
                 results["failures"].append(f"{variant}: steps {c}")
-        # the naive way, for comparison: collect() around fit() also stores the dry run
-        naive, store = train_to_store(
-            work,
-            "naive",
-            data,
-            build_model(model_config("untied")),
-            batch=batch,
-            micro_batch=micro,
-            steps=steps,
-            optim=AdamWConfig(lr=1e-2),
-            wrap_fit=True,
-        )
-        cover["untied, collect() around fit() (no callback)"] = checks.coverage(naive, data, store)
         results["exactness"], results["coverage"] = exact, cover
         print(exactness_table(exact, steps, batch, micro))
         print(coverage_table(cover))
@@ -186,87 +174,58 @@ def run(work: Path, parts: set[str], quick: bool) -> dict:
 
 def exactness_table(exact: dict[str, dict[str, float]], steps: int, b: int, m: int) -> str:
     rows = sorted({k for v in exact.values() for k in v}, key=_row_order)
-    lines = [
+    cells = [[f"`{r}`", *(f"{exact[v][r]:.1e}" if r in exact[v] else "—" for v in exact)]
+             for r in rows]  # fmt: skip
+    return (
         f"### Exactness: stored per-sample gradients vs one-sample backward ({steps} steps x "
-        f"{b} samples, {b // m} micro-batches per step; max relative error, float32)",
-        "",
-        "| parameter (all blocks) | " + " | ".join(exact) + " |",
-        "|---|" + "---|" * len(exact),
-    ]
-    for r in rows:
-        cells = [f"{exact[v][r]:.1e}" if r in exact[v] else "—" for v in exact]
-        lines.append(f"| `{r}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        f"{b} samples, {b // m} micro-batches per step; max relative error, float32)\n\n"
+        + md_table(["parameter (all blocks)", *exact], cells)
+    )
+
+
+#: The exactness table's row order: by the block's parameter kind.
+ROW_ORDER = ("embeddings", "attention.w_", "attention.q_norm", "attention.k_norm",
+             "attention_norm", "feed_forward.w", "feed_forward_norm", "lm_head.norm",
+             "lm_head.w_out")  # fmt: skip
 
 
 def _row_order(key: str) -> tuple[int, str]:
-    for i, prefix in enumerate(
-        (
-            "embeddings",
-            "attention.w_",
-            "attention.q_norm",
-            "attention.k_norm",
-            "attention_norm",
-            "feed_forward.w",
-            "feed_forward_norm",
-            "lm_head.norm",
-            "lm_head.w_out",
-        )
-    ):
-        if key.startswith(prefix):
-            return i, key
-    return 99, key
+    return next((i for i, p in enumerate(ROW_ORDER) if key.startswith(p)), 99), key
 
 
 def coverage_table(cover: dict[str, dict]) -> str:
-    lines = [
-        "### Coverage",
-        "",
-        "| variant | trainable parameters captured | dattri_llm warnings | real steps / stored "
-        "steps | capture started at trainer step | samples not from the data (dry run) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for v, c in cover.items():
-        first = "before the dry run" if c["first_step"] is None else c["first_step"]
-        lines.append(
-            f"| {v} | {c['captured']}/{c['trainable']} | {len(c['warnings'])} | "
-            f"{c['real_steps']} / {c['stored_steps']} | {first} | {c['foreign_samples']} |"
-        )
-    return "\n".join(lines) + "\n"
+    heads = ["variant", "trainable parameters captured", "dattri_llm warnings",
+             "real steps / stored steps", "capture started at trainer step",
+             "samples not from the data (dry run)"]  # fmt: skip
+    rows = [[v, f"{c['captured']}/{c['trainable']}", len(c["warnings"]),
+             f"{c['real_steps']} / {c['stored_steps']}", c["first_step"], c["foreign_samples"]]
+            for v, c in cover.items()]  # fmt: skip
+    return "### Coverage\n\n" + md_table(heads, rows)
 
 
 def overhead_table(ovh: dict[str, dict], b: int, m: int) -> str:
-    lines = [
+    heads = ["model", "parameters", "plain step", "capture in memory",
+             "capture + offload to store", "steps timed per arm"]  # fmt: skip
+    rows = [[name, f"{o['params']:,}", f"{o['plain_ms']:.1f} ms", f"{o['capture_ratio']:.2f}x",
+             f"{o['offload_ratio']:.2f}x", o["steps_timed"]]
+            for name, o in ovh.items()]  # fmt: skip
+    return (
         f"### Overhead: median training step with capture / without hooks (batch {b}, "
-        f"{b // m} micro-batches, AdamW)",
-        "",
-        "| model | parameters | plain step | capture in memory | capture + offload to store "
-        "| steps timed per arm |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, o in ovh.items():
-        lines.append(
-            f"| {name} | {o['params']:,} | {o['plain_ms']:.1f} ms | {o['capture_ratio']:.2f}x | "
-            f"{o['offload_ratio']:.2f}x | {o['steps_timed']} |"
-        )
-    return "\n".join(lines) + "\n"
+        f"{b // m} micro-batches, AdamW)\n\n" + md_table(heads, rows)
+    )
 
 
 def quality_table(quality: list[dict]) -> str:
     q0 = quality[0]
     names = list(q0["lds"])
-    lines = [
+    rows = [[f"{q['lr']:g}", f"{q['query_loss_change']:.3g}",
+             *(f"{q['lds'][n]:.3f}" for n in names)] for q in quality]  # fmt: skip
+    return (
         f"### Attribution quality: LDS vs masked retraining ({q0['train']} training windows, "
         f"one epoch of {q0['steps']} SGD steps, {q0['queries']} held-out queries, "
-        f"{q0['subsets']} random halves)",
-        "",
-        "| learning rate | mean abs. query loss change | " + " | ".join(names) + " |",
-        "|---|---|" + "---|" * len(names),
-    ]
-    for q in quality:
-        cells = [f"{q['lds'][n]:.3f}" for n in names]
-        lines.append(f"| {q['lr']:g} | {q['query_loss_change']:.3g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        f"{q0['subsets']} random halves)\n\n"
+        + md_table(["learning rate", "mean abs. query loss change", *names], rows)
+    )
 
 
 if __name__ == "__main__":

@@ -147,6 +147,13 @@ def snapshot(root: Path) -> list[tuple]:
 
 
 # ---- corruptions -------------------------------------------------------------------------------
+#: The corruption kinds, bit flips and index-field edits drawn more often.
+KINDS = (
+    "flip flip truncate delete dup_line drop_line truncate_lines swap_lines edit_field edit_field "
+    "edit_field copy_partition copy_shard meta stray torn_tail"
+).split()
+
+
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
@@ -230,26 +237,7 @@ def _meta(rng: random.Random, root: Path) -> str:
 
 def corrupt(rng: random.Random, root: Path) -> str:
     """Apply one random corruption to the store at ``root``; returns its description."""
-    kind = rng.choice(
-        [
-            "flip",
-            "flip",
-            "truncate",
-            "delete",
-            "dup_line",
-            "drop_line",
-            "truncate_lines",
-            "swap_lines",
-            "edit_field",
-            "edit_field",
-            "edit_field",
-            "copy_partition",
-            "copy_shard",
-            "meta",
-            "stray",
-            "torn_tail",
-        ]
-    )
+    kind = rng.choice(KINDS)
     if kind in ("flip", "truncate", "delete"):
         files = [p for p in _files(root) if kind == "delete" or p.stat().st_size]
         victim = rng.choice(files)

@@ -1,6 +1,6 @@
 """Tiny Hugging Face causal LMs of each family, built from configs (random weights, offline).
 
-Shared by the model-family tests and ``experiments/coverage_matrix.py``.
+Shared by the model-family tests.
 """
 
 from __future__ import annotations

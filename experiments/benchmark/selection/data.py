@@ -75,8 +75,7 @@ def _wheel(dist: str) -> Path:
         if res.returncode != 0 or not found:
             raise RuntimeError(
                 f"the selection benchmark needs the {dist} wheel: `{' '.join(cmd)}` failed:\n"
-                f"{res.stderr[-2000:]}\nPut {dist}=={version}'s wheel into {folder} and retry, "
-                "or leave its domain out with --domains."
+                f"{res.stderr[-2000:]}\nPut {dist}=={version}'s wheel into {folder} and retry."
             )
     return found[-1]
 
@@ -130,9 +129,6 @@ def load_texts(domains: tuple[str, ...] = DOMAINS) -> dict[str, dict[str, str]]:
         "dialogues": _dialogues,
         "news": _news,
     }
-    unknown = set(domains) - set(loaders)
-    if unknown:
-        raise ValueError(f"unknown domains {sorted(unknown)}; choose from {DOMAINS}.")
     return {d: loaders[d]() for d in domains}
 
 
@@ -208,8 +204,7 @@ def make_splits(
     if len(rest) < n_test + n_pool_target:
         raise ValueError(
             f"target {target!r} has {available[target]} chunks: too few for {n_val} queries, "
-            f"{n_test} test chunks and {n_pool_target} pool chunks; lower --pool-size, "
-            "--target-share or --n-test."
+            f"{n_test} test chunks and {n_pool_target} pool chunks; lower --pool-size or --n-test."
         )
     test, pool = rest[:n_test], rest[n_test : n_test + n_pool_target]
     pretrain = rest[n_test + n_pool_target :][: round(target_share * n_pretrain)]

@@ -2,32 +2,15 @@
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run [--quick] [--target dialogues]
 
-Protocol (the paper's, scaled to a CPU; details in docs/benchmarks/selection.md):
-
-1. Pool of ``--pool-size`` 64-token windows from four offline corpora (Python docs,
-   Shakespeare, chatterbot dialogues, ABC news; see :mod:`.data`), ``--target-share`` of them
-   from the target domain; ``--n-val`` validation queries (one per group of the target domain:
-   LESS's few-shot set) and a disjoint ``--n-test`` target test set.
-2. Base model: a GPT-2 2x128 built from a config with a fixed seed (no download), BPE
-   tokenizer trained on the corpora on the fly.
-3. Per seed: warm-up run of the base model on a random ``--warmup-frac`` of the pool
-   (AdamW, linear decay, ``--warmup-epochs`` epochs), keeping the weights and the optimizer
-   state at the end of every epoch.
-4. Selection of ``--select-frac`` of the pool by each method:
-   * LESS, frozen form: Γ (AdamW's update direction for the sample alone, from the
-     checkpoint's optimizer state) at every checkpoint, raw query gradients at the same
-     weights, ``score = Σ_k η̄_k cos(Γ_k(z), ∇ℓ(q; θ_k))`` with η̄_k the mean learning rate of
-     epoch k (the paper's weights);
-   * TracIn-Cos over the same checkpoints (raw gradients: LESS without the Adam map);
-   * Grad-Cos (``TracInAttributor(normalized_grad=True)``) and EK-FAC (default damping) at
-     the last warm-up checkpoint;
-   * random, and random *from the target domain* (a reference no method can see);
-   each gradient method's per-query scores aggregated over the queries by ``max`` (the paper:
-   max over validation subtasks of the mean over the subtask; here one query per subtask) and
-   by ``mean``.
-5. Fine-tune the base model on each selection (same epochs and schedule as the warm-up) and
-   report the target test loss (mean ± std over seeds), the selection's share of
-   target-domain samples, and each selection method's time and peak memory.
+The protocol (docs/benchmarks/selection.md), per seed: warm up the pretrained base model on a
+random 5 % of a pool of four corpora (:mod:`.data`; AdamW, weights and optimizer state kept at
+every epoch: LESS's checkpoints); select 5 % of the pool by LESS (frozen form: Γ at every
+checkpoint, ``Σ_k η̄_k cos(Γ_k(z), ∇ℓ(q; θ_k))`` with η̄_k epoch k's mean learning rate),
+TracIn-Cos over the same checkpoints, Grad-Cos and EK-FAC at the last one, random, and random
+from the target domain (a reference no method sees), each gradient method's per-query scores
+aggregated by ``max`` over query groups (LESS) and by ``mean``; fine-tune the base model on each
+selection and report the target test loss (mean ± std over seeds), the selection's share of
+target-domain windows and each method's time and peak memory.
 
 Writes experiments/benchmark/results/selection[-quick].{json,md} and prints the tables.
 """
@@ -227,56 +210,6 @@ def score_methods(
     return out
 
 
-def momentum_diagnostic(
-    model: nn.Module, ckpts: list[dict], states: list[dict], pool_ids: torch.Tensor
-) -> list[dict]:
-    """How much of LESS's Γ is the sample's own gradient, at each checkpoint.
-
-    For a few pool samples (one backward each, the hooked layers' parameters): the median of
-    ``|(1-β1) g_z| / |β1 m|`` (the sample's share of the new first moment against the shared
-    momentum) and the mean pairwise cosine of the Γ(z) and of the raw g(z). When the momentum
-    dominates, every Γ points the same way and LESS's cosine separates samples less than
-    Grad-Cos's.
-    """
-    import re
-
-    names = [n for n, _ in model.named_parameters() if re.match(BLOCKS[0], n.rsplit(".", 1)[0])]
-    out = []
-    for ckpt, state in zip(ckpts, states):
-        model.load_state_dict(ckpt)
-        params = dict(model.named_parameters())
-        order = [n for n, _ in model.named_parameters()]
-        group = state["param_groups"][0]
-        (b1, b2), eps = group["betas"], group["eps"]
-        st = {order[i]: s for i, s in state["state"].items()}
-        c = int(st[names[0]]["step"]) + 1
-        m = torch.cat([st[n]["exp_avg"].flatten() for n in names])
-        v = torch.cat([st[n]["exp_avg_sq"].flatten() for n in names])
-        gs, gammas = [], []
-        for x in pool_ids:
-            model.zero_grad(set_to_none=True)
-            batch_loss(model, x[None]).backward()
-            g = torch.cat([params[n].grad.flatten() for n in names])
-            m1, v1 = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-            gammas.append((m1 / (1 - b1**c)) / ((v1 / (1 - b2**c)).sqrt() + eps))
-            gs.append(g)
-        model.zero_grad(set_to_none=True)
-        g, gam = torch.stack(gs), torch.stack(gammas)
-        ratio = ((1 - b1) * g.norm(dim=1) / (b1 * m.norm())).median()
-
-        def mean_cos(x: torch.Tensor) -> float:
-            x = x / x.norm(dim=1, keepdim=True)
-            gram = x @ x.T
-            n = len(x)
-            return float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
-
-        out.append(
-            {"step": c - 1, "sample_vs_momentum": float(ratio), "cos_gamma": mean_cos(gam),
-             "cos_grad": mean_cos(g)}
-        )  # fmt: skip
-    return out
-
-
 def pretrained_base(model: nn.Module, pre_ids: torch.Tensor, args: argparse.Namespace) -> dict:
     """Pretrain the base model (or load it from the cache: same windows, same settings)."""
     import hashlib
@@ -307,42 +240,31 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run")
     p.add_argument("--target", default="python-docs", choices=DOMAINS)
-    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated pool domains")
-    p.add_argument("--pool-size", type=int, default=None, help="default 2000 (quick: 600)")
-    p.add_argument("--target-share", type=float, default=0.1)
-    p.add_argument("--n-val", type=int, default=None, help="queries (default 32, quick: 16)")
-    p.add_argument("--n-test", type=int, default=None, help="default 256 (quick: 96)")
-    p.add_argument("--select-frac", type=float, default=0.05)
-    p.add_argument("--warmup-frac", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=int, default=4, help="= checkpoints kept")
-    p.add_argument("--finetune-epochs", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3, help="warm-up and fine-tuning")
-    p.add_argument("--pretrain-windows", type=int, default=None, help="default 3000 (quick 1000)")
-    p.add_argument("--pretrain-epochs", type=int, default=5)
-    p.add_argument("--pretrain-lr", type=float, default=5e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated subset of LESS,TracIn-Cos,Grad-Cos,EK-FAC (default: all; quick: "
-        "LESS,Grad-Cos,EK-FAC)",
-    )
-    p.add_argument("--full-pool", action="store_true", help="also fine-tune on the whole pool")
-    p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--from-json", default=None, help="re-render the tables of a results JSON")
+    p.add_argument("--methods", default=None, help="subset of LESS,TracIn-Cos,Grad-Cos,EK-FAC")
+    for name, default in [
+        ("pool-size", None),
+        ("n-test", None),
+        ("pretrain-windows", None),
+        ("pretrain-epochs", 5),
+        ("warmup-epochs", 4),
+        ("finetune-epochs", 4),
+    ]:
+        p.add_argument(f"--{name}", type=int, default=default)  # fmt: skip
     args = p.parse_args(argv)
     q = args.quick
     args.pool_size = args.pool_size or (600 if q else 2000)
-    args.n_val = args.n_val or (16 if q else 32)
+    args.n_val = 16 if q else 32
     args.n_test = args.n_test or (96 if q else 256)
     args.pretrain_windows = args.pretrain_windows or (1000 if q else 3000)
     default = "LESS,Grad-Cos,EK-FAC" if q else "LESS,TracIn-Cos,Grad-Cos,EK-FAC"
     args.methods = (args.methods or default).split(",")
+    # the protocol's fixed settings (docs/benchmarks/selection.md)
+    args.__dict__.update(
+        domains=",".join(DOMAINS), target_share=0.1, select_frac=0.05, warmup_frac=0.05,
+        lr=1e-3, pretrain_lr=5e-3, batch_size=16, seq_len=64, vocab=2048, width=128, layers=2,
+        data_seed=0,
+    )  # fmt: skip
     return args
 
 
@@ -404,8 +326,6 @@ def run(args: argparse.Namespace) -> dict:
             seed=seed, keep_checkpoints=True,
         )  # fmt: skip
         warm_loss = eval_loss(model, test_ids)
-        diag = momentum_diagnostic(model, ckpts, states, pool_ids[:48])
-        log(f"  Γ diagnostic: {diag}")
         scores = score_methods(
             model, ckpts, states, epoch_lrs, pool_items, val_items, args.methods, 32
         )
@@ -418,8 +338,6 @@ def run(args: argparse.Namespace) -> dict:
             for how in ("max", "mean"):
                 sel = aggregate(m, val_groups, how).topk(k).indices
                 selections[f"{name} ({how})"] = (sel, cost)
-        if args.full_pool:
-            selections["full pool (reference)"] = (torch.arange(len(sp.pool)), None)
         rows = {}
         for name, (idx, cost) in selections.items():
             loss = finetune(idx, seed)
@@ -432,16 +350,9 @@ def run(args: argparse.Namespace) -> dict:
                 "selected": sorted(idx.tolist()),
             }
             log(f"  {name:<32} loss {loss:.4f}  target share {rows[name]['target_share']:.0%}")
-        overlap = {}
-        names = [n for n in rows if "(" in n and not n.startswith(("random", "full"))]
-        for a in names:
-            for b in names:
-                if a < b:
-                    sa, sb = set(rows[a]["selected"]), set(rows[b]["selected"])
-                    overlap[f"{a} & {b}"] = len(sa & sb) / k
         per_seed.append(
-            {"seed": seed, "warmup_target_loss": warm_loss, "epoch_lrs": epoch_lrs, "gamma": diag,
-             "methods": rows, "overlap": overlap}
+            {"seed": seed, "warmup_target_loss": warm_loss, "epoch_lrs": epoch_lrs,
+             "methods": rows}
         )  # fmt: skip
     return {
         "config": {**vars(args), "params": n_params, "model": f"GPT-2 {args.layers}x{args.width}"},
@@ -501,7 +412,8 @@ def summarize(res: dict) -> tuple[str, list[dict]]:
     return md_table(heads, table), rows
 
 
-def report(res: dict, args: argparse.Namespace) -> str:
+def report(res: dict) -> str:
+    """The results as Markdown: the header, the selection table and the base-model losses."""
     cfg, data = res["config"], res["data"]
     extra = {
         "pool": f"{sum(data['pool'].values())} windows of {cfg['seq_len']} tokens: "
@@ -517,10 +429,6 @@ def report(res: dict, args: argparse.Namespace) -> str:
         "fine-tune order, random selection)",
         "memory method": f"ok (100 MB probe read {memory_method_ok()[1]:.0f} MB)",
     }
-    if args.from_json:
-        extra["note"] = (
-            f"tables re-rendered from {args.from_json}; the run itself: `{res['command']}`"
-        )
     table, _ = summarize(res)
     base = res["base_target_loss"]
     warm = _stats([s["warmup_target_loss"] for s in res["seeds"]])
@@ -533,50 +441,14 @@ def report(res: dict, args: argparse.Namespace) -> str:
         f"model: {warm[0]:.3f} ± {warm[1]:.3f}. Loss: mean next-token cross-entropy (nats) "
         "on the target test windows, mean ± std over seeds; 'beats random': seeds where the "
         f"selection's loss is below random's. Total time {res['total_s'] / 60:.1f} min.",
-        "",
-        "Composition of the selections (mean count over seeds):",
-        "",
     ]
-    doms = list(data["pool"])
-    comp_rows = []
-    for name in res["seeds"][0]["methods"]:
-        counts = [
-            sum(s["methods"][name]["domains"][d] for s in res["seeds"]) / len(res["seeds"])
-            for d in doms
-        ]
-        comp_rows.append([name, *(f"{c:.1f}" for c in counts)])
-    lines.append(md_table(["selection", *doms], comp_rows))
-    lines.append(
-        "LESS's Γ at each warm-up checkpoint (48 pool windows, seed 0): the sample's share of "
-        "the new first moment against the carried momentum, median of |(1-β1) g| / |β1 m|, "
-        "and the mean pairwise cosine of the Γ(z) and of the raw gradients g(z):\n"
-    )
-    lines.append(
-        md_table(
-            ["optimizer step", "|(1-β1) g| / |β1 m|", "mean cos(Γ(z), Γ(z'))", "mean cos(g, g')"],
-            [[d["step"], f"{d['sample_vs_momentum']:.2f}", f"{d['cos_gamma']:.3f}",
-              f"{d['cos_grad']:.3f}"] for d in res["seeds"][0]["gamma"]],
-        )
-    )  # fmt: skip
-    ov = res["seeds"][0]["overlap"]
-    if ov:
-        lines.append("Overlap of the selections of one aggregation (seed 0, share of k):\n")
-        same = [(k, v) for k, v in ov.items() if k.count("(max)") == 2 or k.count("(mean)") == 2]
-        lines.append(md_table(["pair", "overlap"], [[k, f"{v:.0%}"] for k, v in same]))
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse(argv)
-    if args.from_json:
-        res = json.loads(open(args.from_json).read())
-        res.setdefault("command", "OMP_NUM_THREADS=1 python -m experiments.benchmark.selection.run")
-        for key in ("quick", "target"):
-            setattr(args, key, res["config"][key])
-    else:
-        res = run(args)
-        res["command"] = header("").splitlines()[2].split("`")[1]
-    md = report(res, args)
+    res = run(args)
+    md = report(res)
     print(md)
     stem = "selection-quick" if args.quick else "selection"
     if args.target != "python-docs":

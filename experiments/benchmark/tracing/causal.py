@@ -109,34 +109,12 @@ def retrain_all(
     jobs: int = 1,
     log: Callable[[str], None] = print,
     cache: RetrainCache | None = None,
-    on_done: Callable[[dict[tuple[int, ...], np.ndarray]], None] | None = None,
 ) -> tuple[dict[tuple[int, ...], np.ndarray], list[float]]:
     """``retrain(keep)`` for each distinct removal in ``keys`` (sorted document indices), in
     the order of ``keys``, in ``jobs`` forked processes; returns the log-probabilities per
     removal and each (new) retraining's wall time. Removals found in ``cache`` are not
-    retrained; new ones are added to it. ``on_done(results so far)`` after each."""
-
-    def job(key: tuple[int, ...]) -> np.ndarray:
-        gone = set(key)
-        return retrain([i for i in range(n_docs) if i not in gone])
-
-    return run_cached(keys, job, jobs, log, cache, on_done)
-
-
-def run_cached(
-    keys: list[Any],
-    job: Callable[[Any], np.ndarray],
-    jobs: int = 1,
-    log: Callable[[str], None] = print,
-    cache: Any = None,
-    on_done: Callable[[dict], None] | None = None,
-) -> tuple[dict, list[float]]:
-    """``job(key)`` for each distinct key, in the order of ``keys``, in ``jobs`` forked
-    processes; keys ``cache.get`` returns are not run, new results are ``cache.put``. Returns
-    the result per key and each new run's wall time; ``on_done(results so far)`` after each."""
+    retrained; new ones are added to it."""
     global _JOB
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
     out: dict = {}
     todo = []
     for key in dict.fromkeys(keys):
@@ -147,8 +125,11 @@ def run_cached(
             out[key] = hit
     if out:
         log(f"    {len(out)} removals from the retrain cache, {len(todo)} to retrain")
-    if on_done is not None and out:
-        on_done(out)
+
+    def job(key: tuple[int, ...]) -> np.ndarray:
+        gone = set(key)
+        return retrain([i for i in range(n_docs) if i not in gone])
+
     _JOB = job
     secs: list[float] = []
     try:
@@ -162,8 +143,6 @@ def run_cached(
             secs.append(s)
             if cache is not None:
                 cache.put(key, lp)
-            if on_done is not None:
-                on_done(out)
             if n % 20 == 0 or n == len(todo):
                 log(f"    retrained {n}/{len(todo)} ({np.mean(secs):.1f} s each)")
         if jobs > 1:
@@ -180,12 +159,11 @@ def drops(
     attrs: torch.Tensor,
 ) -> dict[str, list[float]]:
     """Per row, per fact ``q``: ``base[q] − log p(a_q)`` of the model retrained without that
-    row's removal for ``q`` (rows with a removal not in ``lps`` yet are left out)."""
+    row's removal for ``q``."""
     return {
         name: [
             float(base[q]) - float(lps[tuple(sorted(r))][q, int(attrs[q])])
             for q, r in enumerate(rem)
         ]
         for name, rem in removals.items()
-        if all(tuple(sorted(r)) in lps for r in rem)
     }

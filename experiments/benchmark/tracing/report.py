@@ -1,8 +1,8 @@
 """Markdown table of a fact-tracing result (:mod:`.run`): means with 95 % intervals.
 
 Every per-fact value is pooled over seeds x facts; the interval is the normal approximation
-``1.96 sd / sqrt(n)``. Every gradient row is compared with each lexical row (TF-IDF, BM25)
-*paired* per (seed, fact), and the issue's target is checked against each.
+``1.96 sd / sqrt(n)``. The best gradient rows are compared with each lexical row (TF-IDF,
+BM25) *paired* per (seed, fact): the benchmark's target.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _cell(values: list[float]) -> str:
 
 
 def write_report(result: dict[str, Any]) -> str:
-    """The results table and the issue's target check, as Markdown."""
+    """The results table and the target check, as Markdown."""
     cfg = result["config"]
     rows = list(dict.fromkeys(r for s in result["seeds"] for r in s["rows"]))
     recall = [s["recall"] for s in result["seeds"]]
@@ -95,51 +95,9 @@ def write_report(result: dict[str, Any]) -> str:
     }
     grads = [r for r in rows if r not in NOT_GRADIENT and r not in failed]
     lexical = [r for r in LEXICAL if r in rows and r not in failed]
-    lines += ["", *by_carriers_found(result)]
     if grads and lexical:
-        lines += ["", *paired_table(result, grads, lexical)]
         lines += [line for lex in lexical for line in ("", target_check(result, grads, lex))]
     return "\n".join(lines) + "\n"
-
-
-def by_carriers_found(result: dict) -> list[str]:
-    """The causal drop of every retrieval row's removal, grouped by how many of the fact's
-    carriers it holds (``recall@10 x copies``): what the causal metric responds to."""
-    copies = result["config"]["copies"]
-    groups: dict[int, list[float]] = {}
-    for s in result["seeds"]:
-        for v in s["rows"].values():
-            for r, drop in zip(v.get("recall@10", []), v.get("causal_drop", [])):
-                groups.setdefault(round(r * copies), []).append(drop)
-    lines = [
-        "causal drop by the number of the fact's carriers among the removed documents "
-        "(every retrieval row, pooled over seeds x facts x rows):",
-        "",
-        "| carriers removed | (row, seed, fact) | causal drop (nats) |",
-        "|---|---|---|",
-    ]
-    for c in sorted(groups):
-        lines.append(f"| {c} of {copies} | {len(groups[c])} | {_cell(groups[c])} |")
-    return lines
-
-
-def paired_table(result: dict, grads: list[str], lexical: list[str]) -> list[str]:
-    """Each gradient row minus each lexical row, paired per (seed, fact), with intervals."""
-    head = [f"{m} − {lex}" for lex in lexical for m in ("recall@10", "causal drop")]
-    lines = [
-        "paired differences per (seed, fact), mean ± 95 %:",
-        "",
-        "| method | " + " | ".join(head) + " |",
-        "|---|" + "---|" * len(head),
-    ]
-    for row in grads:
-        cells = [
-            "{:+.3f} ± {:.3f}".format(*paired(result, row, lex, key))
-            for lex in lexical
-            for key in ("recall@10", "causal_drop")
-        ]
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def paired(result: dict, row: str, other: str, key: str) -> tuple[float, float]:

@@ -226,27 +226,23 @@ def _attribute(
         return attributor.attribute(train, test, **(call or {})).query(train, test)
 
 
-def _streamed(
-    d: tdata.TracingData, state: dict, cls_name: str, kw: dict, stream: Any = None
-) -> torch.Tensor:
+def _streamed(d: tdata.TracingData, state: dict, cls_name: str, kw: dict) -> torch.Tensor:
     """``cls_name(**kw)`` over train and query gradients streamed once at ``state``'s weights,
-    through ``attribute_sources``; ``stream(model)`` gives extra ``GradientStreamer`` options
-    (e.g. a capture-time correction with an optimizer over ``model``'s parameters)."""
+    through ``attribute_sources``."""
     import dattri_llm
     from dattri_llm.gradient.streaming import GradientStreamer
 
     train, test = samples(d)
-    model = load(d, state)
     with tempfile.TemporaryDirectory() as tmp:
         args = dattri_llm.AttributionArguments(output_dir=tmp, use_cpu=True, show_progress=False)
         task = dattri_llm.AttributionTask(
-            loss_func=doc_loss_sum, model=model, checkpoints=[state], target_func=query_loss_sum
-        )
+            loss_func=doc_loss_sum, model=load(d, state), checkpoints=[state],
+            target_func=query_loss_sum,
+        )  # fmt: skip
         attributor = getattr(dattri_llm, cls_name)(args, task=task, **kw)
         task.load_checkpoint(0)
-        extra = stream(task.model) if stream is not None else {}
         blocks = [
-            list(GradientStreamer(task.model, ds, loss, batch_size=64, **extra))
+            list(GradientStreamer(task.model, ds, loss, batch_size=64))
             for ds, loss in ((train, task.train_loss), (test, task.test_loss))
         ]
         return attributor.attribute_sources(*blocks).query(train, test)
@@ -439,10 +435,6 @@ def methods(quick: bool, cfg: dict | None = None, opt_in: bool = False) -> dict[
             "EK-FAC unit, diagonal + second moment (3 ckpts)": (
                 lambda d, s, seed: recipes.ekfac_moment(d, s, _attribute, load)
             ),
-            recipes.TRACKSTAR_DENSE: lambda d, s, seed: recipes.trackstar_dense(d, s, _streamed),
-            recipes.TRACIN_DENSE: lambda d, s, seed: recipes.trackstar_dense(
-                d, s, _streamed, "TracInAttributor"
-            ),
             "Grad-Cos sparse-1024": lambda d, s, seed: _attribute(
                 d,
                 s[-1:],
@@ -469,18 +461,6 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-#: The causal check retrains these rows first (then the others in table order), so that an
-#: interrupted seed's partial result holds the rows the target check needs.
-PRIORITY = (
-    causal.CARRIERS,
-    causal.FILLED,
-    "BM25 (rank-bm25)",
-    "TF-IDF (scikit-learn)",
-    "random",
-    "EK-FAC unit, diagonal non-Kronecker (3 ckpts)",
-    "TracIn-Cos + second moment (3 ckpts)",
-    *TRAJECTORY_ROWS,
-)
 RETRAIN_CACHE = Path(BENCH_DIR) / "results" / "cache" / "tracing-retrain"
 
 
@@ -491,14 +471,12 @@ def run_seed(
     log: Any,
     jobs: int = 1,
     controls: bool = True,
-    partial_out: Any = None,
     cache_root: Path | None = None,
 ) -> dict[str, Any]:
     """Train, score every row, then the causal check (:mod:`.causal`): per row and fact one
     retraining without exactly that row's top-``k`` for the fact (plus the two control rows
     unless ``controls=False``). Retrainings are cached under ``cache_root`` (the command line
-    uses :data:`RETRAIN_CACHE`: an interrupted seed resumes); ``partial_out(seed result)`` is
-    called whenever a row's causal drops are complete, with the rows complete so far."""
+    uses :data:`RETRAIN_CACHE`: an interrupted seed resumes)."""
     from experiments.benchmark.quality.methods import Skipped
 
     d = tdata.build(
@@ -546,36 +524,12 @@ def run_seed(
     def retrain(keep: list[int]) -> np.ndarray:
         return attribute_logp(load(d, train(d, keep, cfg, seed)[-1]), d)[0].numpy()
 
-    order = [r for r in PRIORITY if r in removals] + [r for r in removals if r not in PRIORITY]
-    keys = [tuple(sorted(r)) for name in order for r in removals[name]]
-    cache = (
-        None
-        if cache_root is None
-        else causal.RetrainCache(
-            cache_root,
-            {
-                "cfg": {k: v for k, v in cfg.items() if k != "seeds"},
-                "model": MODEL,
-                "seed": seed,
-                "torch": torch.__version__,
-            },
-        )
-    )
-    done: set[str] = set()
-
-    def fill(lps: dict) -> None:
-        new = {n: v for n, v in causal.drops(removals, lps, base, attrs).items() if n not in done}
-        for name, drop in new.items():
-            out["rows"][name]["causal_drop"] = drop
-            out["rows"][name]["removed_per_fact"] = [len(r) for r in removals[name]]
-            log(f"  {name:24s} drop {np.mean(drop):.3f}")
-        done.update(new)
-        if new and partial_out is not None and len(done) < len(removals):
-            kept = {n: v for n, v in out["rows"].items() if n in done or n not in removals}
-            partial_out({**out, "partial": True, "rows": kept})
-
+    keys = [tuple(sorted(r)) for rem in removals.values() for r in rem]
+    context = {"cfg": {k: v for k, v in cfg.items() if k != "seeds"}, "model": MODEL, "seed": seed}
+    context["torch"] = torch.__version__
+    cache = None if cache_root is None else causal.RetrainCache(cache_root, context)
     t0 = time.perf_counter()
-    lps, secs = causal.retrain_all(keys, len(d.docs), retrain, jobs, log, cache, fill)
+    lps, secs = causal.retrain_all(keys, len(d.docs), retrain, jobs, log, cache)
     out["retrain"] = {
         "removals": len(keys),
         "retrainings": len(lps),
@@ -584,7 +538,10 @@ def run_seed(
         "each_s": float(np.mean(secs)) if secs else 0.0,
         "jobs": jobs,
     }
-    fill(lps)
+    for name, drop in causal.drops(removals, lps, base, attrs).items():
+        out["rows"][name]["causal_drop"] = drop
+        out["rows"][name]["removed_per_fact"] = [len(r) for r in removals[name]]
+        log(f"  {name:24s} drop {np.mean(drop):.3f}")
     return out
 
 
@@ -667,17 +624,12 @@ def main(argv: list[str] | None = None) -> None:
             "seeds": parts,
         }
 
-    def partial(seed_result: dict) -> None:  # an interrupted run leaves the rows done so far
-        path = RESULTS / f"{out_name}.partial.json"
-        path.write_text(json.dumps(result_of([*seeds, seed_result]), indent=1))
-
     def log(message: str) -> None:
         print(message, flush=True)
 
     for s in cfg["seeds"]:
-        seeds.append(run_seed(cfg, s, rows, log, ns.jobs, controls, partial, RETRAIN_CACHE))
+        seeds.append(run_seed(cfg, s, rows, log, ns.jobs, controls, RETRAIN_CACHE))
     _write(result_of(seeds), out_name)
-    (RESULTS / f"{out_name}.partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
