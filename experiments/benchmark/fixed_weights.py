@@ -38,6 +38,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small shapes, 3 rounds")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; quick 3)")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument(
+        "--smol",
+        action="store_true",
+        help="the 134M-Llama shape (SmolLM-135M's: 30 x 576, MLP 1536, vocab 49152), seq 512",
+    )
     return p.parse_args()
 
 
@@ -49,6 +54,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.quick:
         shape = ModelShape("llama", 2, 64, 2, 256, 64, args.batch)
+    elif args.smol:
+        shape = ModelShape("llama", 30, 576, 9, 49152, 512, args.batch, intermediate=1536)
     else:
         shape = ModelShape("llama", 4, 256, 4, 1000, 256, args.batch)
     rounds = args.rounds or (3 if args.quick else 7)
