@@ -48,11 +48,6 @@ class Benchmark:
     needs: tuple[str, ...] = ()
 
 
-def _small(*args: str) -> tuple[str, ...]:
-    """``--quick`` and a tiny GPT-2 (2 layers of width 64, 16 tokens)."""
-    return ("--quick", *args, "--layers", "2", "--width", "64", "--seq", "16")
-
-
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("capture", "benchmark.capture", "benchmarks/capture.md"),
     Benchmark("fixed_weights", "benchmark.fixed_weights", "benchmarks/capture.md"),
