@@ -10,10 +10,10 @@ Exit status 1 if any seed failed.
 
 Usage (from the repository root)::
 
-    python experiments/fuzz/capture_fuzz.py                  # seeds 0..1999
-    python experiments/fuzz/capture_fuzz.py --start 5000 --seeds 500
-    python experiments/fuzz/capture_fuzz.py --seed 123 -v     # one seed, its model printed
-    python experiments/fuzz/capture_fuzz.py --device cuda --seeds 300
+    python tests/fuzz/capture_fuzz.py                  # seeds 0..1999
+    python tests/fuzz/capture_fuzz.py --start 5000 --seeds 500
+    python tests/fuzz/capture_fuzz.py --seed 123 -v     # one seed, its model printed
+    python tests/fuzz/capture_fuzz.py --device cuda --seeds 300
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from experiments.fuzz.capture_models import check_case, random_case  # noqa: E402
+from tests.fuzz.capture_models import check_case, random_case  # noqa: E402
 
 
 def main() -> int:

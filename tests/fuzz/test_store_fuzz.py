@@ -4,14 +4,14 @@ Every random corruption of a small store is either refused with a ``StoreFormatE
 file of the store, provably harmless (every record equal, tensors byte for byte), or the
 documented crash recovery (the last record of one partition missing, with a warning naming
 the file); and ``repair`` never makes up or duplicates a record. The engine and a larger run:
-``experiments/fuzz/store_fuzz.py``.
+``tests/fuzz/store_fuzz.py``.
 """
 
 from __future__ import annotations
 
 import collections
 
-from experiments.fuzz.store_fuzz import run_cases
+from tests.fuzz.store_fuzz import run_cases
 
 SEEDS = range(150)
 

@@ -1,10 +1,10 @@
 """Randomized differential test of the capture core, a fixed CI-sized seed set.
 
-Each seed builds a random small model (``experiments/fuzz/capture_models.py``) and checks, under
+Each seed builds a random small model (``tests/fuzz/capture_models.py``) and checks, under
 every capture style, the per-parameter per-sample gradients and every routing mode's inner
 products against one backward pass per sample: float64 models to 1e-9 relative
 (measured: below 1e-14), float32 models to 2e-3. Every trainable parameter must be captured,
-no frozen one, and the library must not warn. ``experiments/fuzz/capture_fuzz.py`` runs
+no frozen one, and the library must not warn. ``tests/fuzz/capture_fuzz.py`` runs
 thousands of seeds.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.fuzz.capture_models import (
+from tests.fuzz.capture_models import (
     Case,
     Chain,
     CheckpointedReuse,

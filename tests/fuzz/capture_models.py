@@ -17,7 +17,7 @@ it under every capture style and compares the per-parameter per-sample gradients
 inner products (every routing mode) with one backward pass per sample of the same model (compared
 in float64).
 
-Used by ``experiments/tests/fuzz/test_capture_fuzz.py`` (a fixed seed set) and ``capture_fuzz.py``
+Used by ``tests/fuzz/test_capture_fuzz.py`` (a fixed seed set) and ``capture_fuzz.py``
 (many seeds).
 """
 

@@ -18,8 +18,8 @@ anything else — another exception, or a silently different result — is a fai
 then runs ``GradientStorageManager.repair`` and checks that what the repaired store reads is a
 subset of the clean records (repair never fabricates or duplicates a record).
 
-Run ``python experiments/fuzz/store_fuzz.py --cases 2000``
-(``experiments/tests/fuzz/test_store_fuzz.py`` runs a fixed seed set of 150 cases in the normal
+Run ``python tests/fuzz/store_fuzz.py --cases 2000``
+(``tests/fuzz/test_store_fuzz.py`` runs a fixed seed set of 150 cases in the normal
 suite).
 """
 
