@@ -1,25 +1,9 @@
-"""Headline quality table: every method x every quality metric, per setting.
-
-Reads the result files the quality benchmarks already wrote (nothing is retrained or re-scored)
-and puts them side by side, one Markdown table per setting:
-
-* ``results/quality_<setting>[-quick].json`` (``quality/run.py``): half-data LDS, dattri's LOO
-  and the trajectory-specific LOO, each with its 95 % interval, and the row's scoring time and
-  peak memory;
-* ``results/removal_<setting>[-quick].json`` (measured with ``quality/removal.py`` at commit
-  0a80d14): LDS at 1 / 5 / 10 / 50 % removals (common random numbers), with intervals, time and
-  memory (the full protocol's file, else the quick one);
-* ``results/tracing[-quick].json`` (``tracing/run.py``): recall@10, MRR and the causal drop of
-  fact tracing, mean ± 95 % over seeds x facts, and the scoring time.
-
-Each benchmark names its rows its own way (``EK-FAC (damping=default)`` / ``EK-FAC``,
-``DVEmb (assumes SGD)`` / ``DVEmb (empirical Fisher)``, ...): :data:`NAMES` maps them to one
-name per method. A method a benchmark refused or skipped says
-so in its cells (``refused: <why>``), one it did not run says ``not run``; nothing is blank.
+"""Headline quality tables: every method x every quality metric, per setting, with intervals,
+times and peak memory, read from the result files the quality, removal and tracing benchmarks
+wrote (nothing is retrained or re-scored).
 
     python experiments/benchmark/headline.py            # print the tables
-    python experiments/benchmark/headline.py --write    # replace the marked section of
-                                                        # experiments/benchmark/results/headline.md
+    python experiments/benchmark/headline.py --write    # update results/headline.md
 """
 
 from __future__ import annotations
@@ -48,9 +32,9 @@ GROUND_TRUTH = "ground truth"
 PEERS = ("dattri 0.3.0", "kronfluence")
 
 #: Each method's headline name (in table order), then ``| <benchmarks> <row name>`` for each row
-#: name that stands for it: ``q`` ``quality/run.py`` (full and quick files), ``r`` the removal
-#: files, ``t`` ``tracing/run.py``; a line starting with ``|`` continues the one above. The first
-#: listed name present wins; a peer's row (which shares our names) is ``<source>: <name>``.
+#: name that stands for it: ``q`` ``quality/run.py``, ``r`` the removal files, ``t``
+#: ``tracing/run.py``; a line starting with ``|`` continues the one above. The first listed name
+#: present wins; a peer's row (which shares our names) is ``<source>: <name>``.
 NAMES = """
 ground truth | t carriers (ground truth)
 ground truth padded to the same size (carriers + random) | t carriers + random (same size)
@@ -145,8 +129,7 @@ METHODS = _methods()
 
 
 def pick(bench: str, rows: list[dict]) -> dict[str, dict]:
-    """Headline name -> the row of ``bench`` (``quality``, ``removal``, ``tracing``) standing
-    for it (the first listed name present)."""
+    """Headline name -> the row of ``bench`` (``quality``, ``removal``, ``tracing``) for it."""
     by_key = {
         (f"{r['source']}: {r['method']}" if r.get("source") in PEERS else r["method"]): r
         for r in rows
@@ -185,7 +168,7 @@ def fmt_pm(values: list[float]) -> str:
 
 
 def refusal(row: dict) -> str | None:
-    """``refused: <why>`` / ``skipped: <why>`` for a row that did not run, else ``None``."""
+    """``refused: <why>`` / ``skipped: <why>`` / ``failed: <why>`` for a row that did not run."""
     if row.get("error"):
         return f"failed: {_md(_short(row['error']))}"
     if row.get("refused"):  # fact tracing's rows
@@ -219,16 +202,11 @@ def fmt_cost(seconds: float | None, peak_mb: float | None, note: str = "") -> st
     """``43 s / 1693 MB`` (scoring), plus the shared recordings the note names, if any."""
     if seconds is None:
         t = "not recorded"
+    elif seconds >= 0.1:
+        t = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
     else:
-        t = (
-            f"{seconds:.0f} s"
-            if seconds >= 10
-            else f"{seconds:.1f} s"
-            if seconds >= 0.1
-            else "< 0.1 s"
-        )
-    m = "not recorded" if peak_mb is None else f"{peak_mb:.0f} MB"
-    out = f"{t} / {m}"
+        t = "< 0.1 s"
+    out = f"{t} / {'not recorded' if peak_mb is None else f'{peak_mb:.0f} MB'}"
     recs = _RECORDING.findall(note or "")
     if recs:
         out += " + recording " + " + ".join(f"{s} s / {mb} MB" for s, mb in recs)
@@ -239,10 +217,22 @@ def metric_cell(row: dict | None, stat: Callable[[dict], str | None]) -> str:
     """One metric of one benchmark row: the value, why it is missing, or ``not run``."""
     if row is None:
         return "not run"
-    why = refusal(row)
-    if why:
-        return why
-    return stat(row) or "not scored"
+    return refusal(row) or stat(row) or "not scored"
+
+
+def cost_cell(row: dict | None, rows: list[dict]) -> str:
+    """A row's scoring cost; a peer row's share of one subprocess timed on another row."""
+    if row is None:
+        return "not run"
+    if refusal(row):
+        return "—"
+    src = row.get("source")
+    whole = [
+        r for r in rows if r.get("source") == src and "whole subprocess" in (r.get("note") or "")
+    ]
+    if whole and whole[0] is not row:  # a peer timed once for all its rows
+        return f"in the {src} subprocess's {whole[0]['seconds']:.0f} s (all its rows)"
+    return fmt_cost(row.get("seconds"), row.get("peak_mb"), row.get("note", ""))
 
 
 # ---- sources ------------------------------------------------------------------------------
@@ -283,22 +273,15 @@ TRACING_COMMAND = (
 )
 
 
-def load(stem: str, results: Path) -> tuple[dict | None, dict | None]:
-    """The full and the quick result of a benchmark file stem (either may be missing)."""
-
-    def read(path: Path) -> dict | None:
-        return json.loads(path.read_text()) if path.exists() else None
-
-    return read(results / f"{stem}.json"), read(results / f"{stem}-quick.json")
-
-
-def _result(stem: str | None, results: Path) -> tuple[dict, dict | None, dict | None] | None:
+def _load(stem: str | None, results: Path) -> tuple[dict, dict | None, dict | None] | None:
     """(the file a table reads: full if present, else quick; full; quick), or ``None``."""
     if not stem:
         return None
-    full, quick = load(stem, results)
-    main = full or quick
-    return None if main is None else (main, full, quick)
+    full, quick = (
+        json.loads(p.read_text()) if p.exists() else None
+        for p in (results / f"{stem}.json", results / f"{stem}-quick.json")
+    )
+    return None if full is None and quick is None else (full or quick, full, quick)
 
 
 def _commands(result: dict) -> str:
@@ -320,14 +303,6 @@ def _gap(full: dict, quick: dict) -> str:
     return f"{min(gaps):+.3f} to {max(gaps):+.3f}" if gaps else "no shared row"
 
 
-def _per_fraction(n: int | dict) -> str:
-    """Subsets per removal fraction: ``12`` or ``8 / 6 / 6 / 6 at 1 / 5 / 10 / 50 %``."""
-    if not isinstance(n, dict):
-        return f"{n} per fraction"
-    pcts = sorted(n, key=float)
-    return f"{' / '.join(str(n[k]) for k in pcts)} at {' / '.join(pcts)} %"
-
-
 def _quality_protocol(q: dict) -> str:
     p = q["protocol"]
     parts = [f"{p['num_subsets']} half-data subsets x {p['runs']} runs"]
@@ -338,57 +313,33 @@ def _quality_protocol(q: dict) -> str:
     return ", ".join(parts)
 
 
+def _protocol(stem: str, full: dict | None) -> str:
+    kind = "full" if full else "quick"
+    return f"`results/{stem}{'' if full else '-quick'}.json`, **{kind} protocol**"
+
+
 # ---- one setting --------------------------------------------------------------------------
-Column = tuple[str, Callable[[str], str]]
-
-
 @dataclass
 class Part:
     """What one benchmark's result file contributes to a setting's table."""
 
-    columns: list[Column] = field(default_factory=list)
-    names: set[str] = field(default_factory=set)  # the headline rows it has
+    rows: dict[str, dict]  # headline name -> the benchmark's row
+    columns: list[tuple[str, Callable[[str], str]]] = field(default_factory=list)
     header: list[str] = field(default_factory=list)
     footnotes: list[str] = field(default_factory=list)
-    warned: dict[str, str] = field(default_factory=dict)  # a warning the library recorded
     missing: list[str] = field(default_factory=list)  # metrics this setting's file lacks
-
-    def add_rows(self, picked: dict[str, dict]) -> None:
-        self.names.update(picked)
-        for name, row in picked.items():
-            w = warning_of(row)
-            if w:
-                self.warned.setdefault(name, w)
-
-
-def cost_cell(row: dict | None, rows: list[dict]) -> str:
-    """A row's scoring cost; a peer row's share of one subprocess timed on another row."""
-    if row is None:
-        return "not run"
-    if refusal(row):
-        return "—"
-    whole = [
-        r
-        for r in rows
-        if r.get("source") == row.get("source") and "whole subprocess" in (r.get("note") or "")
-    ]
-    if whole and whole[0] is not row:  # a peer timed once for all its rows
-        return f"in the {row['source']} subprocess's {whole[0]['seconds']:.0f} s (all its rows)"
-    return fmt_cost(row.get("seconds"), row.get("peak_mb"), row.get("note", ""))
 
 
 def quality_part(s: Setting, results: Path) -> Part | None:
     """Half-data LDS (per ground-truth variant), dattri's LOO and the trajectory LOO."""
-    found = _result(s.quality and f"quality_{s.quality}", results)
+    found = _load(s.quality and f"quality_{s.quality}", results)
     if found is None:
         return None
     main, q_full, q_quick = found
-    part = Part()
     rows = pick("quality", main["rows"])
     extra = pick("quality", q_quick["rows"]) if q_full and q_quick else {}
     extra = {n: r for n, r in extra.items() if n not in rows}  # quick-only rows, marked (q)
-    part.add_rows(rows)
-    part.add_rows(extra)
+    part = Part({**rows, **extra})
 
     def cell(stat: Callable[[dict], str | None], truth: str) -> Callable[[str], str]:
         def fn(name: str) -> str:
@@ -407,14 +358,15 @@ def quality_part(s: Setting, results: Path) -> Part | None:
             return fmt_ci((r.get("lds_variants") or {}).get(v) or r.get("lds"))
 
         part.columns.append((label, cell(lds, fmt_ci(rel.get(variant)) or "not measured")))
-    if main.get("loo_ground_truth"):
-        part.columns.append(("LOO (dattri's)", cell(lambda r: fmt_ci(r.get("loo")), "—")))
-    else:
-        part.missing.append("dattri's LOO")
-    if main.get("trajectory_loo_ground_truth"):
-        part.columns.append(("trajectory LOO", cell(lambda r: fmt_ci(r.get("tsloo")), "—")))
-    else:
-        part.missing.append("trajectory LOO")
+    for key, label, missing in (
+        ("loo", "LOO (dattri's)", "dattri's LOO"),
+        ("tsloo", "trajectory LOO", "trajectory LOO"),
+    ):
+        gt = "loo_ground_truth" if key == "loo" else "trajectory_loo_ground_truth"
+        if main.get(gt):
+            part.columns.append((label, cell(lambda r, k=key: fmt_ci(r.get(k)), "—")))
+        else:
+            part.missing.append(missing)
 
     def cost(name: str) -> str:
         if name == GROUND_TRUTH:
@@ -424,11 +376,9 @@ def quality_part(s: Setting, results: Path) -> Part | None:
         return cost_cell(rows.get(name), main["rows"])
 
     part.columns.append(("time / peak RSS (LDS, LOO scoring)", cost))
-    stem = f"quality_{s.quality}{'' if q_full else '-quick'}"
     part.header.append(
-        f"- *half-data LDS, LOO, trajectory LOO*: `results/{stem}.json`, **"
-        f"{'full' if q_full else 'quick'} protocol** ({_quality_protocol(main)}); "
-        f"{_commands(main)}."
+        f"- *half-data LDS, LOO, trajectory LOO*: {_protocol(f'quality_{s.quality}', q_full)} "
+        f"({_quality_protocol(main)}); {_commands(main)}."
     )
     if extra:
         quick_rows = pick("quality", q_quick["rows"])
@@ -447,15 +397,13 @@ def quality_part(s: Setting, results: Path) -> Part | None:
 
 
 def removal_part(s: Setting, results: Path) -> Part | None:
-    """LDS at each removal fraction against run 0 (the attributed run), from the full protocol's
-    file (the quick one where there is no full one)."""
-    found = _result(s.removal and f"removal_{s.removal}", results)
+    """LDS at each removal fraction against run 0 (the attributed run)."""
+    found = _load(s.removal and f"removal_{s.removal}", results)
     if found is None:
         return None
     main, r_full, _ = found
-    part = Part()
     rows = pick("removal", main["rows"])
-    part.add_rows(rows)
+    part = Part(rows)
     for pct in FRACTIONS:
 
         def fn(name: str, pct: str = f"{pct} %") -> str:
@@ -470,34 +418,35 @@ def removal_part(s: Setting, results: Path) -> Part | None:
         return "—" if name == GROUND_TRUTH else cost_cell(rows.get(name), main["rows"])
 
     part.columns.append(("time / peak RSS (removal scoring)", cost))
-    p = main["protocol"]
+    p, n = main["protocol"], main["protocol"]["num_subsets"]
+    subsets = f"{n} per fraction"
+    if isinstance(n, dict):
+        pcts = sorted(n, key=float)
+        subsets = f"{' / '.join(str(n[k]) for k in pcts)} at {' / '.join(pcts)} %"
     part.header.append(
-        f"- *LDS at 1 / 5 / 10 / 50 %*: `results/removal_{s.removal}{'' if r_full else '-quick'}"
-        f".json`, **{'full' if r_full else 'quick'} protocol** (subsets: "
-        f"{_per_fraction(p['num_subsets'])}; {p['runs']} common-random-number runs, "
-        f"{p.get('test_limit') or 'all'} test queries; LDS against run 0, the attributed run); "
-        "measured with `experiments/benchmark/quality/removal.py` at commit 0a80d14."
+        f"- *LDS at 1 / 5 / 10 / 50 %*: {_protocol(f'removal_{s.removal}', r_full)} (subsets: "
+        f"{subsets}; {p['runs']} common-random-number runs, {p.get('test_limit') or 'all'} test "
+        "queries; LDS against run 0, the attributed run); measured with "
+        "`experiments/benchmark/quality/removal.py` at commit 0a80d14."
     )
     return part
 
 
 def tracing_part(s: Setting, results: Path) -> Part | None:
     """recall@10, MRR and causal drop, pooled over seeds x facts, and the scoring cost."""
-    found = _result(s.tracing, results)
+    found = _load(s.tracing, results)
     if found is None:
         return None
     result, t_full, _ = found
-    part = Part()
     seeds = result["seeds"]
     present = list(dict.fromkeys(k for sd in seeds for k in sd["rows"]))
     notes = {r: v["note"] for sd in reversed(seeds) for r, v in sd["rows"].items() if "note" in v}
-    rows = pick("tracing", [{"method": r, "note": notes.get(r)} for r in present])
-    part.add_rows(rows)
+    part = Part(pick("tracing", [{"method": r, "note": notes.get(r)} for r in present]))
 
     def per_seed(name: str) -> list[dict] | None:
-        if name not in rows:
+        if name not in part.rows:
             return None
-        raw = rows[name]["method"]
+        raw = part.rows[name]["method"]
         return [sd["rows"][raw] for sd in seeds if raw in sd["rows"]]
 
     def metric(key: str) -> Callable[[str], str]:
@@ -528,47 +477,41 @@ def tracing_part(s: Setting, results: Path) -> Part | None:
         ("time / peak RSS (tracing scoring)", cost),
     ]
     cfg = result["config"]
-    has_command = result.get("command") or result.get("commands")
-    command = _commands(result) if has_command else TRACING_COMMAND
+    command = _commands(result) if result.get("command") or result.get("commands") else None
     part.header.append(
-        f"- *recall@10, MRR, causal drop*: `results/{s.tracing}{'' if t_full else '-quick'}.json`,"
-        f" **{'full' if t_full else 'quick'} protocol** ({len(cfg['seeds'])} seeds x "
-        f"{cfg['n_facts']} facts, {cfg['n_docs']} documents; mean ± 95 % over seeds x facts; "
-        f"time = mean over seeds, peak = max); {command}."
+        f"- *recall@10, MRR, causal drop*: {_protocol(s.tracing, t_full)} ({len(cfg['seeds'])} "
+        f"seeds x {cfg['n_facts']} facts, {cfg['n_docs']} documents; mean ± 95 % over seeds x "
+        f"facts; time = mean over seeds, peak = max); {command or TRACING_COMMAND}."
     )
     return part
 
 
 def setting_table(s: Setting, results: Path = RESULTS) -> str:
     """The headline table of one setting, with the sources of its columns, as Markdown."""
-    removal = removal_part(s, results)
-    quality = quality_part(s, results)
-    tracing = tracing_part(s, results)
+    removal, quality, tracing = (f(s, results) for f in (removal_part, quality_part, tracing_part))
     parts = [p for p in (removal, quality, tracing) if p is not None]
     lines = [f"### {s.title}", ""]
     if not parts:
         return "\n".join(lines + ["No result file for this setting.", ""])
     columns = [c for p in parts for c in p.columns]
-    names = set().union(*(p.names for p in parts))
-    warned = {k: v for p in parts for k, v in p.warned.items()}
+    warned: dict[str, str] = {}
+    for p in parts:
+        warned.update({n: w for n, r in p.rows.items() if (w := warning_of(r))})
     lines += [h for p in parts for h in p.header]
     missing = [m for p in parts for m in p.missing]
     if tracing is None:
         if removal is None:
             missing.append("LDS by removal fraction")
         missing.append("fact tracing (its own setting, the last table)")
+        truth = "ground truth: split-run reliability (run 0 vs run 1 of the same subsets)"
     else:
         missing.append("LDS and LOO (a retrieval setting: one retraining per method, no subsets)")
+        truth = "ground truth: retrained without the planted carriers"
     lines.append(f"- Not measured on this setting: {'; '.join(missing)}.")
-    truth_label = (
-        "ground truth: retrained without the planted carriers"
-        if tracing is not None
-        else "ground truth: split-run reliability (run 0 vs run 1 of the same subsets)"
-    )
     rows = []
     for name, _ in METHODS:
-        if name in names or name == GROUND_TRUTH:
-            label = truth_label if name == GROUND_TRUTH else name
+        if name == GROUND_TRUTH or any(name in p.rows for p in parts):
+            label = truth if name == GROUND_TRUTH else name
             if name in warned:
                 label += f" — warned: {warned[name]}"
             rows.append([label] + [fn(name) for _, fn in columns])
@@ -596,18 +539,10 @@ def headline(results: Path = RESULTS) -> str:
 def write_section(doc: Path, text: str) -> None:
     """Replace what lies between the ``headline`` markers of ``doc`` with ``text``."""
     content = doc.read_text()
-    if (
-        content.count(BEGIN) != 1
-        or content.count(END) != 1
-        or content.index(BEGIN) > content.index(END)
-    ):
-        raise SystemExit(
-            f"{doc}: expected one '{BEGIN}' followed by one '{END}'; add the two marker lines "
-            "where the headline tables go."
-        )
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    b, e = content.find(BEGIN), content.find(END)
+    if content.count(BEGIN) != 1 or content.count(END) != 1 or b > e:
+        raise SystemExit(f"{doc}: expected one '{BEGIN}' followed by one '{END}'.")
+    doc.write_text(f"{content[:b]}{BEGIN}\n{text}{content[e:]}")
 
 
 def main(argv: list[str] | None = None) -> None:

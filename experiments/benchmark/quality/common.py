@@ -1,4 +1,5 @@
-"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, environment."""
+"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, the language-model
+settings' data, loss and training loop, and the environment recorded with every result."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from experiments.benchmark.utils.env import RESULTS_DIR  # noqa: F401  (re-exported)
@@ -34,8 +37,6 @@ class TupleDataset(Dataset):
     """Dataset of ``(x, y)`` tuples over two stacked tensors (what dattri's loaders expect)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if len(x) != len(y):
-            raise ValueError(f"TupleDataset: x has {len(x)} rows but y has {len(y)}.")
         self.x, self.y = x, y
 
     def __len__(self) -> int:
@@ -47,41 +48,14 @@ class TupleDataset(Dataset):
 
 @dataclass
 class Setting:
-    """Everything the harness needs to know about one benchmark setting.
-
-    Attributes:
-        name: Setting id (``digits-lr`` ...); also the cache key prefix.
-        train: Training set as ``TupleDataset`` (dattri's retrain / attributors read it).
-        test: Test set, same layout.
-        make_model: Builds a fresh (untrained) model.
-        train_func: ``(dataloader, seed=None, **kw) -> nn.Module``, dattri's retrain contract.
-        target: ``(model, dataloader) -> (n_test,)`` per-sample target (the test loss).
-        loss_sum: ``(model, batch_dict) -> scalar`` summed per-sample loss (dattri_llm's
-            ``AttributionTask`` contract: a sum, so per-sample gradients are per-sample losses).
-        make_loss_single: ``model -> f(params, (x, y)) -> scalar``, a ``torch.func``-style loss
-            over ``model`` for dattri's ``AttributionTask`` (one unbatched sample, or a batch ->
-            mean). It must call the task's own model (dattri's EK-FAC hooks that instance).
-        batch_size: Training batch size (the loader handed to dattri's retrain functions).
-        checkpoint_epochs: Epochs at which the full-data run stores checkpoints (TracIn).
-        lr: Learning rate per stored checkpoint (TracIn weights).
-        weight_decay: L2 coefficient of the training objective (damping of the exact IF).
-        config: Free-form description recorded in the output (part of the cache key).
-        model_spec: ``{"module", "factory", "kwargs"}``: how a *separate* interpreter (the
-            kronfluence venv) rebuilds the model; the module may import only torch/numpy.
-        task_kind: ``"classification"`` (``x -> logits (B, C)``, ``y (B,)``) or ``"lm"``
-            (``x (B, T) -> logits (B, T, V)``, ``y (B, T)``; per-sample loss = mean token CE).
-        checkpoint_weights: TracIn weight per stored checkpoint (default: ``lr`` each).
-        target_sum: Optional test-side function, same contract as ``loss_sum`` (summed over
-            the batch); ``None`` = ``loss_sum`` (dattri_llm's ``AttributionTask.target_func``).
-        make_target_single: Optional test-side ``make_loss_single`` (dattri's
-            ``AttributionTask.target_func``); ``None`` = ``make_loss_single``.
-        trajectory: The optimizer family of ``train_func`` (``"adamw"`` or ``"sgd"``) when its
-            loop takes ``observer=`` and ``mask_index=`` (the trajectory methods and the
-            trajectory-specific LOO); ``""``: not wired.
-        make_optimizer: Optional ``model -> optimizer`` that builds ``train_func``'s optimizer
-            (its parameter groups), so a recorded ``optimizer.state_dict()`` loads onto a fresh
-            model (LESS's frozen form); ``None``: one AdamW group over ``model.parameters()``.
-    """
+    """One benchmark setting. ``train_func(loader, seed=None, return_checkpoints=False,
+    mask_index=None, observer=None)`` is dattri's retrain contract (``mask_index`` drops that
+    train index from every batch, all else as in the full run: the trajectory LOO);
+    ``target(model, loader)`` the per-test-sample loss; ``loss_sum`` / ``target_sum`` dattri_llm's
+    summed per-sample losses; ``make_loss_single`` / ``make_target_single`` dattri's
+    ``torch.func`` losses over one model instance; ``model_spec`` how kronfluence's venv rebuilds
+    the model; ``trajectory`` the optimizer family when the loop takes ``observer=``; ``config``
+    is recorded with the results and keys the ground-truth cache."""
 
     name: str
     train: TupleDataset
@@ -96,8 +70,6 @@ class Setting:
     lr: float = 0.0
     weight_decay: float = 0.0
     config: dict = field(default_factory=dict)
-    #: ``train_func(..., return_checkpoints=True)`` returns ``(model, [state dicts])``.
-    supports_trajectory: bool = True
     model_spec: dict = field(default_factory=dict)
     task_kind: str = "classification"
     checkpoint_weights: list[float] | None = None
@@ -108,70 +80,38 @@ class Setting:
 
     def tracin_weights(self, n: int) -> list[float]:
         """TracIn weights of the ``n`` stored checkpoints (the learning rate at each)."""
-        if self.checkpoint_weights is not None:
-            if len(self.checkpoint_weights) != n:
-                raise ValueError(
-                    f"{self.name}: {len(self.checkpoint_weights)} checkpoint_weights for {n} "
-                    "checkpoints; give one weight per stored checkpoint."
-                )
-            return list(self.checkpoint_weights)
-        return [self.lr] * n
+        return list(self.checkpoint_weights or [self.lr] * n)
 
 
 class TrainObserver:
-    """Watches a setting's own training loop (``train_func(..., observer=...)``), e.g. to run it
-    under a ``HookManager`` and record what the trajectory methods read. The loop calls
-    :meth:`run` once (a context around the whole loop), then per update ``step`` (0-based)
-    :meth:`before_backward` with the batch's train-set indices and tensors, before its forward,
-    and :meth:`after_step` right after ``optimizer.step()``. The default does nothing."""
+    """Watches a setting's training loop: :meth:`run` is a context around the loop, then per
+    update ``step`` (0-based) :meth:`before_backward` (the batch's train indices and tensors,
+    before its forward) and :meth:`after_step` (right after ``optimizer.step()``)."""
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        """A context manager entered around the training loop."""
         return contextlib.nullcontext()
 
     def before_backward(self, step: int, index: torch.Tensor, batch: dict) -> None:
-        """Before the forward of update ``step``; ``batch = {"x", "y"}``."""
+        pass
 
     def after_step(self, step: int) -> None:
-        """Right after ``optimizer.step()`` of update ``step``."""
-
-
-def loader_batches(dataloader: Any) -> Any:
-    """Yield the ``(x, y)`` batches of a loader over a (``Subset`` of a) ``TupleDataset``.
-
-    The batches follow the loader's own ``batch_sampler`` (so its shuffling, seeded by the
-    global torch RNG, is kept) but are gathered with one tensor index instead of a per-item
-    collate: 20-50x faster for these small models. Any other loader is iterated as is.
-    """
-    for _, x, y in loader_index_batches(dataloader):
-        yield x, y
+        pass
 
 
 def loader_index_batches(dataloader: Any, mask_index: int | None = None) -> Any:
-    """As :func:`loader_batches`, with each batch's train-set indices: ``(idx, x, y)``.
-
-    ``idx`` is ``None`` for a loader that is not over a (``Subset`` of a) ``TupleDataset``.
-    ``mask_index`` drops that train-set index from every batch it falls in (trajectory-specific
-    LOO); the other batches are exactly the unmasked run's.
-    """
-    ds, base = dataloader.dataset, None
-    if isinstance(ds, torch.utils.data.Subset) and isinstance(ds.dataset, TupleDataset):
-        base, remap = ds.dataset, torch.as_tensor(list(ds.indices), dtype=torch.long)
-    elif isinstance(ds, TupleDataset):
-        base, remap = ds, None
-    if base is None or dataloader.batch_sampler is None:
-        if mask_index is not None:
-            raise ValueError("mask_index needs a loader over a (Subset of a) TupleDataset.")
-        for x, y in dataloader:
-            yield None, x, y
-        return
+    """``(train indices, x, y)`` per batch of a loader over a (``Subset`` of a) ``TupleDataset``,
+    in its own (seeded) batch order, gathered with one index (20-50x faster than its collate);
+    ``mask_index`` is dropped from every batch."""
+    ds, remap = dataloader.dataset, None
+    if isinstance(ds, torch.utils.data.Subset):
+        ds, remap = ds.dataset, torch.as_tensor(list(ds.indices), dtype=torch.long)
     for idx in dataloader.batch_sampler:
         idx = torch.as_tensor(idx, dtype=torch.long)
         if remap is not None:
             idx = remap[idx]
         if mask_index is not None:
             idx = idx[idx != int(mask_index)]
-        yield idx, base.x[idx], base.y[idx]
+        yield idx, ds.x[idx], ds.y[idx]
 
 
 def as_dicts(ds: TupleDataset) -> list[dict[str, torch.Tensor]]:
@@ -182,8 +122,106 @@ def as_dicts(ds: TupleDataset) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+# ---- language-model settings ----------------------------------------------------------------
+def draw_blocks(ids: torch.Tensor, lo: int, hi: int, n: int, rng: Any, block: int) -> TupleDataset:
+    """``n`` non-overlapping ``block + 1``-token chunks of ``ids[lo:hi]`` (``x = chunk[:-1]``,
+    ``y = chunk[1:]``)."""
+    starts = np.arange(lo, hi - block - 1, block + 1)
+    pick = np.sort(rng.choice(starts, n, replace=False))
+    chunks = torch.stack([ids[s : s + block + 1] for s in pick.tolist()])
+    return TupleDataset(chunks[:, :-1].clone(), chunks[:, 1:].clone())
+
+
+def per_sample_ce(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B,) mean next-token cross-entropy per block."""
+    return F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1)
+
+
+def lm_functions(measure: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """A language-model setting's losses: per-sample mean token CE on the train side,
+    ``measure(CE)`` on the test side (``None``: the CE itself)."""
+    m = measure or (lambda ce: ce)
+
+    def target(model: nn.Module, dataloader: Any) -> torch.Tensor:
+        model.eval()
+        with torch.no_grad():
+            out = [m(per_sample_ce(model, x, y)) for x, y in dataloader]
+        return torch.cat(out).detach().to(torch.float64)
+
+    def single(model: nn.Module, f: Callable) -> Callable:
+        def fn(params: dict, data: Any) -> torch.Tensor:
+            x, y = data
+            if x.dim() == 1:
+                x, y = x[None], y[None]
+            return f(per_sample_ce(lambda i: functional_call(model, params, (i,)), x, y)).mean()
+
+        return fn
+
+    out = {
+        "target": target,
+        "loss_sum": lambda model, b: per_sample_ce(model, b["x"], b["y"]).sum(),
+        "make_loss_single": lambda model: single(model, lambda ce: ce),
+        "task_kind": "lm",
+        "trajectory": "adamw",
+    }
+    if measure is not None:
+        out["target_sum"] = lambda model, b: measure(per_sample_ce(model, b["x"], b["y"])).sum()
+        out["make_target_single"] = lambda model: single(model, measure)
+    return out
+
+
+def members(dataloader: Any, n_full: int, mask_index: int | None) -> torch.Tensor:
+    """The sorted train indices a loader (the train set or a ``Subset``) holds."""
+    ds = dataloader.dataset
+    if isinstance(ds, torch.utils.data.Subset):
+        out = torch.as_tensor(sorted(int(i) for i in ds.indices), dtype=torch.long)
+    else:
+        out = torch.arange(n_full)
+    if mask_index is not None and not bool((out == int(mask_index)).any()):
+        raise ValueError(f"mask_index={mask_index} is not a member of the training subset.")
+    return out
+
+
+def lm_train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    train: TupleDataset,
+    batches: list[torch.Tensor],
+    lr_at: Callable[[int], float],
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    ckpt_steps: list[int],
+    mask_index: int | None = None,
+    observer: TrainObserver | None = None,
+) -> list[dict]:
+    """Train on ``batches`` (train indices per 1-based step, lr ``lr_at(step)``); returns the
+    state dicts at ``ckpt_steps``."""
+    ckpts, observer = [], observer or TrainObserver()
+    model.train()
+    with observer.run(model, opt):
+        for step, idx in enumerate(batches, 1):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            if mask_index is not None:
+                idx = idx[idx != int(mask_index)]
+            if len(idx) == 0:
+                continue
+            x, y = train.x[idx], train.y[idx]
+            observer.before_backward(step - 1, idx, {"x": x, "y": y})
+            value = loss(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            value.backward()
+            opt.step()
+            observer.after_step(step - 1)
+            if step in ckpt_steps:
+                ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    model.eval()
+    return ckpts
+
+
 def environment() -> dict[str, Any]:
     """Versions, threads and machine facts recorded next to every result."""
+    from importlib.metadata import PackageNotFoundError, version
+
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -193,11 +231,8 @@ def environment() -> dict[str, Any]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),
     }
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("dattri", "dattri_llm", "scikit-learn", "transformers", "scipy"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             info[dist] = version(dist)
-        except PackageNotFoundError:
-            info[dist] = None
+        info.setdefault(dist, None)
     return info

@@ -1,13 +1,7 @@
-"""digits-LR and digits-MLP: stand-ins for dattri's MNIST-10 LR / MLP benchmarks.
-
-Data: ``sklearn.datasets.load_digits()`` (bundled, 8x8 images), ``X / 16``; train = the first
-1000 images, test = the next 500. Models: logistic regression 64 -> 10 and an MLP
-64-128-64-10 (ReLU). Training follows dattri's ``train_mnist_lr`` / ``train_mnist_mlp`` shape
-(SGD, cross-entropy, a fixed number of epochs over the loader it is handed, seeded init) with
-an L2 term (``weight_decay``) so the LR objective is strongly convex and the exact-Hessian
-influence function is well defined. The target is the per-sample test cross-entropy, as in
-dattri's ``loss_mnist_lr``.
-"""
+"""digits-LR and digits-MLP: scikit-learn's digits (first 1000 train, next 500 test, ``X / 16``),
+logistic regression 64 -> 10 and an MLP 64-128-64-10, SGD with an L2 term (so the LR
+objective is strongly convex and the exact influence function well defined); stand-ins for
+dattri's MNIST LR / MLP settings. Target: the per-sample test cross-entropy."""
 
 from __future__ import annotations
 
@@ -22,26 +16,11 @@ from experiments.benchmark.quality.common import (
     Setting,
     TrainObserver,
     TupleDataset,
-    loader_batches,
     loader_index_batches,
     seed_all,
 )
 
 N_TRAIN, N_TEST = 1000, 500
-
-
-def load_digits_tensors(dtype: torch.dtype = torch.float32) -> tuple[TupleDataset, TupleDataset]:
-    """Train (first 1000) and test (next 500) digits, features scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=dtype) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    train = TupleDataset(x[:N_TRAIN].clone(), y[:N_TRAIN].clone())
-    test = TupleDataset(
-        x[N_TRAIN : N_TRAIN + N_TEST].clone(), y[N_TRAIN : N_TRAIN + N_TEST].clone()
-    )
-    return train, test
 
 
 class LogisticRegression(nn.Module):
@@ -74,23 +53,21 @@ HPARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
+def make_setting(name: str) -> Setting:
     """Build the ``digits-lr`` or ``digits-mlp`` setting."""
-    if name not in HPARAMS:
-        raise ValueError(
-            f"make_setting: unknown digits setting {name!r}; use one of {list(HPARAMS)}."
-        )
-    hp = HPARAMS[name]
-    train, test = load_digits_tensors(dtype)
-    # SGD (the benchmark's); "adamw" exists for the tests of the trajectory adapters only
-    adamw = hp.get("optimizer", "sgd") == "adamw"
-    optimizer_class = torch.optim.AdamW if adamw else torch.optim.SGD
-    batch_size = 64
-    n_ckpt = 4
-    ckpt_epochs = [round(hp["epochs"] * (k + 1) / n_ckpt) for k in range(n_ckpt)]
+    from sklearn.datasets import load_digits
 
-    def make_model() -> nn.Module:
-        return hp["model"]().to(dtype)
+    hp = HPARAMS[name]
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    train = TupleDataset(x[:N_TRAIN].clone(), y[:N_TRAIN].clone())
+    test = TupleDataset(
+        x[N_TRAIN : N_TRAIN + N_TEST].clone(), y[N_TRAIN : N_TRAIN + N_TEST].clone()
+    )
+    # SGD (the benchmark's); "adamw" exists for the tests of the trajectory adapters only
+    optimizer_class = torch.optim.AdamW if hp.get("optimizer") == "adamw" else torch.optim.SGD
+    ckpt_epochs = [round(hp["epochs"] * (k + 1) / 4) for k in range(4)]
 
     def train_func(
         dataloader: Any,
@@ -100,22 +77,19 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         observer: TrainObserver | None = None,
         **_: Any,
     ) -> Any:
-        """dattri's train contract. ``mask_index`` (trajectory-specific LOO): that train sample
-        is dropped from every batch it falls in (the batch's mean loss is over the others),
-        all else as in the unmasked run; ``observer`` watches the loop."""
         if seed is not None:
             seed_all(seed)
-        model = make_model()
+        model = hp["model"]()
         opt = optimizer_class(model.parameters(), lr=hp["lr"], weight_decay=hp["wd"])
         ckpts, step = [], 0
         observer = observer or TrainObserver()
         model.train()
         with observer.run(model, opt):
             for epoch in range(1, hp["epochs"] + 1):
-                for idx, x, y in loader_index_batches(dataloader, mask_index):
-                    observer.before_backward(step, idx, {"x": x, "y": y})
+                for idx, xb, yb in loader_index_batches(dataloader, mask_index):
+                    observer.before_backward(step, idx, {"x": xb, "y": yb})
                     opt.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
+                    F.cross_entropy(model(xb), yb).backward()
                     opt.step()
                     observer.after_step(step)
                     step += 1
@@ -126,19 +100,14 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
 
     def target(model: nn.Module, dataloader: Any) -> torch.Tensor:
         model.eval()
-        out = []
         with torch.no_grad():
-            for x, y in loader_batches(dataloader):
-                out.append(F.cross_entropy(model(x), y, reduction="none"))
+            out = [F.cross_entropy(model(xb), yb, reduction="none") for xb, yb in dataloader]
         return torch.cat(out).detach().to(torch.float64)
-
-    def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
-        return F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
 
     def make_loss_single(model: nn.Module) -> Any:
         def loss_single(params: dict, data: Any) -> torch.Tensor:
-            x, y = data
-            return F.cross_entropy(functional_call(model, params, (x,)), y)
+            xb, yb = data
+            return F.cross_entropy(functional_call(model, params, (xb,)), yb)
 
         return loss_single
 
@@ -146,12 +115,12 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
         name=name,
         train=train,
         test=test,
-        make_model=make_model,
+        make_model=hp["model"],
         train_func=train_func,
         target=target,
-        loss_sum=loss_sum,
+        loss_sum=lambda model, b: F.cross_entropy(model(b["x"]), b["y"], reduction="sum"),
         make_loss_single=make_loss_single,
-        batch_size=batch_size,
+        batch_size=64,
         checkpoint_epochs=ckpt_epochs,
         lr=hp["lr"],
         weight_decay=hp["wd"],
@@ -160,15 +129,14 @@ def make_setting(name: str, dtype: torch.dtype = torch.float32) -> Setting:
             "factory": hp["model"].__name__,
             "kwargs": {},
         },
-        task_kind="classification",
-        trajectory="adamw" if adamw else "sgd",
+        trajectory="adamw" if optimizer_class is torch.optim.AdamW else "sgd",
         config={
             "data": "sklearn load_digits, X/16, train=[0,1000), test=[1000,1500)",
             "model": hp["model"].__name__,
             "optimizer": f"{optimizer_class.__name__}(lr={hp['lr']}, weight_decay={hp['wd']})",
             "epochs": hp["epochs"],
-            "batch_size": batch_size,
+            "batch_size": 64,
             "checkpoint_epochs": ckpt_epochs,
-            "dtype": str(dtype),
+            "dtype": "torch.float32",
         },
     )

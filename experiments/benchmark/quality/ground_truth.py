@@ -1,19 +1,11 @@
 """Ground truth with dattri 0.3.0's own retraining and ground-truth functions, cached on disk.
 
-* LDS: ``dattri.model_util.retrain.retrain_lds`` (random 50 % subsets, several runs each, seeds
-  ``seed + i * runs + j`` as dattri sets them) then ``dattri.metric.ground_truth.
-  calculate_lds_ground_truth`` (mean over runs, sign flipped so higher = better). The target of
-  every single checkpoint is also kept, for the split-run reliability of the ground truth.
-* LOO: ``retrain_loo`` (fixed, unshuffled loader, fixed seed) then ``calculate_loo_ground_truth``.
-  ``retrain_loo`` saves whatever the train function returns with ``torch.save``; we return a
-  state dict (tensors only), so nothing is pickled and ``torch.load`` stays ``weights_only``.
-* The reference run (the checkpoints every attributor scores) is the full-data run of the same
-  train function with the unshuffled loader and the LOO seed, so LOO differences are relative
-  to exactly the attributed model.
-
-The retrained weights live in a temporary folder and are deleted; only small tensors are kept:
-``<cache>/<setting>-<key>/{lds,loo,reference}.safetensors`` plus a JSON with the metadata (seeds,
-slices, config, versions). The key hashes everything that changes the numbers.
+LDS: ``retrain_lds`` (random halves, seeds ``seed + i * runs + j``) and
+``calculate_lds_ground_truth``, plus each run's targets (the split-run reliability). LOO:
+``retrain_loo`` and ``calculate_loo_ground_truth``. Trajectory LOO: each sample masked out of its
+batches in a run otherwise identical to the reference run, the full-data run every attributor
+scores. Only small tensors are kept, ``<cache>/<setting>-<key>/<name>.{safetensors,json}``; the
+key hashes everything that changes the numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from torch.utils.data import DataLoader
 from experiments.benchmark.quality.common import CACHE_DIR, Setting, environment
 
 FORMAT_VERSION = 1
+Cached = tuple[dict[str, torch.Tensor], dict]
 
 
 def cache_dir(setting: Setting, spec: dict[str, Any]) -> Path:
@@ -45,32 +38,37 @@ def cache_dir(setting: Setting, spec: dict[str, Any]) -> Path:
         sort_keys=True,
         default=str,
     )
-    key = hashlib.sha256(blob.encode()).hexdigest()[:12]
-    return CACHE_DIR / f"{setting.name}-{key}"
+    return CACHE_DIR / f"{setting.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
-def _load_model(setting: Setting, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _model(setting: Setting, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     model = setting.make_model()
     model.load_state_dict(state)
-    model.eval()
-    return model
+    return model.eval()
 
 
-def _write(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def _write(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> Cached:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"{name}.safetensors"))
     meta = {**meta, "format_version": FORMAT_VERSION, "environment": environment()}
     (folder / f"{name}.json").write_text(json.dumps(meta, indent=1, default=str))
+    return tensors, meta
 
 
-def _read(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+def _read(folder: Path, name: str) -> Cached | None:
     st, js = folder / f"{name}.safetensors", folder / f"{name}.json"
     if not (st.exists() and js.exists()):
         return None
     meta = json.loads(js.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        return None
-    return load_file(str(st)), meta
+    return (load_file(str(st)), meta) if meta.get("format_version") == FORMAT_VERSION else None
+
+
+def _loaders(setting: Setting) -> tuple[DataLoader, DataLoader]:
+    """The unshuffled train loader and the one-batch test loader."""
+    return (
+        DataLoader(setting.train, batch_size=setting.batch_size),
+        DataLoader(setting.test, batch_size=max(1, len(setting.test))),
+    )
 
 
 def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict], dict]:
@@ -78,10 +76,8 @@ def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict]
     cached = _read(folder, "reference")
     if cached is None:
         t0 = time.perf_counter()
-        loader = DataLoader(setting.train, batch_size=setting.batch_size)
-        model, ckpts = setting.train_func(loader, seed=seed, return_checkpoints=True)
-        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        ckpts = [c for c in ckpts] + [final]
+        model, ckpts = setting.train_func(_loaders(setting)[0], seed=seed, return_checkpoints=True)
+        ckpts = [*ckpts, {k: v.detach().clone() for k, v in model.state_dict().items()}]
         tensors = {f"ckpt{i}/{k}": v for i, c in enumerate(ckpts) for k, v in c.items()}
         meta = {
             "seed": seed,
@@ -89,8 +85,7 @@ def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict]
             "checkpoint_epochs": setting.checkpoint_epochs + ["final"],
             "seconds": time.perf_counter() - t0,
         }
-        _write(folder, "reference", tensors, meta)
-        cached = _read(folder, "reference")
+        cached = _write(folder, "reference", tensors, meta)
     tensors, meta = cached
     ckpts = [dict() for _ in range(meta["num_checkpoints"])]
     for name, v in tensors.items():
@@ -101,7 +96,7 @@ def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict]
 
 def lds_ground_truth(
     setting: Setting, folder: Path, num_subsets: int, runs: int, seed: int, **train_kwargs: Any
-) -> tuple[dict[str, torch.Tensor], dict]:
+) -> Cached:
     """dattri's LDS ground truth (``gt`` (S, n_test), ``indices`` (S, m)) plus ``per_run``."""
     from dattri.metric.ground_truth import calculate_lds_ground_truth
     from dattri.model_util.retrain import retrain_lds
@@ -111,13 +106,19 @@ def lds_ground_truth(
         return cached
     t0 = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
-    test_loader = DataLoader(setting.test, batch_size=max(1, len(setting.test)))
+    train_loader, test_loader = _loaders(setting)
     tmp = Path(tempfile.mkdtemp(prefix="lds-", dir=folder))
+    per_ckpt: dict[str, torch.Tensor] = {}
+
+    def target_func(ckpt_path: Any, dataloader: Any) -> torch.Tensor:
+        state = torch.load(ckpt_path, weights_only=True)
+        per_ckpt[str(Path(ckpt_path))] = setting.target(_model(setting, state), dataloader)
+        return per_ckpt[str(Path(ckpt_path))]
+
     try:
-        loader = DataLoader(setting.train, batch_size=setting.batch_size)
         retrain_lds(
             setting.train_func,
-            loader,
+            train_loader,
             str(tmp),
             num_subsets=num_subsets,
             subset_ratio=0.5,
@@ -125,14 +126,6 @@ def lds_ground_truth(
             seed=seed,
             **train_kwargs,
         )
-        per_ckpt: dict[str, torch.Tensor] = {}
-
-        def target_func(ckpt_path: Any, dataloader: Any) -> torch.Tensor:
-            state = torch.load(ckpt_path, weights_only=True)
-            values = setting.target(_load_model(setting, state), dataloader)
-            per_ckpt[str(Path(ckpt_path))] = values
-            return values
-
         gt, indices = calculate_lds_ground_truth(target_func, str(tmp), test_loader)
         per_run = torch.stack(
             [
@@ -155,13 +148,10 @@ def lds_ground_truth(
         "seconds": time.perf_counter() - t0,
     }
     tensors = {"gt": gt.to(torch.float64), "indices": indices.long(), "per_run": per_run}
-    _write(folder, "lds", tensors, meta)
-    return tensors, meta
+    return _write(folder, "lds", tensors, meta)
 
 
-def loo_ground_truth(
-    setting: Setting, folder: Path, indices: list[int], seed: int
-) -> tuple[dict[str, torch.Tensor], dict]:
+def loo_ground_truth(setting: Setting, folder: Path, indices: list[int], seed: int) -> Cached:
     """dattri's LOO ground truth: ``gt`` (num_removed, n_test), ``indices`` (num_removed,)."""
     from dattri.metric.ground_truth import calculate_loo_ground_truth
     from dattri.model_util.retrain import retrain_loo
@@ -171,19 +161,19 @@ def loo_ground_truth(
         return cached
     t0 = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
-    test_loader = DataLoader(setting.test, batch_size=max(1, len(setting.test)))
+    train_loader, test_loader = _loaders(setting)
     tmp = Path(tempfile.mkdtemp(prefix="loo-", dir=folder))
 
+    # retrain_loo saves what the train function returns: a state dict, so nothing is pickled
     def train_state_dict(dataloader: Any, seed: int | None = None, **kw: Any) -> dict:
         model = setting.train_func(dataloader, seed=seed, **kw)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def target_func(state: dict, dataloader: Any) -> torch.Tensor:
-        return setting.target(_load_model(setting, state), dataloader)
+        return setting.target(_model(setting, state), dataloader)
 
     try:
-        loader = DataLoader(setting.train, batch_size=setting.batch_size)
-        retrain_loo(train_state_dict, loader, str(tmp), indices=list(indices), seed=seed)
+        retrain_loo(train_state_dict, train_loader, str(tmp), indices=list(indices), seed=seed)
         gt, removed = calculate_loo_ground_truth(target_func, str(tmp), test_loader)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,53 +183,36 @@ def loo_ground_truth(
         "loader": "unshuffled",
         "seconds": time.perf_counter() - t0,
     }
-    tensors = {"gt": gt.to(torch.float64), "indices": removed.long()}
-    _write(folder, "loo", tensors, meta)
-    return tensors, meta
+    return _write(folder, "loo", {"gt": gt.to(torch.float64), "indices": removed.long()}, meta)
 
 
 def trajectory_loo_ground_truth(
-    setting: Setting,
-    folder: Path,
-    indices: list[int],
-    seed: int,
-    reference: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """Trajectory-specific LOO: each removed sample is *masked out of its batch* in a run that
-    is otherwise identical to the reference run (same seed, batch order, step count and
-    schedule; ``setting.train_func(..., mask_index=i)``), so the target difference isolates
-    that sample's contribution along the reference trajectory.
-
-    Layout as dattri's ``calculate_loo_ground_truth``: ``gt`` (num_removed, n_test) holds the
-    masked models' targets (a per-test-sample constant shift does not change the Pearson
-    correlation ``loo_corr`` takes), ``indices`` (num_removed,). ``delta`` = masked minus
-    reference target. The reference run is re-trained once first and must reproduce
-    ``reference`` (the cached final checkpoint) bit for bit, or the comparison is meaningless.
-    """
+    setting: Setting, folder: Path, indices: list[int], seed: int, reference: dict
+) -> Cached:
+    """Trajectory-specific LOO, laid out as dattri's LOO ground truth (``gt`` holds the masked
+    runs' targets, ``delta`` minus the reference run's). The reference run is re-trained first
+    and must reproduce ``reference`` bit for bit, or the masked runs are not comparable."""
     from tqdm.auto import tqdm
 
     cached = _read(folder, "trajectory_loo")
     if cached is not None and cached[1].get("removed_indices") == list(indices):
         return cached
     t0 = time.perf_counter()
-    test_loader = DataLoader(setting.test, batch_size=max(1, len(setting.test)))
-    loader = DataLoader(setting.train, batch_size=setting.batch_size)
+    loader, test_loader = _loaders(setting)
     base_model = setting.train_func(loader, seed=seed)
+    state = base_model.state_dict()
     drift = max(
-        float((v.detach() - reference[k]).abs().max())
-        for k, v in base_model.state_dict().items()
-        if k in reference
+        float((state[k].detach() - v).abs().max()) for k, v in reference.items() if k in state
     )
     if drift != 0.0:
         raise RuntimeError(
-            f"trajectory LOO: re-training the reference run (seed {seed}) moved the weights by "
-            f"{drift:.3e}; the run is not deterministic, so masked runs cannot be compared."
+            f"trajectory LOO: re-training the reference run moved the weights by {drift:.3e}"
         )
     base = setting.target(base_model, test_loader)
-    rows = []
-    for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False):
-        model = setting.train_func(loader, seed=seed, mask_index=int(i))
-        rows.append(setting.target(model, test_loader))
+    rows = [
+        setting.target(setting.train_func(loader, seed=seed, mask_index=int(i)), test_loader)
+        for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False)
+    ]
     gt = torch.stack(rows)
     delta = gt - base
     meta = {
@@ -257,5 +230,4 @@ def trajectory_loo_ground_truth(
         "delta": delta.to(torch.float64),
         "base": base.to(torch.float64),
     }
-    _write(folder, "trajectory_loo", tensors, meta)
-    return tensors, meta
+    return _write(folder, "trajectory_loo", tensors, meta)

@@ -1,11 +1,6 @@
-"""LDS / LOO with dattri 0.3.0's metrics, bootstrap intervals, and ground-truth reliability.
-
-Point estimates are exactly ``dattri.metric.lds`` / ``dattri.metric.loo_corr`` (mean over test
-samples of the per-sample Spearman / Pearson correlation, NaN dropped). The 95 % interval is a
-percentile bootstrap that resamples the retrained models (subsets / removed samples) *and*
-the test samples, so it covers both the finite ground truth and the finite test set; it is
-computed with a vectorised rank correlation equal to dattri's on the unresampled data.
-"""
+"""LDS / LOO with dattri 0.3.0's metrics (mean over test samples of the per-sample Spearman /
+Pearson correlation, NaN dropped), a 95 % percentile bootstrap interval over test samples, and
+the ground truth's split-run reliability."""
 
 from __future__ import annotations
 
@@ -41,57 +36,45 @@ def bootstrap_ci(per_test: np.ndarray, seed: int = 0) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def _summary(per_test: np.ndarray, seed: int) -> dict:
+    lo, hi = bootstrap_ci(per_test, seed)
+    return {
+        "mean": float(np.nanmean(per_test)),
+        "lo": lo,
+        "hi": hi,
+        "nan": int(np.isnan(per_test).sum()),
+    }
+
+
 def lds_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
     """dattri's LDS plus a bootstrap interval. ``scores``: (n_train, n_test)."""
     from dattri.metric import lds
 
     per_test, _ = lds(scores.to(torch.float64), (gt["gt"], gt["indices"]))
-    value = float(np.nanmean(per_test.numpy()))
-    lo, hi = bootstrap_ci(per_test.numpy(), seed)
-    return {"mean": value, "lo": lo, "hi": hi, "nan": int(np.isnan(per_test.numpy()).sum())}
+    return _summary(per_test.numpy(), seed)
 
 
 def loo_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
-    """dattri's ``loo_corr`` on the rows of the removed samples (row order = ``gt['indices']``).
-
-    ``loo_corr`` ignores its index tensor and pairs score row ``k`` with model ``k``, so the
-    score rows are selected in the order of the removed indices first.
-    """
+    """dattri's ``loo_corr`` on the removed samples' rows, taken in ``gt['indices']`` order
+    first (it pairs score row ``k`` with model ``k``, ignoring its index tensor)."""
     from dattri.metric import loo_corr
 
     rows = scores[gt["indices"].long()].to(torch.float64)
     per_test, _ = loo_corr(rows, (gt["gt"], gt["indices"]))
-    value = float(np.nanmean(per_test.numpy()))
-    lo, hi = bootstrap_ci(per_test.numpy(), seed)
-    return {"mean": value, "lo": lo, "hi": hi, "nan": int(np.isnan(per_test.numpy()).sum())}
+    return _summary(per_test.numpy(), seed)
 
 
 def split_run_reliability(per_run: torch.Tensor, seed: int = 0) -> dict:
-    """Spearman between run 0 and run 1 of the same subsets, per test sample, averaged.
-
-    This is the ceiling an attribution method can reach against a *single* run; the
-    ground truth averages ``R`` runs, whose reliability is higher (Spearman-Brown:
-    ``R r / (1 + (R - 1) r)``, reported as ``mean_avg``).
-    """
-    if per_run.shape[1] < 2:
-        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan")}
+    """Spearman between run 0 and run 1 of the same subsets, per test sample, averaged: the
+    ceiling against a single run (``mean_avg``: Spearman-Brown for the mean of ``R`` runs)."""
     per_test = spearman_columns(per_run[:, 0].numpy(), per_run[:, 1].numpy())
-    r = float(np.nanmean(per_test))
-    lo, hi = bootstrap_ci(per_test, seed)
-    k = per_run.shape[1]
-    return {
-        "mean": r,
-        "lo": lo,
-        "hi": hi,
-        "runs": k,
-        "mean_avg": k * r / (1 + (k - 1) * r) if r > -1 / (k - 1) else float("nan"),
-    }
+    out, k = _summary(per_test, seed), per_run.shape[1]
+    r = out.pop("mean")
+    del out["nan"]
+    mean_avg = k * r / (1 + (k - 1) * r) if r > -1 / (k - 1) else float("nan")
+    return {"mean": r, **out, "runs": k, "mean_avg": mean_avg}
 
 
 def loo_corr(a: np.ndarray, b: np.ndarray) -> float:
     """Mean over test columns of the Pearson correlation across removed samples (rows)."""
-    a = a - a.mean(0, keepdims=True)
-    b = b - b.mean(0, keepdims=True)
-    den = np.sqrt((a * a).sum(0) * (b * b).sum(0))
-    ok = den > 0
-    return float(((a * b).sum(0)[ok] / den[ok]).mean())
+    return float(np.nanmean(_colwise_corr(a, b)))

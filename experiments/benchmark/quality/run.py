@@ -1,12 +1,10 @@
-"""Attribution-quality benchmark (dattri's LDS / LOO protocol, regenerated offline).
+"""Attribution-quality benchmark: dattri's LDS / LOO protocol, regenerated offline.
 
     OMP_NUM_THREADS=1 python -m experiments.benchmark.quality.run --setting digits-lr [--quick]
 
-Settings: digits-lr, digits-mlp, char-gpt, gpt2 (see docs/benchmarks/quality.md). Ground
-truth (dattri 0.3.0's retrain + ground-truth functions) is cached under
-experiments/benchmark/results/cache/, so re-running only re-scores the methods. Writes
-results/quality_<setting>[-quick].json (``experiments/benchmark/headline.py`` tabulates it)
-and prints one line per row.
+Settings: digits-lr, digits-mlp, char-gpt, gpt2. The ground truth (dattri 0.3.0's retraining) is
+cached under results/cache/; writes results/quality_<setting>[-quick].json, which
+``experiments/benchmark/headline.py`` tabulates, and prints one line per row.
 """
 
 from __future__ import annotations
@@ -28,12 +26,19 @@ from experiments.benchmark.quality.metrics import lds_metric, loo_metric, split_
 
 SETTINGS = ("digits-lr", "digits-mlp", "char-gpt", "gpt2")
 LDS_SEED, LOO_SEED = 1000, 0
+#: char-gpt's LDS ground-truth variants (extra keyword ``crn`` of its train function).
+VARIANTS = {"independent": "independent seeds (dattri)", "crn": "common random numbers"}
+#: gpt2 --quick: the rows that fit its budget.
+GPT2_QUICK_ROWS = re.compile(
+    r"^(Random|Grad-(Dot|Cos)|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
+    r"Grad-Dot \(unprojected\)|AdamW-influence.*|LESS.*|DVEmb.*)$"
+)
 
 
 def protocol(setting: str, quick: bool) -> dict:
-    """Subsets, runs and LOO indices per setting (quick = CI-sized smoke run); the
-    trajectory-specific LOO masks every ``step``-th train sample out of its batches in a run
-    otherwise identical to the reference run."""
+    """Subsets, runs and LOO indices per setting; the trajectory LOO masks every ``step``-th
+    train sample (dattri's LOO on the digits settings only: one sample's effect is below the
+    language models' retraining noise)."""
     n_train, step, quick_step, subsets = {
         "char-gpt": (2000, 40, 200, 8),
         "gpt2": (1000, 20, 100, 10),
@@ -41,8 +46,6 @@ def protocol(setting: str, quick: bool) -> dict:
     spec = {
         "num_subsets": subsets if quick else 50,
         "runs": 2,
-        # dattri's LOO on the digits settings only (one block's effect is below the noise of
-        # the language models' retraining)
         "loo_indices": list(range(20 if quick else 100)) if setting.startswith("digits") else [],
         "lds_seed": LDS_SEED,
         "loo_seed": LOO_SEED,
@@ -53,31 +56,12 @@ def protocol(setting: str, quick: bool) -> dict:
     return spec
 
 
-#: LDS ground-truth variants: label -> extra keyword arguments of the train function.
-VARIANTS = {"independent": "independent seeds (dattri)", "crn": "common random numbers"}
-
-
 def build_setting(name: str) -> Setting:
     module = {"char-gpt": "chargpt", "gpt2": "gpt2"}.get(name, "digits")
     return importlib.import_module(f"experiments.benchmark.quality.{module}").make_setting(name)
 
 
-#: gpt2 --quick: the rows that fit its budget (random, the TracIn family, the EK-FAC damping
-#: sweep, dattri's unprojected Grad-Dot as the same-maths check, kronfluence EK-FAC, the
-#: trajectory methods).
-GPT2_QUICK_ROWS = re.compile(
-    r"^(Random|Grad-(Dot|Cos)|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
-    r"Grad-Dot \(unprojected\)|AdamW-influence.*|LESS.*|DVEmb.*)$"
-)
-
-
-def all_methods(
-    quick: bool,
-    peers: bool,
-    kind: str = "classification",
-    setting: str = "",
-    trajectory_kind: str = "",
-) -> list[Method]:
+def all_methods(quick: bool, peers: bool, setting: Setting) -> list[Method]:
     from experiments.benchmark.quality.methods import (
         dattri_peer,
         kronfluence_peer,
@@ -86,13 +70,13 @@ def all_methods(
         trajectory,
     )
 
-    classifier = kind == "classification"
+    classifier = setting.task_kind == "classification"
     out = list(reference.METHODS) + ours.methods(quick, classifier=classifier)
-    out += trajectory.methods(quick, trajectory_kind)
+    out += trajectory.methods(quick, setting.trajectory)
     if peers:
         out += dattri_peer.methods(quick, classifier=classifier)
         out += kronfluence_peer.methods(quick, classifier=classifier)
-    if setting == "gpt2" and quick:
+    if setting.name == "gpt2" and quick:
         out = [m for m in out if GPT2_QUICK_ROWS.match(m.name)]
     return out
 
@@ -104,26 +88,18 @@ def fmt(m: dict | None) -> str:
 def score_agreement(results: list[MethodResult]) -> list[str]:
     """Max relative difference between rows that compute the same maths."""
     by = {(r.source, r.name): r for r in results if r.status == "ok"}
+    ours, dattri, kf = "dattri_llm", "dattri 0.3.0", "kronfluence"
     pairs = [
-        (("dattri_llm", "Grad-Dot"), ("dattri 0.3.0", "Grad-Dot (unprojected)")),
-        (
-            ("dattri_llm", "TracIn (4 ckpts, w=lr)"),
-            ("dattri 0.3.0", "TracIn (4 ckpts, unprojected)"),
-        ),
-        (("reference", "Exact IF (explicit Hessian)"), ("dattri 0.3.0", "IF-explicit")),
+        ((ours, "Grad-Dot"), (dattri, "Grad-Dot (unprojected)")),
+        ((ours, "TracIn (4 ckpts, w=lr)"), (dattri, "TracIn (4 ckpts, unprojected)")),
+        (("reference", "Exact IF (explicit Hessian)"), (dattri, "IF-explicit")),
     ]
     for d in (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1):
-        kf = "default=1e-08" if d == 1e-8 else repr(d)
-        pairs.append(
-            (("dattri_llm", f"EK-FAC (damping={d})"), ("kronfluence", f"EK-FAC (damping={kf})"))
-        )
+        label = "default=1e-08" if d == 1e-8 else repr(d)
+        pairs.append(((ours, f"EK-FAC (damping={d})"), (kf, f"EK-FAC (damping={label})")))
     for d in (1e-4, 1e-3):
-        pairs.append(
-            (
-                ("dattri_llm", f"EK-FAC (damping={d})"),
-                ("dattri 0.3.0", f"IF-EKFAC, 2 bugs patched (damping={d})"),
-            )
-        )
+        patched = (dattri, f"IF-EKFAC, 2 bugs patched (damping={d})")
+        pairs.append(((ours, f"EK-FAC (damping={d})"), patched))
     lines = []
     for a, b in pairs:
         if a in by and b in by:
@@ -138,15 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", choices=SETTINGS, required=True)
     p.add_argument("--quick", action="store_true", help="few subsets / LOO samples (~2-3 min)")
     p.add_argument("--methods", default=None, help="regex on method names to run")
-    p.add_argument(
-        "--no-peers", action="store_true", help="skip dattri 0.3.0's and kronfluence's rows"
-    )
+    p.add_argument("--no-peers", action="store_true", help="skip dattri's and kronfluence's rows")
     a = p.parse_args(argv)
-
-    command = "OMP_NUM_THREADS={} python -m experiments.benchmark.quality.run {}".format(
-        os.environ.get("OMP_NUM_THREADS", "<unset>"),
-        " ".join(sys.argv[1:] if argv is None else argv),
-    )
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    omp = os.environ.get("OMP_NUM_THREADS", "<unset>")
+    command = f"OMP_NUM_THREADS={omp} python -m experiments.benchmark.quality.run {args}"
     env = environment()
     if not a.no_peers:
         from experiments.benchmark.quality.methods.kronfluence_peer import version
@@ -157,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     setting = build_setting(a.setting)
     spec = protocol(a.setting, a.quick)
     folder = gtm.cache_dir(setting, spec)
-    ckpts, ref_meta = gtm.reference_run(setting, folder, seed=spec["loo_seed"])
+    seed = spec["loo_seed"]
+    ckpts, ref_meta = gtm.reference_run(setting, folder, seed=seed)
     lds_gts, lds_metas, reliabilities = {}, {}, {}
     for variant in spec.get("variants", ["default"]):
         sub = folder if variant == "default" else folder / variant
@@ -167,26 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         reliabilities[variant] = split_run_reliability(lds_gts[variant]["per_run"])
     primary = next(iter(lds_gts))
-    loo_gt, loo_meta, tsloo_gt, tsloo_meta = None, None, None, None
+    loo_gt = loo_meta = tsloo_gt = tsloo_meta = None
     if spec["loo_indices"]:
-        loo_gt, loo_meta = gtm.loo_ground_truth(
-            setting, folder, spec["loo_indices"], seed=spec["loo_seed"]
-        )
+        loo_gt, loo_meta = gtm.loo_ground_truth(setting, folder, spec["loo_indices"], seed=seed)
     if spec["trajectory_loo_indices"]:
         tsloo_gt, tsloo_meta = gtm.trajectory_loo_ground_truth(
-            setting, folder, spec["trajectory_loo_indices"], spec["loo_seed"], ckpts[-1]
+            setting, folder, spec["trajectory_loo_indices"], seed, ckpts[-1]
         )
     print(f"# ground truth ready in {folder} ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
-    ctx = Context(
-        setting, ckpts, quick=a.quick, extra={"cache_dir": folder, "loo_seed": spec["loo_seed"]}
-    )
+    ctx = Context(setting, ckpts, quick=a.quick, extra={"cache_dir": folder, "loo_seed": seed})
     results: list[MethodResult] = []
     rows = []
-    methods = all_methods(
-        a.quick, not a.no_peers, setting.task_kind, setting.name, setting.trajectory
-    )
-    for method in methods:
+    for method in all_methods(a.quick, not a.no_peers, setting):
         if a.methods and not re.search(a.methods, method.name):
             continue
         r = run_method(method, ctx)
@@ -229,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "total_seconds": time.perf_counter() - t_start,
     }
-    # the tables with every row's interval, time and memory: experiments/benchmark/headline.py
     path = RESULTS_DIR / f"quality_{setting.name}{'-quick' if a.quick else ''}.json"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str))

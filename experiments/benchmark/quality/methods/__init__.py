@@ -1,12 +1,11 @@
-"""Method adapters: each turns the reference checkpoints into an (n_train, n_test) score matrix.
-
-A method raises :class:`Skipped` when it does not apply to the setting (with the reason).
-"""
+"""Method adapters: each turns the reference checkpoints into an (n_train, n_test) score matrix,
+or raises :class:`Skipped` with the reason it does not apply to the setting."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -25,7 +24,8 @@ class Skipped(Exception):
 
 @dataclass
 class Context:
-    """What every method sees: the setting and the reference run's checkpoints."""
+    """What every method sees: the setting and the reference run's checkpoints (the stored
+    ones, then the final model)."""
 
     setting: Setting
     checkpoints: list[dict[str, torch.Tensor]]
@@ -38,20 +38,18 @@ class Context:
 
     @property
     def trajectory(self) -> list[dict[str, torch.Tensor]]:
-        """The checkpoints stored during training (``setting.checkpoint_epochs``), without the
-        extra copy of the final model that the reference run appends."""
+        """The checkpoints stored during training (``setting.checkpoint_epochs``)."""
         return self.checkpoints[: len(self.setting.checkpoint_epochs)]
 
     def model(self, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
         m = self.setting.make_model()
         m.load_state_dict(self.final if state is None else state)
-        m.eval()
-        return m
+        return m.eval()
 
 
 @dataclass
 class Method:
-    """One row of the table."""
+    """One row of the table (``quiet``: its stderr is dropped, for peers' progress bars)."""
 
     name: str
     source: str
@@ -68,53 +66,38 @@ class MethodResult:
     scores: torch.Tensor | None = None
     seconds: float = 0.0
     note: str = ""
-    #: Peak resident memory of the call above the level before it (MB; see
-    #: ``experiments/benchmark/utils/memory.py``); ``None`` where it was not measured.
-    peak_mb: float | None = None
+    peak_mb: float | None = None  # resident-set peak of the call above the level before it
 
 
 def run_method(method: Method, ctx: Context) -> MethodResult:
-    """Run one adapter, timing it, measuring its peak resident memory (the kernel's VmHWM
-    over the call, above the resident set before it) and turning missing code / errors into a
-    status. An adapter may add to its note through ``ctx.extra["last_note"]``."""
+    """Run one adapter, timed, with its peak resident memory; a skip or an error becomes the
+    row's status. An adapter may add to its note through ``ctx.extra["last_note"]``."""
     from experiments.benchmark.utils.memory import peak_rss_bytes
 
-    n_train, n_test = len(ctx.setting.train), len(ctx.setting.test)
     ctx.extra.pop("last_note", None)
 
     def call() -> torch.Tensor:
-        if method.quiet:  # peers print a tqdm bar per batch: keep the table readable
-            with contextlib.redirect_stderr(io.StringIO()):
-                return method.fn(ctx)
-        return method.fn(ctx)
-
-    def measured() -> tuple[float | None, torch.Tensor]:
-        if not _can_reset_peak():
-            return None, call()
-        peak, out = peak_rss_bytes(call)
-        return peak / 1e6, out
+        with (
+            contextlib.redirect_stderr(io.StringIO()) if method.quiet else contextlib.nullcontext()
+        ):
+            return method.fn(ctx)
 
     t0 = time.perf_counter()
     try:
-        peak_mb, scores = measured()
+        # the resident-set peak needs a resettable high-water mark (Linux procfs)
+        peak, scores = peak_rss_bytes(call) if _PEAK else (None, call())
     except Skipped as e:
         return MethodResult(method.name, method.source, "skipped", note=str(e))
     except Exception as e:  # noqa: BLE001 - a failing peer must not sink the whole table
         traceback.print_exc()
         return MethodResult(method.name, method.source, "error", note=f"{type(e).__name__}: {e}")
     seconds = time.perf_counter() - t0
-    extra = ctx.extra.pop("last_note", "")
-    note = "; ".join(n for n in (method.note, extra) if n)
+    note = "; ".join(n for n in (method.note, ctx.extra.pop("last_note", "")) if n)
     scores = scores.detach().to(torch.float64).cpu()
-    assert tuple(scores.shape) == (n_train, n_test), (method.name, tuple(scores.shape))
+    shape = (len(ctx.setting.train), len(ctx.setting.test))
+    assert tuple(scores.shape) == shape, (method.name, tuple(scores.shape))
+    peak_mb = None if peak is None else peak / 1e6
     return MethodResult(method.name, method.source, "ok", scores, seconds, note, peak_mb)
 
 
-def _can_reset_peak() -> bool:
-    """Whether the resident-set high-water mark can be reset here (Linux, writable procfs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+_PEAK = os.access("/proc/self/clear_refs", os.W_OK)

@@ -1,18 +1,7 @@
-"""dattri 0.3.0's own attributors on the same reference checkpoints.
-
-* TracIn / Grad-Dot / Grad-Cos: ``dattri.algorithm.TracInAttributor``. As shipped it projects
-  every per-sample gradient to 512 dims (``DEFAULT_PROJECTOR_KWARGS``); the "unprojected" rows
-  set ``projector_kwargs = None`` after construction (same maths as dattri_llm's Grad-Dot).
-* TRAK-k: ``TRAKAttributor`` over k models each trained on a random half of the train set
-  (seeds disjoint from the ground-truth seeds), projected to 512 dims; ``p = exp(-loss)`` of
-  one sample (a language model: the geometric-mean token probability, as dattri's GPT-2
-  scripts), test side = the setting's target.
-* IF-explicit (digits-LR only: the explicit Hessian) with ``regularization = weight_decay``,
-  the full train set in one batch (so it is the exact Hessian of the mean loss).
-* IF-EKFAC: ``IFAttributorEKFAC`` on every ``nn.Linear``, damping swept, as shipped and with
-  two bugs worked around (:func:`_patched_ekfac_class`); classifiers only (dattri 0.3.0's
-  EK-FAC does not take sequence activations).
-"""
+"""dattri 0.3.0's own attributors on the same reference checkpoints: TracIn / Grad-Dot with
+its projector disabled (the same maths as ours), TRAK over half-data models (projected to 512,
+``p = exp(-loss)``), IF-explicit (regularization = weight decay, the full train set in one
+batch) and IF-EKFAC on every ``nn.Linear``, as shipped and with two bugs worked around."""
 
 from __future__ import annotations
 
@@ -42,10 +31,7 @@ def _task(ctx: Context, checkpoints: Any) -> Any:
 
 
 def _loaders(ctx: Context, bs: int = 100) -> tuple[DataLoader, DataLoader]:
-    return (
-        DataLoader(ctx.setting.train, batch_size=bs, shuffle=False),
-        DataLoader(ctx.setting.test, batch_size=bs, shuffle=False),
-    )
+    return DataLoader(ctx.setting.train, batch_size=bs), DataLoader(ctx.setting.test, batch_size=bs)
 
 
 def tracin(trajectory: bool = False) -> Any:
@@ -73,9 +59,8 @@ def half_models(ctx: Context, k: int) -> list[dict]:
     while len(have) < k:
         i = len(have)
         idx = np.random.default_rng(TRAK_SEED + i).choice(n, n // 2, replace=False)
-        loader = DataLoader(
-            Subset(ctx.setting.train, idx), batch_size=ctx.setting.batch_size, shuffle=True
-        )
+        half = Subset(ctx.setting.train, idx)
+        loader = DataLoader(half, batch_size=ctx.setting.batch_size, shuffle=True)
         model = ctx.setting.train_func(loader, seed=TRAK_SEED + i)
         have.append({key: v.detach().clone() for key, v in model.state_dict().items()})
     return have[:k]
@@ -185,7 +170,6 @@ def if_ekfac(damping: float, patched: bool = False) -> Any:
 
 
 def methods(quick: bool, classifier: bool = True) -> list[Method]:
-    """dattri's rows (a language model gets no IF-explicit: too many parameters)."""
     out = [
         Method("Grad-Dot (unprojected)", "dattri 0.3.0", tracin(), "projector disabled"),
         Method("TracIn (4 ckpts, unprojected)", "dattri 0.3.0", tracin(trajectory=True)),
@@ -196,7 +180,7 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
             "proj 512",
         ),
     ]
-    if classifier:
+    if classifier:  # a language model has too many parameters
         out.append(
             Method("IF-explicit", "dattri 0.3.0", if_explicit, "regularization = weight decay")
         )
@@ -213,5 +197,5 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
             )
         )
     for m in out:
-        m.quiet = True
+        m.quiet = True  # a tqdm bar per batch
     return out

@@ -1,9 +1,5 @@
-"""dattri_llm attributors on the reference checkpoints (live ``attribute`` path).
-
-Samples are dicts ``{"x", "y", "index"}`` (the ``index`` field makes every content hash unique
-even if two images were identical); rows are realigned to dataset order with
-``score.query(train_samples, test_samples)``.
-"""
+"""dattri_llm attributors on the reference checkpoints (live ``attribute`` path); samples are
+``{"x", "y", "index"}`` dicts, rows realigned with ``score.query(train, test)``."""
 
 from __future__ import annotations
 
@@ -16,18 +12,14 @@ import torch
 from experiments.benchmark.quality.common import as_dicts
 from experiments.benchmark.quality.methods import Context, Method
 
-#: Damping values swept for K-FAC / EK-FAC (absolute, added to the eigenvalues of the mean
-#: per-sample Fisher); ``None`` = the attributor's default, 0.1 x each layer's mean eigenvalue.
+#: Absolute dampings swept for K-FAC / EK-FAC (wider for the language models, shorter with
+#: ``non_kronecker="diagonal"``); ``None``: the default, 0.1 x each layer's mean eigenvalue.
 DAMPINGS: list[float | None] = [None, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
-#: Language models (per-sample loss = mean token cross-entropy): a wider sweep.
 DAMPINGS_LM: list[float | None] = [None, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
-
-#: ``non_kronecker="diagonal"`` rows (language models): a short sweep.
 DAMPINGS_LM_DIAGONAL: list[float] = [1e-7, 1e-5, 1e-3]
 
 
 def dampings(classifier: bool) -> list[float | None]:
-    """The damping sweep of a setting (``None`` = the attributor's default)."""
     return DAMPINGS if classifier else DAMPINGS_LM
 
 
@@ -56,8 +48,7 @@ def _task(ctx: Context, checkpoints: list[dict]) -> Any:
 
 def _score(ctx: Context, attributor: Any, **kwargs: Any) -> torch.Tensor:
     train, test = _samples(ctx)
-    score = attributor.attribute(train, test, **kwargs)
-    return score.query(train, test)
+    return attributor.attribute(train, test, **kwargs).query(train, test)
 
 
 def _samples(ctx: Context) -> tuple[list[dict], list[dict]]:
@@ -85,12 +76,9 @@ def tracin_family(normalized: bool = False, trajectory: bool = False) -> Any:
 
 
 def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
-    """Train / test gradient blocks at the final checkpoint, captured once per context.
-
-    The damping sweep then re-scores these blocks (``attribute_sources``) instead of running
-    the model over the train set again for every row: same gradients, same maths as the live
-    ``attribute`` path, which the Grad-Dot rows exercise.
-    """
+    """Train / test gradient blocks at the final checkpoint, captured once per context: the
+    language models' damping sweep re-scores them (``attribute_sources``, the same maths as the
+    live path) instead of running the model over the train set for every row."""
     if "final_blocks" not in ctx.extra:
         from dattri_llm.gradient.streaming import GradientStreamer, pad_collate
 
@@ -112,16 +100,13 @@ def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
 
 
 def kronecker(name: str, damping: float | None, non_kronecker: str = "skip") -> Any:
-    """K-FAC / EK-FAC row; one damping-free fit per (class, non-Kronecker handling) serves
-    every damping. ``non_kronecker="diagonal"`` also preconditions embeddings, norms and tied
-    groups with a non-linear site with their diagonal Fisher (default: left out)."""
+    """K-FAC / EK-FAC row; one fit per (class, ``non_kronecker``) serves every damping."""
 
     def fn(ctx: Context) -> torch.Tensor:
         import dattri_llm
 
         key = ("kronecker", name, non_kronecker)
-        # None = the attributor's default (0.1 x each layer's mean eigenvalue), spelled out so
-        # the row does not depend on the damping of the row before it
+        # the default spelled out: the row must not depend on the damping of the row before
         kwargs: dict[str, Any] = (
             {"damping": 0.1, "relative": True} if damping is None else {"damping": damping}
         )
@@ -147,26 +132,28 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
         Method("Grad-Cos", "dattri_llm", tracin_family(normalized=True)),
         Method("TracIn (4 ckpts, w=lr)", "dattri_llm", tracin_family(trajectory=True)),
     ]
-    for name, label in (("KFACAttributor", "K-FAC"), ("EKFACAttributor", "EK-FAC")):
-        for d in dampings(classifier):
-            default = "; default damping = 0.1 x each layer's mean eigenvalue"
-            out.append(
-                Method(
-                    f"{label} (damping={'default' if d is None else d})",
-                    "dattri_llm",
-                    kronecker(name, d),
-                    "empirical Fisher" + (default if d is None else ""),
-                )
-            )
+    fisher, default = "empirical Fisher", "; default damping = 0.1 x each layer's mean eigenvalue"
+    sweeps = [
+        ("KFACAttributor", "K-FAC", "skip", dampings(classifier), fisher),
+        ("EKFACAttributor", "EK-FAC", "skip", dampings(classifier), fisher),
+    ]
     if not classifier:
-        for d in [None, *DAMPINGS_LM_DIAGONAL]:
-            out.append(
-                Method(
-                    f"EK-FAC + diagonal (damping={'default' if d is None else d})",
-                    "dattri_llm",
-                    kronecker("EKFACAttributor", d, non_kronecker="diagonal"),
-                    "empirical Fisher; embeddings, norms and tied groups preconditioned by "
-                    "their diagonal Fisher (non_kronecker='diagonal')",
-                )
+        diagonal = (
+            f"{fisher}; embeddings, norms and tied groups preconditioned by their diagonal "
+            "Fisher (non_kronecker='diagonal')"
+        )
+        sweeps.append(
+            (
+                "EKFACAttributor",
+                "EK-FAC + diagonal",
+                "diagonal",
+                [None, *DAMPINGS_LM_DIAGONAL],
+                diagonal,
             )
+        )
+    for cls, label, handling, sweep, note in sweeps:
+        for d in sweep:
+            name = f"{label} (damping={'default' if d is None else d})"
+            suffix = default if d is None and handling == "skip" else ""
+            out.append(Method(name, "dattri_llm", kronecker(cls, d, handling), note + suffix))
     return out

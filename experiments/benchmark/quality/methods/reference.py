@@ -1,10 +1,6 @@
-"""Reference rows: random scores (the floor) and the exact-Hessian influence function (ceiling).
-
-The exact IF is an independent implementation (torch.func, float64, explicit Hessian of the
-training objective including its L2 term): ``score(i, j) = g_j^T (H + wd I)^{-1} g_i`` with
-``H`` the Hessian of the mean training loss at the final reference checkpoint. It is only
-formed when the model has at most ``MAX_EXACT_PARAMS`` parameters (digits-LR: 650).
-"""
+"""Reference rows: random scores (the floor) and the exact influence function (the ceiling):
+``g_test^T (H + wd I)^{-1} g_train`` with ``H`` the explicit Hessian of the mean training loss
+at the final checkpoint, float64, torch.func (models of at most ``MAX_EXACT_PARAMS``)."""
 
 from __future__ import annotations
 
@@ -18,9 +14,8 @@ MAX_EXACT_PARAMS = 4000
 
 def random_scores(ctx: Context) -> torch.Tensor:
     gen = torch.Generator().manual_seed(12345)
-    return torch.randn(
-        len(ctx.setting.train), len(ctx.setting.test), generator=gen, dtype=torch.float64
-    )
+    shape = (len(ctx.setting.train), len(ctx.setting.test))
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
 def per_sample_flat_grads(ctx: Context, state: dict, dataset) -> torch.Tensor:
@@ -30,10 +25,8 @@ def per_sample_flat_grads(ctx: Context, state: dict, dataset) -> torch.Tensor:
     x = dataset.x.to(torch.float64) if dataset.x.is_floating_point() else dataset.x
 
     def one(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return ctx.setting.loss_sum(model_call(p), {"x": xi[None], "y": yi[None]})
-
-    def model_call(p: dict):
-        return lambda inp: functional_call(model, p, (inp,))
+        call = lambda inp: functional_call(model, p, (inp,))  # noqa: E731
+        return ctx.setting.loss_sum(call, {"x": xi[None], "y": yi[None]})
 
     out = []
     for s in range(0, len(x), 250):
@@ -45,25 +38,20 @@ def per_sample_flat_grads(ctx: Context, state: dict, dataset) -> torch.Tensor:
 def exact_if(ctx: Context) -> torch.Tensor:
     model = ctx.model().to(torch.float64)
     params = {k: v.detach().to(torch.float64) for k, v in model.named_parameters()}
-    n_params = sum(v.numel() for v in params.values())
-    if n_params > MAX_EXACT_PARAMS:
-        raise Skipped(f"{n_params} parameters: explicit Hessian too large for this machine")
-    names, shapes = list(params), [v.shape for v in params.values()]
     sizes = [v.numel() for v in params.values()]
-    theta0 = torch.cat([v.reshape(-1) for v in params.values()])
+    if sum(sizes) > MAX_EXACT_PARAMS:
+        raise Skipped(f"{sum(sizes)} parameters: explicit Hessian too large for this machine")
     train = ctx.setting.train
     x = train.x.to(torch.float64)
 
     def objective(theta: torch.Tensor) -> torch.Tensor:
-        p = {n: t.view(s) for n, t, s in zip(names, theta.split(sizes), shapes)}
-        loss = ctx.setting.loss_sum(
-            lambda inp: functional_call(model, p, (inp,)), {"x": x, "y": train.y}
-        )
-        return loss / len(x)
+        p = {n: t.view(v.shape) for (n, v), t in zip(params.items(), theta.split(sizes))}
+        call = lambda inp: functional_call(model, p, (inp,))  # noqa: E731
+        return ctx.setting.loss_sum(call, {"x": x, "y": train.y}) / len(x)
 
-    h = hessian(objective)(theta0) + ctx.setting.weight_decay * torch.eye(
-        n_params, dtype=torch.float64
-    )
+    theta0 = torch.cat([v.reshape(-1) for v in params.values()])
+    wd = ctx.setting.weight_decay * torch.eye(sum(sizes), dtype=torch.float64)
+    h = hessian(objective)(theta0) + wd
     g_train = per_sample_flat_grads(ctx, ctx.final, train)
     g_test = per_sample_flat_grads(ctx, ctx.final, ctx.setting.test)
     return g_train @ torch.linalg.solve(h, g_test.T)

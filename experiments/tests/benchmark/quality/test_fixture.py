@@ -1,57 +1,62 @@
-"""CI-sized attribution-quality fixture: digits-LR, dattri's LDS protocol with a few subsets.
-
-A real check that the attributors rank training data correctly (not just that they run): the
-exact-Hessian influence function and EK-FAC must beat Grad-Dot's LDS, and random scores must
-sit at ~0. Ground truth comes from dattri 0.3.0's own ``retrain_lds`` /
-``calculate_lds_ground_truth``; the LDS is dattri's ``lds``. The char-GPT setting's pieces
-that need no download (play cleaning, the common-random-numbers batch stream, per-sample
-gradients of the char model) are checked at the end.
-"""
+"""CI-sized attribution-quality fixture: digits-LR under dattri's LDS protocol with a few
+subsets (the exact influence function and EK-FAC must beat Grad-Dot, random scores sit at ~0),
+the language-model settings' scores against torch.func, their loops' trajectory contract, and
+the trajectory adapters against brute-force trajectory LOO."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, Subset
 
 pytest.importorskip("sklearn")
 pytest.importorskip("dattri")
 
+from experiments.benchmark.quality import chargpt, digits  # noqa: E402
 from experiments.benchmark.quality import ground_truth as gtm  # noqa: E402
-from experiments.benchmark.quality.digits import make_setting  # noqa: E402
+from experiments.benchmark.quality.common import (  # noqa: E402
+    Setting,
+    TrainObserver,
+    TupleDataset,
+    lm_functions,
+    per_sample_ce,
+    seed_all,
+)
 from experiments.benchmark.quality.methods import (  # noqa: E402
     Context,
+    Method,
     ours,
     reference,
     run_method,
+    trajectory,
 )
 from experiments.benchmark.quality.metrics import (  # noqa: E402
     lds_metric,
+    loo_corr,
     spearman_columns,
     split_run_reliability,
 )
-from experiments.tests.helpers import tiny_chargpt  # noqa: E402
 
 NUM_SUBSETS = 10
-pytestmark = pytest.mark.slow  # ~20 s CPU, ~45 s wall on the shared 2-core machine
+pytestmark = pytest.mark.slow  # minutes on the shared 2-core machine
+
+
+def _ok(method: Method, ctx: Context) -> torch.Tensor:
+    r = run_method(method, ctx)
+    assert r.status == "ok", r.note
+    return r.scores
 
 
 @pytest.fixture(scope="module")
 def fixture(tmp_path_factory):
     torch.set_num_threads(1)
-    setting = make_setting("digits-lr")
+    setting = digits.make_setting("digits-lr")
     folder = tmp_path_factory.mktemp("quality")
     ckpts, _ = gtm.reference_run(setting, folder, seed=0)
     gt, _ = gtm.lds_ground_truth(setting, folder, NUM_SUBSETS, runs=2, seed=1000)
     return setting, Context(setting, ckpts), gt
-
-
-def _lds(ctx, gt, method):
-    r = run_method(method, ctx)
-    if r.status == "pending":
-        pytest.skip(f"{method.name}: {r.note}")
-    assert r.status == "ok", r.note
-    return r.scores, lds_metric(r.scores, gt)["mean"]
 
 
 def test_ground_truth_layout_and_reliability(fixture):
@@ -75,130 +80,127 @@ def test_vectorised_spearman_matches_scipy():
 
 def test_grad_dot_equals_brute_force(fixture):
     setting, ctx, _ = fixture
-    r = run_method(ours.methods(quick=True)[0], ctx)  # Grad-Dot
-    if r.status == "pending":
-        pytest.skip(r.note)
-    assert r.status == "ok", r.note
+    got = _ok(ours.methods(quick=True)[0], ctx)  # Grad-Dot
     g_train = reference.per_sample_flat_grads(ctx, ctx.final, setting.train)
     g_test = reference.per_sample_flat_grads(ctx, ctx.final, setting.test)
     want = g_train @ g_test.T
-    assert (r.scores - want).abs().max() <= 1e-4 * want.abs().max()  # float32 model
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # float32 model
 
 
 def test_influence_beats_grad_dot_and_random_is_zero(fixture):
     _, ctx, gt = fixture
-    _, lds_random = _lds(ctx, gt, reference.METHODS[0])
-    _, lds_exact = _lds(ctx, gt, reference.METHODS[1])
-    _, lds_grad_dot = _lds(ctx, gt, ours.methods(quick=True)[0])
+
+    def lds(method: Method) -> float:
+        return lds_metric(_ok(method, ctx), gt)["mean"]
+
+    lds_random, lds_exact = lds(reference.METHODS[0]), lds(reference.METHODS[1])
+    lds_grad_dot = lds(ours.methods(quick=True)[0])
     assert abs(lds_random) < 0.08
     assert lds_exact > 0.8
     assert lds_exact > lds_grad_dot + 0.2
-    ekfac = ours.Method("EK-FAC", "dattri_llm", ours.kronecker("EKFACAttributor", 1e-3))
-    _, lds_ekfac = _lds(ctx, gt, ekfac)
-    assert lds_ekfac > lds_grad_dot + 0.1
+    ekfac = Method("EK-FAC", "dattri_llm", ours.kronecker("EKFACAttributor", 1e-3))
+    assert lds(ekfac) > lds_grad_dot + 0.1
 
 
-# ---- char-GPT setting: pieces that need no download ----------------------------------------
+# ---- language-model settings ---------------------------------------------------------------
 def test_chargpt_clean_play_keeps_speeches_only():
-    from experiments.benchmark.quality.chargpt import clean_play
-
     md = (
         "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three Witches_\n\n"
         "**First Witch**  \nWhen shall we three meet again  \nIn thunder, _aside_ or in rain?\n\n"
         "**ALL**  \nFair is foul, and foul is fair:  \nHover through the fog.\n\n_Exeunt_\n"
     )
-    assert clean_play(md) == (
+    assert chargpt.clean_play(md) == (
         "First Witch:\nWhen shall we three meet again\nIn thunder, or in rain?\n\n"
         "ALL:\nFair is foul, and foul is fair:\nHover through the fog."
     )
 
 
 def test_chargpt_crn_stream_is_the_full_stream_restricted_to_the_subset():
-    from experiments.benchmark.quality.chargpt import HP, batch_stream
-
-    n = 300
-    full = torch.arange(n)
-    sub = torch.as_tensor(
-        sorted(torch.randperm(n, generator=torch.Generator().manual_seed(1))[:150].tolist())
+    n, full = 300, torch.arange(300)
+    sub = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:150].sort().values
+    # one reference run serves both variants
+    assert torch.equal(
+        torch.cat(chargpt.batch_stream(full, n, 3, crn=False)),
+        torch.cat(chargpt.batch_stream(full, n, 3, crn=True)),
     )
-    independent_full = torch.cat(batch_stream(full, n, 3, crn=False))
-    crn_full = torch.cat(batch_stream(full, n, 3, crn=True))
-    assert torch.equal(independent_full, crn_full)  # one reference run serves both variants
-    crn_sub = torch.cat(batch_stream(sub, n, 3, crn=True))
-    assert len(crn_sub) == HP["steps"] * HP["batch_size"]
+    crn_sub = torch.cat(chargpt.batch_stream(sub, n, 3, crn=True))
+    assert len(crn_sub) == chargpt.HP["steps"] * chargpt.HP["batch_size"]
     members = set(sub.tolist())
-    # the same permutation stream (epochs of randperm(n)) with non-members skipped
-    gen = torch.Generator().manual_seed(3)
-    want: list[int] = []
+    gen, want = torch.Generator().manual_seed(3), []  # epochs of randperm(n), others skipped
     while len(want) < len(crn_sub):
         want += [i for i in torch.randperm(n, generator=gen).tolist() if i in members]
     assert crn_sub.tolist() == want[: len(crn_sub)]
-    ind_sub = torch.cat(batch_stream(sub, n, 3, crn=False))
+    ind_sub = torch.cat(chargpt.batch_stream(sub, n, 3, crn=False))
     assert set(ind_sub.tolist()) <= members and not torch.equal(ind_sub, crn_sub)
 
 
-def test_chargpt_grad_dot_equals_brute_force_per_sample_gradients():
-    """dattri_llm's Grad-Dot on the char model (all layers: embeddings with a batched position
-    index, LayerNorms, linears) equals torch.func per-sample gradients, float64."""
-    from torch.func import functional_call, grad, vmap
-
-    from experiments.benchmark.quality.chargpt import CharGPT
-    from experiments.benchmark.quality.common import Setting, TupleDataset
-
-    torch.manual_seed(0)
-    vocab, t = 11, 8
-    model = CharGPT(vocab, block_size=t, n_layer=1, n_head=2, n_embd=8).to(torch.float64)
-    x = torch.randint(0, vocab, (14, t))
-    y = torch.randint(0, vocab, (14, t))
+def _lm_grad_dot(model: torch.nn.Module, make_model, test_loss, measure=None) -> None:
+    """dattri_llm's Grad-Dot on an LM setting over ``model`` equals torch.func per-sample
+    gradients of the train loss and of ``test_loss(p, x, y)``, float64."""
+    vocab, t = model(torch.zeros(1, 8, dtype=torch.long)).shape[-1], 8
+    x, y = torch.randint(0, vocab, (14, t)), torch.randint(0, vocab, (14, t))
     train, test = TupleDataset(x[:10], y[:10]), TupleDataset(x[10:], y[10:])
-
-    def per_sample(m, xb, yb):
-        return torch.nn.functional.cross_entropy(m(xb).transpose(1, 2), yb, reduction="none").mean(
-            1
-        )
-
-    def loss_sum(m, batch):
-        return per_sample(m, batch["x"], batch["y"]).sum()
-
-    setting = Setting(
-        name="tiny-char",
-        train=train,
-        test=test,
-        make_model=lambda: CharGPT(vocab, t, 1, 2, 8).to(torch.float64),
-        train_func=None,
-        target=None,
-        loss_sum=loss_sum,
-        make_loss_single=None,
-        batch_size=4,
-    )
+    fns = {k: v for k, v in lm_functions(measure).items() if k in ("loss_sum", "target_sum")}
+    setting = Setting("tiny", train, test, make_model, None, None, make_loss_single=None,
+                      batch_size=4, task_kind="lm", **fns)  # fmt: skip
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    r = run_method(ours.methods(quick=True, classifier=False)[0], Context(setting, [state]))
-    if r.status == "pending":
-        pytest.skip(r.note)
-    assert r.status == "ok", r.note
-    params = {k: v.detach() for k, v in model.named_parameters()}
+    got = _ok(ours.methods(quick=True, classifier=False)[0], Context(setting, [state]))
+    params = {k: v.detach() for k, v in model.named_parameters()}  # a tied matrix once
 
-    def one(p, xi, yi):
-        return per_sample(lambda inp: functional_call(model, p, (inp,)), xi[None], yi[None]).sum()
+    def ce(p, xi, yi):
+        return per_sample_ce(lambda i: functional_call(model, p, (i,)), xi[None], yi[None])[0]
 
-    def flat(ds):
-        g = vmap(grad(one), in_dims=(None, 0, 0))(params, ds.x, ds.y)
+    def flat(fn, ds):
+        g = vmap(grad(fn), in_dims=(None, 0, 0))(params, ds.x, ds.y)
         return torch.cat([g[k].reshape(len(ds.x), -1) for k in params], 1)
 
-    want = flat(train) @ flat(test).T
-    torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
+    want = flat(ce, train) @ flat(lambda p, xi, yi: test_loss(ce(p, xi, yi)), test).T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
+
+
+def test_chargpt_grad_dot_equals_brute_force_per_sample_gradients():
+    """All layers: embeddings with a batched position index, LayerNorms, linears."""
+    torch.manual_seed(0)
+
+    def make():
+        return chargpt.CharGPT(11, block_size=8, n_layer=1, n_head=2, n_embd=8).double()
+
+    _lm_grad_dot(make(), make, lambda ce: ce)
+
+
+def test_gpt2_grad_dot_with_log_odds_target_equals_brute_force():
+    """A tiny ``GPT2LMHeadModel`` (Conv1D, tied wte / lm_head) with dattri's log-odds target,
+    written out: ``-(log p - log(1 - p))``, ``p = exp(-CE)``."""
+    pytest.importorskip("transformers")
+    from experiments.benchmark.quality.gpt2 import TinyGPT2, neg_log_odds
+
+    torch.manual_seed(0)
+
+    def make():
+        return TinyGPT2(13, n_layer=1, n_head=2, n_embd=8).double()
+
+    model = make()
+    assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight  # tied
+
+    def log_odds_loss(ce):
+        prob = torch.exp(-ce)
+        return -(torch.log(prob) - torch.log(1 - prob))
+
+    _lm_grad_dot(model, make, log_odds_loss, neg_log_odds)
 
 
 def test_chargpt_observer_and_mask_index_follow_the_trajectory_contract(monkeypatch):
-    """char-gpt's loop takes ``observer=`` / ``mask_index=`` (gpt2's semantics): an observer
-    sees every update and leaves the weights bit-identical; ``mask_index`` drops that sample
-    from every batch of the same stream and equals a masked AdamW loop written out here."""
-    from torch.utils.data import DataLoader, Subset
-
-    from experiments.benchmark.quality.common import TrainObserver, seed_all
-
-    chargpt, setting = tiny_chargpt(monkeypatch)
-    assert setting.trajectory == "adamw"
+    """An observer sees every update and leaves the weights bit-identical; ``mask_index``
+    drops that sample from every batch of the same stream and equals a masked AdamW loop
+    written out here."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 9, (2, 44, 8), generator=gen)
+    blocks = (TupleDataset(x[:40], y[:40]), TupleDataset(x[40:], y[40:]), list("abcdefghi"), {})
+    monkeypatch.setattr(chargpt, "make_blocks", lambda: blocks)
+    monkeypatch.setattr(chargpt, "BLOCK", 8)
+    hp = {**chargpt.HP, "n_layer": 1, "n_head": 2, "n_embd": 8, "steps": 12, "batch_size": 4}
+    monkeypatch.setattr(chargpt, "HP", {**hp, "warmup": 3, "checkpoint_steps": [6, 12]})
+    setting = chargpt.make_setting("tiny-char")
 
     class Watch(TrainObserver):
         def __init__(self):
@@ -221,22 +223,16 @@ def test_chargpt_observer_and_mask_index_follow_the_trajectory_contract(monkeypa
     drop = int(watch.seen[2][1][1])
     masked_watch = Watch()
     masked = setting.train_func(loader, seed=5, mask_index=drop, observer=masked_watch)
-    for (_, full_idx), (_, idx) in zip(watch.seen, masked_watch.seen, strict=True):
-        assert torch.equal(idx, full_idx[full_idx != drop])
+    kept = [idx[idx != drop] for _, idx in watch.seen]
+    assert all(torch.equal(a, b) for a, (_, b) in zip(kept, masked_watch.seen, strict=True))
     # the same run written out: nanoGPT init, AdamW groups, schedule, masked batch mean
     seed_all(5)
     model = setting.make_model()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    hp = chargpt.HP
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": other}],
-        lr=hp["lr"],
-        betas=hp["betas"],
-        weight_decay=0.0,
-    )
-    for step, (_, full_idx) in enumerate(watch.seen, 1):
-        idx = full_idx[full_idx != drop]
+    groups = [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": other}]
+    opt = torch.optim.AdamW(groups, lr=hp["lr"], betas=hp["betas"], weight_decay=0.0)
+    for step, idx in enumerate(kept, 1):
         for group in opt.param_groups:
             group["lr"] = chargpt.lr_at(step)
         logits = model(setting.train.x[idx])
@@ -249,76 +245,18 @@ def test_chargpt_observer_and_mask_index_follow_the_trajectory_contract(monkeypa
     want, got = model.state_dict(), masked.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert any(not torch.equal(plain[k], got[k]) for k in plain)  # the removal did something
-
     half = DataLoader(Subset(setting.train, list(range(0, 40, 2))), batch_size=4)
     with pytest.raises(ValueError, match="mask_index=1 is not a member"):
         setting.train_func(half, seed=5, mask_index=1)
 
 
-# ---- gpt2 setting: Hugging Face GPT-2 (Conv1D, tied wte / lm_head), log-odds target --------
-def test_gpt2_grad_dot_with_log_odds_target_equals_brute_force():
-    """dattri_llm's Grad-Dot on a tiny ``GPT2LMHeadModel`` (Conv1D, tied wte / lm_head,
-    batched positions) with dattri's log-odds test target equals torch.func, float64."""
-    pytest.importorskip("transformers")
-    from torch.func import functional_call, grad, vmap
-
-    from experiments.benchmark.quality.common import Setting, TupleDataset
-    from experiments.benchmark.quality.gpt2 import TinyGPT2, neg_log_odds, per_sample_ce
-
-    torch.manual_seed(0)
-    vocab, t = 13, 8
-    model = TinyGPT2(vocab, n_layer=1, n_head=2, n_embd=8).to(torch.float64)
-    assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight  # tied
-    x, y = torch.randint(0, vocab, (14, t)), torch.randint(0, vocab, (14, t))
-    train, test = TupleDataset(x[:10], y[:10]), TupleDataset(x[10:], y[10:])
-    setting = Setting(
-        name="tiny-gpt2",
-        train=train,
-        test=test,
-        make_model=lambda: TinyGPT2(vocab, n_layer=1, n_head=2, n_embd=8).to(torch.float64),
-        train_func=None,
-        target=None,
-        loss_sum=lambda m, b: per_sample_ce(m, b["x"], b["y"]).sum(),
-        make_loss_single=None,
-        batch_size=4,
-        task_kind="lm",
-        target_sum=lambda m, b: neg_log_odds(per_sample_ce(m, b["x"], b["y"])).sum(),
-    )
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    r = run_method(ours.methods(quick=True, classifier=False)[0], Context(setting, [state]))
-    if r.status == "pending":
-        pytest.skip(r.note)
-    assert r.status == "ok", r.note
-    params = {k: v.detach() for k, v in model.named_parameters()}  # wte once (tied)
-
-    def ce(p, xi, yi):
-        logits = functional_call(model, p, (xi[None],))[0]
-        return torch.nn.functional.cross_entropy(logits, yi)
-
-    def log_odds_loss(p, xi, yi):  # -(log p - log(1 - p)), p = exp(-CE): written out
-        prob = torch.exp(-ce(p, xi, yi))
-        return -(torch.log(prob) - torch.log(1 - prob))
-
-    def flat(fn, ds):
-        g = vmap(grad(fn), in_dims=(None, 0, 0))(params, ds.x, ds.y)
-        return torch.cat([g[k].reshape(len(ds.x), -1) for k in params], 1)
-
-    want = flat(ce, train) @ flat(log_odds_loss, test).T
-    torch.testing.assert_close(r.scores, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
-
-
-# ---- trajectory methods: recording the reference run, DVEmb on an SGD run -----------------------
-def _short_run(monkeypatch, name: str, epochs: int, n_test: int | None = None):
-    """A digits setting trained for ``epochs``, its reference context, and a function giving
-    brute-force trajectory-specific LOO deltas ``(removed, n_test)`` (each sample masked out of
-    its batches, every epoch)."""
-    from torch.utils.data import DataLoader
-
-    from experiments.benchmark.quality import digits
-    from experiments.benchmark.quality.common import TupleDataset
-
+# ---- trajectory methods against brute-force trajectory LOO ---------------------------------
+def _short_run(monkeypatch, name: str, epochs: int, n_test: int | None = None, **hp):
+    """A digits setting trained for ``epochs``, its reference context, and ``deltas(removed)``:
+    brute-force trajectory LOO (each sample masked out of its batches, every epoch)."""
     torch.set_num_threads(1)
-    monkeypatch.setitem(digits.HPARAMS[name], "epochs", epochs)
+    for key, value in {"epochs": epochs, **hp}.items():
+        monkeypatch.setitem(digits.HPARAMS[name], key, value)
     setting = digits.make_setting(name)
     if n_test is not None:
         setting.test = TupleDataset(setting.test.x[:n_test], setting.test.y[:n_test])
@@ -336,63 +274,42 @@ def _short_run(monkeypatch, name: str, epochs: int, n_test: int | None = None):
 
 
 def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch):
-    """The trajectory adapters on a 2-epoch digits-MLP SGD run: the reference run re-trained
-    under the HookManager reproduces the weights bit for bit (the adapter refuses otherwise),
-    DVEmb (replayed from parameter snapshots) tracks brute-force trajectory-specific LOO (each
-    sample masked out of its batches), and AdamW-influence is refused on an SGD run."""
-    from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.metrics import loo_corr
-
+    """On a 2-epoch digits-MLP SGD run: the recording reproduces the weights bit for bit,
+    DVEmb (replayed from parameter snapshots) tracks the trajectory LOO, AdamW-influence is
+    refused, the explicit-Hessian reference skipped (digits-LR only)."""
     setting, ctx, deltas = _short_run(monkeypatch, "digits-mlp", epochs=2, n_test=40)
     rows = {m.name: run_method(m, ctx) for m in trajectory.methods(True, setting.trajectory)}
     refused = rows.pop("AdamW-influence")
     assert refused.status == "skipped" and "SGD" in refused.note, refused.note
     exact = rows.pop("Exact unrolled influence (explicit per-step Hessians)")
-    assert exact.status == "skipped" and "17226 parameters" in exact.note  # digits-LR only
-    for name, r in rows.items():
-        assert r.status == "ok", (name, r.note)
-        assert "bit-exact" in r.note
+    assert exact.status == "skipped" and "17226 parameters" in exact.note
+    dvemb = rows["DVEmb (empirical Fisher)"]
+    assert dvemb.status == "ok" and "bit-exact" in dvemb.note, dvemb.note
     removed = list(range(0, 1000, 77))
-    delta = deltas(removed)
-    corr = {name: loo_corr(r.scores[removed].numpy(), delta) for name, r in rows.items()}
-    assert corr["DVEmb (empirical Fisher)"] > 0.85, corr  # measured 0.95
+    assert loo_corr(dvemb.scores[removed].numpy(), deltas(removed)) > 0.85  # measured 0.95
 
 
 def test_exact_unrolled_influence_equals_trajectory_loo_on_a_short_lr_run(monkeypatch):
-    """The reference row of the SGD settings (first-order removal effect unrolled with each
-    step's explicit batch Hessian) matches brute-force trajectory-specific LOO on a 4-epoch
-    digits-LR run (measured Pearson 0.99995, scale 0.99): the harness's removal semantics
-    (mean over the others, every epoch) and the replayed trajectory are the trained ones."""
-    from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.metrics import loo_corr
-
+    """The explicit-Hessian unroll matches brute-force trajectory LOO on a 4-epoch digits-LR
+    run (measured Pearson 0.99995): the removal semantics (mean over the others, every epoch)
+    and the replayed trajectory are the trained ones."""
     _, ctx, deltas = _short_run(monkeypatch, "digits-lr", epochs=4)
-    r = run_method(ours.Method("exact", "reference", trajectory.exact_unroll), ctx)
-    assert r.status == "ok", r.note
+    scores = _ok(Method("exact", "reference", trajectory.exact_unroll), ctx)
     removed = list(range(0, 1000, 50))
-    delta = deltas(removed)
-    scores = r.scores[removed].numpy()
+    delta, scores = deltas(removed), scores[removed].numpy()
     assert loo_corr(scores, delta) > 0.999
-    # relative error 0.024 (first order vs the removal); a batch mean re-normalised over B
-    # instead of the B - 1 others gives 0.037
+    # first order vs the removal: 0.024; a batch mean re-normalised over B instead of B - 1: 0.037
     assert np.linalg.norm(scores - delta) / np.linalg.norm(delta) < 0.03
 
 
 def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monkeypatch):
-    """The AdamW-influence adapter's store path (per-sample gradients offloaded while the
-    setting's own loop trains under the hooks, identities set with ``set_sample_ids``, the
-    optimizer recorded around every update, ``loss_reduction="mean"``) on a 2-epoch AdamW run
-    of the digits LR (a test-only variant of the setting) tracks brute-force trajectory-specific
-    LOO (measured 0.977, scale 0.93)."""
-    from experiments.benchmark.quality import digits
-    from experiments.benchmark.quality.methods import trajectory
-    from experiments.benchmark.quality.metrics import loo_corr
-
-    for key, value in {"optimizer": "adamw", "lr": 1e-3, "wd": 0.01}.items():
-        monkeypatch.setitem(digits.HPARAMS["digits-lr"], key, value)
-    setting, ctx, deltas = _short_run(monkeypatch, "digits-lr", epochs=2)
-    assert setting.trajectory == "adamw"
-    r = run_method(trajectory.methods(True, "adamw")[0], ctx)  # every step, all coordinates
-    assert r.status == "ok", r.note
+    """AdamW-influence's store path (per-sample gradients offloaded under the hooks, identities
+    set per batch, the optimizer recorded around every update) on a 2-epoch AdamW run of the
+    digits LR tracks brute-force trajectory LOO (measured 0.977)."""
+    _, ctx, deltas = _short_run(
+        monkeypatch, "digits-lr", epochs=2, optimizer="adamw", lr=1e-3, wd=0.01
+    )
+    assert ctx.setting.trajectory == "adamw"
+    scores = _ok(trajectory.methods(True, "adamw")[0], ctx)  # every step, all coordinates
     removed = list(range(0, 1000, 50))
-    assert loo_corr(r.scores[removed].numpy(), deltas(removed)) > 0.9
+    assert loo_corr(scores[removed].numpy(), deltas(removed)) > 0.9
