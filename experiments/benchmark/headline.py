@@ -90,10 +90,8 @@ AdamW-influence, `ExactHessian`
     | t AdamW-influence, exact Hessian (every step)
 AdamW-influence (empirical Fisher), `push="exact"`
     | r AdamW-influence + exact push (every step, all coordinates)
-    | t AdamW-influence + exact push (every step)
 AdamW-influence, `ExactHessian`, `push="exact"`
     | r AdamW-influence, exact Hessian + exact push (every step, all coordinates)
-    | t AdamW-influence, exact Hessian + exact push (every step)
 AdamW-influence (empirical Fisher), `push="exact", exact_steps=2`
     | r AdamW-influence + exact push, exact_steps=2 (every step, all coordinates)
 AdamW-influence, `ExactHessian`, `push="exact", exact_steps=2`

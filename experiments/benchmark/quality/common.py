@@ -1,13 +1,10 @@
-"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, the language-model
-settings' data, loss and training loop, and the environment recorded with every result."""
+"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, and the
+language-model settings' data, loss and training loop."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,14 +45,10 @@ class TupleDataset(Dataset):
 
 @dataclass
 class Setting:
-    """One benchmark setting. ``train_func(loader, seed=None, return_checkpoints=False,
-    mask_index=None, observer=None)`` is dattri's retrain contract (``mask_index`` drops that
-    train index from every batch, all else as in the full run: the trajectory LOO);
-    ``target(model, loader)`` the per-test-sample loss; ``loss_sum`` / ``target_sum`` dattri_llm's
-    summed per-sample losses; ``make_loss_single`` / ``make_target_single`` dattri's
-    ``torch.func`` losses over one model instance; ``model_spec`` how kronfluence's venv rebuilds
-    the model; ``trajectory`` the optimizer family when the loop takes ``observer=``; ``config``
-    is recorded with the results and keys the ground-truth cache."""
+    """One benchmark setting: dattri's retrain contract ``train_func(loader, seed,
+    return_checkpoints, mask_index, observer)`` (``mask_index``: that sample masked out of its
+    batches), the per-test-sample ``target``, dattri_llm's summed and dattri's ``torch.func``
+    losses, how kronfluence's venv rebuilds the model, and the ``config`` keying the cache."""
 
     name: str
     train: TupleDataset
@@ -84,9 +77,8 @@ class Setting:
 
 
 class TrainObserver:
-    """Watches a setting's training loop: :meth:`run` is a context around the loop, then per
-    update ``step`` (0-based) :meth:`before_backward` (the batch's train indices and tensors,
-    before its forward) and :meth:`after_step` (right after ``optimizer.step()``)."""
+    """Watches a setting's training loop: a context around it, then per 0-based update the
+    batch's train indices and tensors before its forward, and the end of its step."""
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         return contextlib.nullcontext()
@@ -170,69 +162,41 @@ def lm_functions(measure: Callable[[torch.Tensor], torch.Tensor] | None = None) 
     return out
 
 
-def members(dataloader: Any, n_full: int, mask_index: int | None) -> torch.Tensor:
-    """The sorted train indices a loader (the train set or a ``Subset``) holds."""
-    ds = dataloader.dataset
-    if isinstance(ds, torch.utils.data.Subset):
-        out = torch.as_tensor(sorted(int(i) for i in ds.indices), dtype=torch.long)
-    else:
-        out = torch.arange(n_full)
-    if mask_index is not None and not bool((out == int(mask_index)).any()):
-        raise ValueError(f"mask_index={mask_index} is not a member of the training subset.")
-    return out
+def lm_train_func(train: TupleDataset, run: Callable, ckpt_steps: list[int]) -> Callable[..., Any]:
+    """dattri's train contract for a loader over the train set or a ``Subset`` of it:
+    ``run(subset indices, seed) -> (model, optimizer, train indices per 1-based step,
+    lr_at(step), loss(model, x, y))``, trained with the state dicts kept at ``ckpt_steps``."""
 
+    def train_func(
+        dataloader: Any, seed: int | None = None, return_checkpoints: bool = False,
+        mask_index: int | None = None, observer: TrainObserver | None = None, **_: Any,
+    ) -> Any:  # fmt: skip
+        ds, subset = dataloader.dataset, torch.arange(len(train))
+        if isinstance(ds, torch.utils.data.Subset):
+            subset = torch.as_tensor(sorted(int(i) for i in ds.indices), dtype=torch.long)
+        if mask_index is not None and not bool((subset == int(mask_index)).any()):
+            raise ValueError(f"mask_index={mask_index} is not a member of the training subset.")
+        model, opt, batches, lr_at, loss = run(subset, 0 if seed is None else int(seed))
+        ckpts, observer = [], observer or TrainObserver()
+        model.train()
+        with observer.run(model, opt):
+            for step, idx in enumerate(batches, 1):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step)
+                if mask_index is not None:
+                    idx = idx[idx != int(mask_index)]
+                if len(idx) == 0:
+                    continue
+                x, y = train.x[idx], train.y[idx]
+                observer.before_backward(step - 1, idx, {"x": x, "y": y})
+                value = loss(model, x, y)
+                opt.zero_grad(set_to_none=True)
+                value.backward()
+                opt.step()
+                observer.after_step(step - 1)
+                if step in ckpt_steps:
+                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        model.eval()
+        return (model, ckpts) if return_checkpoints else model
 
-def lm_train(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    train: TupleDataset,
-    batches: list[torch.Tensor],
-    lr_at: Callable[[int], float],
-    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
-    ckpt_steps: list[int],
-    mask_index: int | None = None,
-    observer: TrainObserver | None = None,
-) -> list[dict]:
-    """Train on ``batches`` (train indices per 1-based step, lr ``lr_at(step)``); returns the
-    state dicts at ``ckpt_steps``."""
-    ckpts, observer = [], observer or TrainObserver()
-    model.train()
-    with observer.run(model, opt):
-        for step, idx in enumerate(batches, 1):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            if mask_index is not None:
-                idx = idx[idx != int(mask_index)]
-            if len(idx) == 0:
-                continue
-            x, y = train.x[idx], train.y[idx]
-            observer.before_backward(step - 1, idx, {"x": x, "y": y})
-            value = loss(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            value.backward()
-            opt.step()
-            observer.after_step(step - 1)
-            if step in ckpt_steps:
-                ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    model.eval()
-    return ckpts
-
-
-def environment() -> dict[str, Any]:
-    """Versions, threads and machine facts recorded next to every result."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "cpu_count": os.cpu_count(),
-    }
-    for dist in ("dattri", "dattri_llm", "scikit-learn", "transformers", "scipy"):
-        with contextlib.suppress(PackageNotFoundError):
-            info[dist] = version(dist)
-        info.setdefault(dist, None)
-    return info
+    return train_func

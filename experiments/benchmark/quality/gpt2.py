@@ -25,8 +25,7 @@ from experiments.benchmark.quality.common import (
     Setting,
     draw_blocks,
     lm_functions,
-    lm_train,
-    members,
+    lm_train_func,
     per_sample_ce,
     seed_all,
 )
@@ -169,6 +168,10 @@ def pretrain(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return per_sample_ce(model, x, y).mean()
+
+
 def make_setting(name: str = "gpt2") -> Setting:
     """Build the ``gpt2`` setting (pre-trains once, cached)."""
     pre_ids, train, test, facts = make_data()
@@ -179,48 +182,30 @@ def make_setting(name: str = "gpt2") -> Setting:
     def lr_at(step: int, steps: int) -> float:
         return HP["lr"] * (1 - (step - 1) / steps)
 
-    def train_func(
-        dataloader: Any,
-        seed: int | None = None,
-        return_checkpoints: bool = False,
-        mask_index: int | None = None,
-        observer: Any = None,
-        **_: Any,
-    ) -> Any:
-        seed = 0 if seed is None else int(seed)
-        subset = members(dataloader, len(train), mask_index)
+    def run(subset: torch.Tensor, seed: int) -> tuple:
         seed_all(seed)
         model = TinyGPT2(**MODEL)
         model.load_state_dict(pretrained, strict=False)  # lm_head.weight is tied to wte
         opt = torch.optim.AdamW(model.parameters(), lr=HP["lr"], betas=HP["betas"], weight_decay=0)
-        gen, bs = torch.Generator().manual_seed(seed), HP["batch_size"]
-        batches = []
+        gen, bs, batches = torch.Generator().manual_seed(seed), HP["batch_size"], []
         for _epoch in range(HP["epochs"]):
             perm = subset[torch.randperm(len(subset), generator=gen)]
             batches += [perm[s : s + bs] for s in range(0, len(perm), bs)]
-
-        def lr(step: int) -> float:
-            return lr_at(step, len(batches))
-
-        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return per_sample_ce(m, x, y).mean()
-
-        ckpts = lm_train(model, opt, train, batches, lr, loss, ckpt_steps, mask_index, observer)
-        return (model, ckpts) if return_checkpoints else model
+        return model, opt, batches, lambda step: lr_at(step, len(batches)), _loss
 
     return Setting(
         name=name,
         train=train,
         test=test,
         make_model=lambda: TinyGPT2(**MODEL),
-        train_func=train_func,
+        train_func=lm_train_func(train, run, ckpt_steps),
         **lm_functions(neg_log_odds),
         batch_size=HP["batch_size"],
         checkpoint_epochs=ckpt_steps,
         lr=HP["lr"],
         weight_decay=0.0,
         model_spec={  # kronfluence: Conv1D swapped for nn.Linear, the tied lm_head untracked
-            "module": "experiments.benchmark.quality.gpt2",
+            "module": __name__,
             "factory": "TinyGPT2Linear",
             "kwargs": dict(MODEL),
             "tracked_exclude": r"gpt\.lm_head",

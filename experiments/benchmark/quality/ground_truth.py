@@ -10,11 +10,13 @@ key hashes everything that changes the numbers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from experiments.benchmark.quality.common import CACHE_DIR, Setting, environment
+from experiments.benchmark.quality.common import CACHE_DIR, Setting
 
 FORMAT_VERSION = 1
 Cached = tuple[dict[str, torch.Tensor], dict]
@@ -41,26 +43,39 @@ def cache_dir(setting: Setting, spec: dict[str, Any]) -> Path:
     return CACHE_DIR / f"{setting.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
+def _cached(
+    folder: Path, name: str, build: Callable[[], Cached], valid: Callable[[dict], bool] = bool
+) -> Cached:
+    """``name``'s tensors and metadata from ``folder``, else ``build()``'s, timed and written."""
+    st, js = folder / f"{name}.safetensors", folder / f"{name}.json"
+    if st.exists() and js.exists():
+        meta = json.loads(js.read_text())
+        if meta.get("format_version") == FORMAT_VERSION and valid(meta):
+            return load_file(str(st)), meta
+    t0 = time.perf_counter()
+    tensors, meta = build()
+    meta = {**meta, "seconds": time.perf_counter() - t0, "format_version": FORMAT_VERSION}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st))
+    js.write_text(json.dumps(meta, indent=1, default=str))
+    return tensors, meta
+
+
+@contextlib.contextmanager
+def _scratch(folder: Path, prefix: str) -> Iterator[Path]:
+    """A temporary folder for dattri's retrained weights, deleted afterwards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _model(setting: Setting, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     model = setting.make_model()
     model.load_state_dict(state)
     return model.eval()
-
-
-def _write(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> Cached:
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"{name}.safetensors"))
-    meta = {**meta, "format_version": FORMAT_VERSION, "environment": environment()}
-    (folder / f"{name}.json").write_text(json.dumps(meta, indent=1, default=str))
-    return tensors, meta
-
-
-def _read(folder: Path, name: str) -> Cached | None:
-    st, js = folder / f"{name}.safetensors", folder / f"{name}.json"
-    if not (st.exists() and js.exists()):
-        return None
-    meta = json.loads(js.read_text())
-    return (load_file(str(st)), meta) if meta.get("format_version") == FORMAT_VERSION else None
 
 
 def _loaders(setting: Setting) -> tuple[DataLoader, DataLoader]:
@@ -73,20 +88,15 @@ def _loaders(setting: Setting) -> tuple[DataLoader, DataLoader]:
 
 def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict], dict]:
     """Train (or load) the full-data reference run; returns its checkpoints (last = final)."""
-    cached = _read(folder, "reference")
-    if cached is None:
-        t0 = time.perf_counter()
+
+    def build() -> Cached:
         model, ckpts = setting.train_func(_loaders(setting)[0], seed=seed, return_checkpoints=True)
         ckpts = [*ckpts, {k: v.detach().clone() for k, v in model.state_dict().items()}]
         tensors = {f"ckpt{i}/{k}": v for i, c in enumerate(ckpts) for k, v in c.items()}
-        meta = {
-            "seed": seed,
-            "num_checkpoints": len(ckpts),
-            "checkpoint_epochs": setting.checkpoint_epochs + ["final"],
-            "seconds": time.perf_counter() - t0,
-        }
-        cached = _write(folder, "reference", tensors, meta)
-    tensors, meta = cached
+        meta = {"seed": seed, "num_checkpoints": len(ckpts)}
+        return tensors, {**meta, "checkpoint_epochs": setting.checkpoint_epochs + ["final"]}
+
+    tensors, meta = _cached(folder, "reference", build)
     ckpts = [dict() for _ in range(meta["num_checkpoints"])]
     for name, v in tensors.items():
         i, k = name.split("/", 1)
@@ -95,74 +105,60 @@ def reference_run(setting: Setting, folder: Path, seed: int) -> tuple[list[dict]
 
 
 def lds_ground_truth(
-    setting: Setting, folder: Path, num_subsets: int, runs: int, seed: int, **train_kwargs: Any
+    setting: Setting, folder: Path, num_subsets: int, runs: int, seed: int
 ) -> Cached:
     """dattri's LDS ground truth (``gt`` (S, n_test), ``indices`` (S, m)) plus ``per_run``."""
     from dattri.metric.ground_truth import calculate_lds_ground_truth
     from dattri.model_util.retrain import retrain_lds
 
-    cached = _read(folder, "lds")
-    if cached is not None:
-        return cached
-    t0 = time.perf_counter()
-    folder.mkdir(parents=True, exist_ok=True)
-    train_loader, test_loader = _loaders(setting)
-    tmp = Path(tempfile.mkdtemp(prefix="lds-", dir=folder))
-    per_ckpt: dict[str, torch.Tensor] = {}
+    def build() -> Cached:
+        train_loader, test_loader = _loaders(setting)
+        per_ckpt: dict[str, torch.Tensor] = {}
 
-    def target_func(ckpt_path: Any, dataloader: Any) -> torch.Tensor:
-        state = torch.load(ckpt_path, weights_only=True)
-        per_ckpt[str(Path(ckpt_path))] = setting.target(_model(setting, state), dataloader)
-        return per_ckpt[str(Path(ckpt_path))]
+        def target_func(path: Any, dataloader: Any) -> torch.Tensor:
+            state = torch.load(path, weights_only=True)
+            per_ckpt[str(Path(path))] = setting.target(_model(setting, state), dataloader)
+            return per_ckpt[str(Path(path))]
 
-    try:
-        retrain_lds(
-            setting.train_func,
-            train_loader,
-            str(tmp),
-            num_subsets=num_subsets,
-            subset_ratio=0.5,
-            num_runs_per_subset=runs,
-            seed=seed,
-            **train_kwargs,
-        )
-        gt, indices = calculate_lds_ground_truth(target_func, str(tmp), test_loader)
-        per_run = torch.stack(
-            [
-                torch.stack(
-                    [-per_ckpt[str(tmp / str(i) / f"model_weights_{j}.pt")] for j in range(runs)]
-                )
-                for i in range(num_subsets)
-            ]
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    meta = {
-        "num_subsets": num_subsets,
-        "subset_ratio": 0.5,
-        "runs_per_subset": runs,
-        "seed": seed,
-        "subset_seeds": f"numpy default_rng(seed + i), i = 0..{num_subsets - 1}",
-        "train_seeds": f"seed + i * {runs} + j",
-        "train_kwargs": train_kwargs,
-        "seconds": time.perf_counter() - t0,
-    }
-    tensors = {"gt": gt.to(torch.float64), "indices": indices.long(), "per_run": per_run}
-    return _write(folder, "lds", tensors, meta)
+        with _scratch(folder, "lds-") as tmp:
+            retrain_lds(
+                setting.train_func,
+                train_loader,
+                str(tmp),
+                num_subsets=num_subsets,
+                subset_ratio=0.5,
+                num_runs_per_subset=runs,
+                seed=seed,
+            )
+            gt, indices = calculate_lds_ground_truth(target_func, str(tmp), test_loader)
+            per_run = torch.stack(
+                [
+                    torch.stack(
+                        [
+                            -per_ckpt[str(tmp / str(i) / f"model_weights_{j}.pt")]
+                            for j in range(runs)
+                        ]
+                    )
+                    for i in range(num_subsets)
+                ]
+            )
+        meta = {
+            "num_subsets": num_subsets,
+            "subset_ratio": 0.5,
+            "runs_per_subset": runs,
+            "seed": seed,
+            "subset_seeds": f"numpy default_rng(seed + i), i = 0..{num_subsets - 1}",
+            "train_seeds": f"seed + i * {runs} + j",
+        }
+        return {"gt": gt.to(torch.float64), "indices": indices.long(), "per_run": per_run}, meta
+
+    return _cached(folder, "lds", build)
 
 
 def loo_ground_truth(setting: Setting, folder: Path, indices: list[int], seed: int) -> Cached:
     """dattri's LOO ground truth: ``gt`` (num_removed, n_test), ``indices`` (num_removed,)."""
     from dattri.metric.ground_truth import calculate_loo_ground_truth
     from dattri.model_util.retrain import retrain_loo
-
-    cached = _read(folder, "loo")
-    if cached is not None:
-        return cached
-    t0 = time.perf_counter()
-    folder.mkdir(parents=True, exist_ok=True)
-    train_loader, test_loader = _loaders(setting)
-    tmp = Path(tempfile.mkdtemp(prefix="loo-", dir=folder))
 
     # retrain_loo saves what the train function returns: a state dict, so nothing is pickled
     def train_state_dict(dataloader: Any, seed: int | None = None, **kw: Any) -> dict:
@@ -172,18 +168,15 @@ def loo_ground_truth(setting: Setting, folder: Path, indices: list[int], seed: i
     def target_func(state: dict, dataloader: Any) -> torch.Tensor:
         return setting.target(_model(setting, state), dataloader)
 
-    try:
-        retrain_loo(train_state_dict, train_loader, str(tmp), indices=list(indices), seed=seed)
-        gt, removed = calculate_loo_ground_truth(target_func, str(tmp), test_loader)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    meta = {
-        "removed_indices": list(indices),
-        "seed": seed,
-        "loader": "unshuffled",
-        "seconds": time.perf_counter() - t0,
-    }
-    return _write(folder, "loo", {"gt": gt.to(torch.float64), "indices": removed.long()}, meta)
+    def build() -> Cached:
+        train_loader, test_loader = _loaders(setting)
+        with _scratch(folder, "loo-") as tmp:
+            retrain_loo(train_state_dict, train_loader, str(tmp), indices=list(indices), seed=seed)
+            gt, removed = calculate_loo_ground_truth(target_func, str(tmp), test_loader)
+        meta = {"removed_indices": list(indices), "seed": seed, "loader": "unshuffled"}
+        return {"gt": gt.to(torch.float64), "indices": removed.long()}, meta
+
+    return _cached(folder, "loo", build)
 
 
 def trajectory_loo_ground_truth(
@@ -194,40 +187,35 @@ def trajectory_loo_ground_truth(
     and must reproduce ``reference`` bit for bit, or the masked runs are not comparable."""
     from tqdm.auto import tqdm
 
-    cached = _read(folder, "trajectory_loo")
-    if cached is not None and cached[1].get("removed_indices") == list(indices):
-        return cached
-    t0 = time.perf_counter()
-    loader, test_loader = _loaders(setting)
-    base_model = setting.train_func(loader, seed=seed)
-    state = base_model.state_dict()
-    drift = max(
-        float((state[k].detach() - v).abs().max()) for k, v in reference.items() if k in state
-    )
-    if drift != 0.0:
-        raise RuntimeError(
-            f"trajectory LOO: re-training the reference run moved the weights by {drift:.3e}"
+    def build() -> Cached:
+        loader, test_loader = _loaders(setting)
+        base_model = setting.train_func(loader, seed=seed)
+        state = base_model.state_dict()
+        drift = max(float((state[k] - v).abs().max()) for k, v in reference.items() if k in state)
+        if drift != 0.0:
+            raise RuntimeError(f"trajectory LOO: the reference run re-trained moved by {drift:.3e}")
+        base = setting.target(base_model, test_loader)
+        gt = torch.stack(
+            [
+                setting.target(
+                    setting.train_func(loader, seed=seed, mask_index=int(i)), test_loader
+                )
+                for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False)
+            ]
         )
-    base = setting.target(base_model, test_loader)
-    rows = [
-        setting.target(setting.train_func(loader, seed=seed, mask_index=int(i)), test_loader)
-        for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False)
-    ]
-    gt = torch.stack(rows)
-    delta = gt - base
-    meta = {
-        "removed_indices": list(indices),
-        "seed": seed,
-        "kind": "trajectory-specific: sample masked out of its batch, all else identical",
-        "reference_reproduced": "bit-exact (max |weight difference| = 0)",
-        "mean_abs_delta": float(delta.abs().mean()),
-        "max_abs_delta": float(delta.abs().max()),
-        "seconds": time.perf_counter() - t0,
-    }
-    tensors = {
-        "gt": gt.to(torch.float64),
-        "indices": torch.as_tensor(list(indices), dtype=torch.long),
-        "delta": delta.to(torch.float64),
-        "base": base.to(torch.float64),
-    }
-    return _write(folder, "trajectory_loo", tensors, meta)
+        delta = gt - base
+        meta = {
+            "removed_indices": list(indices),
+            "seed": seed,
+            "kind": "trajectory-specific: sample masked out of its batch, all else identical",
+            "reference_reproduced": "bit-exact (max |weight difference| = 0)",
+            "mean_abs_delta": float(delta.abs().mean()),
+            "max_abs_delta": float(delta.abs().max()),
+        }
+        index = torch.as_tensor(list(indices), dtype=torch.long)
+        tensors = {"gt": gt.to(torch.float64), "indices": index, "delta": delta.to(torch.float64)}
+        return {**tensors, "base": base.to(torch.float64)}, meta
+
+    return _cached(
+        folder, "trajectory_loo", build, lambda meta: meta.get("removed_indices") == list(indices)
+    )

@@ -17,17 +17,14 @@ import re
 import sys
 import time
 
-import torch
-
 from experiments.benchmark.quality import ground_truth as gtm
-from experiments.benchmark.quality.common import RESULTS_DIR, Setting, environment
+from experiments.benchmark.quality.common import RESULTS_DIR, Setting
 from experiments.benchmark.quality.methods import Context, Method, MethodResult, run_method
 from experiments.benchmark.quality.metrics import lds_metric, loo_metric, split_run_reliability
+from experiments.benchmark.utils.env import header
 
 SETTINGS = ("digits-lr", "digits-mlp", "char-gpt", "gpt2")
 LDS_SEED, LOO_SEED = 1000, 0
-#: char-gpt's LDS ground-truth variants (extra keyword ``crn`` of its train function).
-VARIANTS = {"independent": "independent seeds (dattri)", "crn": "common random numbers"}
 #: gpt2 --quick: the rows that fit its budget.
 GPT2_QUICK_ROWS = re.compile(
     r"^(Random|Grad-(Dot|Cos)|TracIn \(4 ckpts, w=lr\)|EK-FAC( \+ diagonal)? \(damping=.*|"
@@ -43,7 +40,7 @@ def protocol(setting: str, quick: bool) -> dict:
         "char-gpt": (2000, 40, 200, 8),
         "gpt2": (1000, 20, 100, 10),
     }.get(setting, (1000, 10, 50, 16))
-    spec = {
+    return {
         "num_subsets": subsets if quick else 50,
         "runs": 2,
         "loo_indices": list(range(20 if quick else 100)) if setting.startswith("digits") else [],
@@ -51,9 +48,6 @@ def protocol(setting: str, quick: bool) -> dict:
         "loo_seed": LOO_SEED,
         "trajectory_loo_indices": list(range(0, n_train, quick_step if quick else step)),
     }
-    if setting == "char-gpt":
-        spec["variants"] = list(VARIANTS)
-    return spec
 
 
 def build_setting(name: str) -> Setting:
@@ -119,27 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     args = " ".join(sys.argv[1:] if argv is None else argv)
     omp = os.environ.get("OMP_NUM_THREADS", "<unset>")
     command = f"OMP_NUM_THREADS={omp} python -m experiments.benchmark.quality.run {args}"
-    env = environment()
-    if not a.no_peers:
-        from experiments.benchmark.quality.methods.kronfluence_peer import version
-
-        env["kronfluence"] = version()
-    print(f"# {command}\n# threads={torch.get_num_threads()} {env}", flush=True)
+    env = header(f"Attribution quality: {a.setting}")  # versions, threads, machine
+    print(env, flush=True)
     t_start = time.perf_counter()
     setting = build_setting(a.setting)
     spec = protocol(a.setting, a.quick)
     folder = gtm.cache_dir(setting, spec)
     seed = spec["loo_seed"]
     ckpts, ref_meta = gtm.reference_run(setting, folder, seed=seed)
-    lds_gts, lds_metas, reliabilities = {}, {}, {}
-    for variant in spec.get("variants", ["default"]):
-        sub = folder if variant == "default" else folder / variant
-        kwargs = {"crn": [spec["lds_seed"], spec["runs"]]} if variant == "crn" else {}
-        lds_gts[variant], lds_metas[variant] = gtm.lds_ground_truth(
-            setting, sub, spec["num_subsets"], spec["runs"], seed=spec["lds_seed"], **kwargs
-        )
-        reliabilities[variant] = split_run_reliability(lds_gts[variant]["per_run"])
-    primary = next(iter(lds_gts))
+    lds_gt, lds_meta = gtm.lds_ground_truth(
+        setting, folder, spec["num_subsets"], spec["runs"], seed=spec["lds_seed"]
+    )
+    reliability = split_run_reliability(lds_gt["per_run"])
     loo_gt = loo_meta = tsloo_gt = tsloo_meta = None
     if spec["loo_indices"]:
         loo_gt, loo_meta = gtm.loo_ground_truth(setting, folder, spec["loo_indices"], seed=seed)
@@ -158,15 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         r = run_method(method, ctx)
         results.append(r)
         ok = r.status == "ok"
-        by_variant = {v: lds_metric(r.scores, g) if ok else None for v, g in lds_gts.items()}
         row = {
             "method": r.name,
             "source": r.source,
             "status": r.status,
-            "lds": by_variant[primary],
+            "lds": lds_metric(r.scores, lds_gt) if ok else None,
             "loo": loo_metric(r.scores, loo_gt) if ok and loo_gt else None,
             "tsloo": loo_metric(r.scores, tsloo_gt) if ok and tsloo_gt else None,
-            "lds_variants": by_variant,
             "seconds": r.seconds,
             "peak_mb": r.peak_mb,
             "note": r.note,
@@ -183,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         "quick": a.quick,
         "config": setting.config,
         "protocol": spec,
-        "lds_ground_truth": lds_metas[primary],
-        "lds_ground_truth_variants": lds_metas,
-        "reliability_variants": reliabilities,
+        "lds_ground_truth": lds_meta,
         "loo_ground_truth": loo_meta,
         "trajectory_loo_ground_truth": tsloo_meta,
         "reference_run": ref_meta,
-        "reliability": reliabilities[primary],
+        "reliability": reliability,
         "rows": rows,
         "agreement": agreement,
         "environment": env,

@@ -1,12 +1,7 @@
-"""Trajectory methods (LESS, AdamW-influence, DVEmb) on the reference run, recorded once more.
-
-They read the run itself: the reference run is re-trained with the setting's own loop under a
-``HookManager`` (through its observer), writing each step's per-sample gradients to a store or
-the parameters and batches for a replay, the optimizer state around every update, and the
-optimizer state at the TracIn checkpoints (LESS). The recording must reproduce the cached
-reference weights bit for bit (refused otherwise). Recordings are cached beside the ground
-truth with their time and peak memory, which every row on them reports in its note.
-"""
+"""Trajectory methods (LESS, AdamW-influence, DVEmb) on the reference run, recorded once more:
+re-trained with the setting's own loop under a ``HookManager`` (through its observer), which
+must reproduce the cached reference weights bit for bit. Recordings are cached beside the
+ground truth with their time and peak memory, which every row on them reports in its note."""
 
 from __future__ import annotations
 
@@ -175,10 +170,8 @@ def _note(rec: dict, extra: str = "") -> str:
     ).lstrip("; ")
 
 
-#: Queries are unrolled in chunks of at most this many bytes of (rows x coordinates): the
-#: adjoint sweep makes a fresh (rows, P) tensor per elementwise op, and above glibc's 32 MB
-#: mmap threshold every one of them is page-faulted in anew (5-9x slower on this machine); the
-#: chunks' sweeps re-read each step, which costs less. Scores do not depend on the chunking.
+#: Query chunks of at most this many bytes of (rows x coordinates): above glibc's 32 MB mmap
+#: threshold every temporary of the adjoint sweep is page-faulted in anew (5-9x slower).
 QUERY_CHUNK_BYTES = 8_000_000
 
 
@@ -332,57 +325,6 @@ def adamw_influence_on_sgd(ctx: Context) -> torch.Tensor:
     raise RuntimeError("AdamW-influence accepted an SGD run")
 
 
-def exact_unroll(ctx: Context) -> torch.Tensor:
-    """DVEmb's maths with each step's exact batch Hessian (explicit, float64; small models).
-
-    SGD with coupled weight decay: removing ``z`` from its batch changes the step by
-    ``-η (G - g_z) / (B - 1)`` and every later step carries the change through its Jacobian
-    ``I - η (H_B + λ I)``; an adjoint sweep of the queries' gradients at θ_T scores every
-    occurrence, and a sample's score sums its occurrences.
-    """
-    from torch.func import functional_call, grad, hessian, vmap
-
-    from dattri_llm import OptimizerDynamics, TrajectorySnapshots
-    from experiments.benchmark.quality.methods.reference import (
-        MAX_EXACT_PARAMS,
-        per_sample_flat_grads,
-    )
-
-    model = ctx.model().to(torch.float64)
-    names, params = zip(*model.named_parameters())
-    shapes, sizes = [p.shape for p in params], [p.numel() for p in params]
-    if sum(sizes) > MAX_EXACT_PARAMS:
-        raise Skipped(f"{sum(sizes)} parameters: explicit per-step Hessians too large")
-    rec, _ = _replay(ctx)
-    snaps = TrajectorySnapshots(rec["trajectory"])
-    lrs = OptimizerDynamics(rec["trajectory"]).learning_rates()
-    train = ctx.setting.train
-    where = {train.x[i].numpy().tobytes(): i for i in range(len(train))}
-
-    def mean_loss(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        p = {n: t.view(s) for n, t, s in zip(names, theta.split(sizes), shapes)}
-        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
-
-    def one(theta: torch.Tensor, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return mean_loss(theta, xi[None], yi[None])
-
-    adj = per_sample_flat_grads(ctx, ctx.final, ctx.setting.test)  # (M, P) at θ_T
-    scores = torch.zeros(len(train), adj.shape[0], dtype=torch.float64)
-    eye = ctx.setting.weight_decay * torch.eye(sum(sizes), dtype=torch.float64)
-    for step in sorted(snaps.steps("parameters"), reverse=True):
-        state, _ = snaps.load_parameters(step)
-        theta = torch.cat([state[n].to(torch.float64).reshape(-1) for n in names])
-        batch = snaps.load_batch(step)
-        x, y = batch["x"].to(torch.float64), batch["y"]
-        idx = torch.as_tensor([where[r.numpy().tobytes()] for r in batch["x"]])
-        eta = float(lrs[step])
-        g = vmap(grad(one), in_dims=(None, 0, 0))(theta, x, y)  # (B, P)
-        push = -eta * (g.mean(0) - g) / (len(idx) - 1)  # δθ' of removing each sample
-        scores.index_add_(0, idx, push @ adj.T)
-        adj = adj - eta * adj @ (hessian(mean_loss)(theta, x, y) + eye)
-    return scores
-
-
 # ---- rows --------------------------------------------------------------------------------------
 def methods(quick: bool, kind: str) -> list[Method]:
     """The trajectory rows of a run of optimizer family ``kind`` (``Setting.trajectory``)."""
@@ -407,12 +349,6 @@ def methods(quick: bool, kind: str) -> list[Method]:
         ]
     if kind == "sgd":
         return [
-            Method(
-                "Exact unrolled influence (explicit per-step Hessians)",
-                "reference",
-                exact_unroll,
-                "float64; DVEmb's maths with each step's exact batch Hessian",
-            ),
             Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd),
             Method("AdamW-influence", "dattri_llm", adamw_influence_on_sgd),
         ]
