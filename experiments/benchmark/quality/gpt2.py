@@ -25,9 +25,9 @@ from experiments.benchmark.quality.common import (
     Setting,
     draw_blocks,
     lm_functions,
-    lm_train_func,
     per_sample_ce,
     seed_all,
+    train_func_of,
 )
 
 __all__ = ["TinyGPT2", "TinyGPT2Linear", "make_setting", "neg_log_odds", "per_sample_ce"]
@@ -182,7 +182,7 @@ def make_setting(name: str = "gpt2") -> Setting:
     def lr_at(step: int, steps: int) -> float:
         return HP["lr"] * (1 - (step - 1) / steps)
 
-    def run(subset: torch.Tensor, seed: int) -> tuple:
+    def run(loader: Any, subset: torch.Tensor, seed: int) -> tuple:
         seed_all(seed)
         model = TinyGPT2(**MODEL)
         model.load_state_dict(pretrained, strict=False)  # lm_head.weight is tied to wte
@@ -191,14 +191,14 @@ def make_setting(name: str = "gpt2") -> Setting:
         for _epoch in range(HP["epochs"]):
             perm = subset[torch.randperm(len(subset), generator=gen)]
             batches += [perm[s : s + bs] for s in range(0, len(perm), bs)]
-        return model, opt, batches, lambda step: lr_at(step, len(batches)), _loss
+        return model, opt, batches, lambda step: lr_at(step, len(batches)), _loss, ckpt_steps
 
     return Setting(
         name=name,
         train=train,
         test=test,
         make_model=lambda: TinyGPT2(**MODEL),
-        train_func=lm_train_func(train, run, ckpt_steps),
+        train_func=train_func_of(train, run),
         **lm_functions(neg_log_odds),
         batch_size=HP["batch_size"],
         checkpoint_epochs=ckpt_steps,
