@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = gtm.cache_dir(setting, spec)
     seed = spec["loo_seed"]
     ckpts, ref_meta = gtm.reference_run(setting, folder, seed=seed)
-    lds_gt, lds_meta = gtm.lds_ground_truth(
-        setting, folder, spec["num_subsets"], spec["runs"], seed=spec["lds_seed"]
-    )
+    subsets, runs = spec["num_subsets"], spec["runs"]
+    lds_gt, lds_meta = gtm.lds_ground_truth(setting, folder, subsets, runs, seed=spec["lds_seed"])
     reliability = split_run_reliability(lds_gt["per_run"])
     loo_gt = loo_meta = tsloo_gt = tsloo_meta = None
     if spec["loo_indices"]:
@@ -143,39 +142,22 @@ def main(argv: list[str] | None = None) -> int:
         r = run_method(method, ctx)
         results.append(r)
         ok = r.status == "ok"
-        row = {
-            "method": r.name,
-            "source": r.source,
-            "status": r.status,
-            "lds": lds_metric(r.scores, lds_gt) if ok else None,
-            "loo": loo_metric(r.scores, loo_gt) if ok and loo_gt else None,
-            "tsloo": loo_metric(r.scores, tsloo_gt) if ok and tsloo_gt else None,
-            "seconds": r.seconds,
-            "peak_mb": r.peak_mb,
-            "note": r.note,
-        }
+        row = {"method": r.name, "source": r.source, "status": r.status}
+        row["lds"] = lds_metric(r.scores, lds_gt) if ok else None
+        row["loo"] = loo_metric(r.scores, loo_gt) if ok and loo_gt else None
+        row["tsloo"] = loo_metric(r.scores, tsloo_gt) if ok and tsloo_gt else None
+        row |= {"seconds": r.seconds, "peak_mb": r.peak_mb, "note": r.note}
         rows.append(row)
         cells = " | ".join(f"{k} {fmt(row[k])}" for k in ("lds", "loo", "tsloo"))
         print(f"{r.source} | {r.name} | {r.status} | {cells} | {r.seconds:.1f} s | {r.note}")
 
     agreement = score_agreement(results)
     print("\n".join(f"# {line}" for line in agreement))
-    out = {
-        "command": command,
-        "setting": setting.name,
-        "quick": a.quick,
-        "config": setting.config,
-        "protocol": spec,
-        "lds_ground_truth": lds_meta,
-        "loo_ground_truth": loo_meta,
-        "trajectory_loo_ground_truth": tsloo_meta,
-        "reference_run": ref_meta,
-        "reliability": reliability,
-        "rows": rows,
-        "agreement": agreement,
-        "environment": env,
-        "total_seconds": time.perf_counter() - t_start,
-    }
+    out = {"command": command, "setting": setting.name, "quick": a.quick, "config": setting.config}
+    out |= {"protocol": spec, "lds_ground_truth": lds_meta, "loo_ground_truth": loo_meta}
+    out |= {"trajectory_loo_ground_truth": tsloo_meta, "reference_run": ref_meta}
+    out |= {"reliability": reliability, "rows": rows, "agreement": agreement, "environment": env}
+    out["total_seconds"] = time.perf_counter() - t_start
     path = RESULTS_DIR / f"quality_{setting.name}{'-quick' if a.quick else ''}.json"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str))

@@ -20,14 +20,9 @@ TRAK_SEED = 777_000
 def _task(ctx: Context, checkpoints: Any) -> Any:
     from dattri.task import AttributionTask
 
-    model = ctx.model()
-    make_target = ctx.setting.make_target_single
-    return AttributionTask(
-        loss_func=ctx.setting.make_loss_single(model),
-        model=model,
-        checkpoints=checkpoints,
-        target_func=None if make_target is None else make_target(model),
-    )
+    model, s = ctx.model(), ctx.setting
+    target = None if s.make_target_single is None else s.make_target_single(model)
+    return AttributionTask(s.make_loss_single(model), model, checkpoints, target_func=target)
 
 
 def _loaders(ctx: Context, bs: int = 100) -> tuple[DataLoader, DataLoader]:
@@ -41,9 +36,8 @@ def tracin(trajectory: bool = False) -> Any:
         from dattri.algorithm.tracin import TracInAttributor
 
         ckpts = ctx.trajectory if trajectory else [ctx.final]
-        weights = torch.tensor(
-            ctx.setting.tracin_weights(len(ckpts)) if trajectory else [1.0] * len(ckpts)
-        )
+        weights = ctx.setting.tracin_weights(len(ckpts)) if trajectory else [1.0] * len(ckpts)
+        weights = torch.tensor(weights)
         attributor = TracInAttributor(_task(ctx, ckpts), weight_list=weights, normalized_grad=False)
         attributor.projector_kwargs = None  # its default projects to 512 dimensions
         train, test = _loaders(ctx)
@@ -96,27 +90,18 @@ def if_explicit(ctx: Context) -> torch.Tensor:
     n_params = sum(p.numel() for p in ctx.model().parameters())
     if n_params > MAX_EXACT_PARAMS:
         raise Skipped(f"{n_params} parameters: explicit Hessian too large")
-    attributor = IFAttributorExplicit(
-        _task(ctx, ctx.final), regularization=ctx.setting.weight_decay
-    )
-    full = DataLoader(ctx.setting.train, batch_size=len(ctx.setting.train), shuffle=False)
-    attributor.cache(full)
+    task, wd = _task(ctx, ctx.final), ctx.setting.weight_decay
+    attributor = IFAttributorExplicit(task, regularization=wd)
+    attributor.cache(DataLoader(ctx.setting.train, batch_size=len(ctx.setting.train)))
     train, test = _loaders(ctx)
     return attributor.attribute(train, test)
 
 
 def _patched_ekfac_class() -> Any:
-    """dattri 0.3.0's ``IFAttributorEKFAC`` with its two bugs worked around (found here):
-
-    1. ``torch.linalg.eigh`` returns eigenvectors as *columns*, but dattri rotates with
-       ``q @ X @ q.T`` (rows) in the eigenvalue correction (``func/fisher.py``) and the inverse
-       (``algorithm/influence_function.py``): the "eigenvalues" are second moments in an
-       unrelated rotation. Handing it ``Qᵀ`` makes it compute ``Qᵀ X Q``.
-    2. The test gradient ``[weight.flatten(), bias]`` is reshaped to ``(out, in + 1)``, so the
-       bias does not land in the last column where the statistics' hook put the constant 1
-       (and the result is flattened back the same way, which is why near-identity
-       preconditioning returns *exactly* Grad-Dot).
-    """
+    """dattri 0.3.0's ``IFAttributorEKFAC`` with its two bugs worked around: ``eigh``'s
+    eigenvectors are columns but it rotates with ``q @ X @ q.T`` (handed ``Qᵀ`` it computes
+    ``Qᵀ X Q``), and it reshapes the test gradient ``[weight.flatten(), bias]`` to
+    ``(out, in + 1)``, so the bias misses the last column where its hook put the constant 1."""
     import dattri.func.fisher as fisher
     from dattri.algorithm import IFAttributorEKFAC
 
@@ -170,32 +155,20 @@ def if_ekfac(damping: float, patched: bool = False) -> Any:
 
 
 def methods(quick: bool, classifier: bool = True) -> list[Method]:
-    out = [
-        Method("Grad-Dot (unprojected)", "dattri 0.3.0", tracin(), "projector disabled"),
-        Method("TracIn (4 ckpts, unprojected)", "dattri 0.3.0", tracin(trajectory=True)),
-        Method(
-            f"TRAK-{2 if quick else 5} (half-data models)",
-            "dattri 0.3.0",
-            trak(2 if quick else 5),
-            "proj 512",
-        ),
+    src, k = "dattri 0.3.0", 2 if quick else 5
+    rows = [
+        ("Grad-Dot (unprojected)", tracin(), "projector disabled"),
+        ("TracIn (4 ckpts, unprojected)", tracin(trajectory=True), ""),
+        (f"TRAK-{k} (half-data models)", trak(k), "proj 512"),
     ]
     if classifier:  # a language model has too many parameters
-        out.append(
-            Method("IF-explicit", "dattri 0.3.0", if_explicit, "regularization = weight decay")
-        )
+        rows.append(("IF-explicit", if_explicit, "regularization = weight decay"))
     for d in (1e-3,) if quick else (1e-4, 1e-3, 1e-2):
-        out.append(Method(f"IF-EKFAC (damping={d})", "dattri 0.3.0", if_ekfac(d)))
+        rows.append((f"IF-EKFAC (damping={d})", if_ekfac(d), ""))
+    fixed = "eigenvector rows/columns and the bias column fixed by the benchmark"
     for d in (1e-3,) if quick else (1e-4, 1e-3):
-        out.append(
-            Method(
-                f"IF-EKFAC, 2 bugs patched (damping={d})",
-                "dattri 0.3.0",
-                if_ekfac(d, patched=True),
-                "eigenvector rows/columns and the bias column fixed by the benchmark "
-                "(see dattri_peer._patched_ekfac_class)",
-            )
-        )
-    for m in out:
-        m.quiet = True  # a tqdm bar per batch
+        note = f"{fixed} (see dattri_peer._patched_ekfac_class)"
+        rows.append((f"IF-EKFAC, 2 bugs patched (damping={d})", if_ekfac(d, patched=True), note))
+    # quiet: dattri prints a tqdm bar per batch
+    out = [Method(name, src, fn, note, quiet=True) for name, fn, note in rows]
     return out

@@ -26,24 +26,15 @@ def dampings(classifier: bool) -> list[float | None]:
 def _args(tmp: str) -> Any:
     from dattri_llm import AttributionArguments
 
-    return AttributionArguments(
-        output_dir=tmp,
-        use_cpu=True,
-        per_device_train_batch_size=250,
-        per_device_eval_batch_size=250,
-        show_progress=False,
-    )
+    batches = {"per_device_train_batch_size": 250, "per_device_eval_batch_size": 250}
+    return AttributionArguments(output_dir=tmp, use_cpu=True, show_progress=False, **batches)
 
 
 def _task(ctx: Context, checkpoints: list[dict]) -> Any:
     from dattri_llm import AttributionTask
 
-    return AttributionTask(
-        loss_func=ctx.setting.loss_sum,
-        model=ctx.model(),
-        checkpoints=checkpoints,
-        target_func=ctx.setting.target_sum,
-    )
+    s, model = ctx.setting, ctx.model()
+    return AttributionTask(s.loss_sum, model, checkpoints=checkpoints, target_func=s.target_sum)
 
 
 def _score(ctx: Context, attributor: Any, **kwargs: Any) -> torch.Tensor:
@@ -63,14 +54,10 @@ def tracin_family(normalized: bool = False, trajectory: bool = False) -> Any:
 
         ckpts = ctx.trajectory if trajectory else [ctx.final]
         weights = ctx.setting.tracin_weights(len(ckpts)) if trajectory else None
+        task = _task(ctx, ckpts)
         with tempfile.TemporaryDirectory() as tmp:
-            attributor = TracInAttributor(
-                _args(tmp),
-                task=_task(ctx, ckpts),
-                normalized_grad=normalized,
-                checkpoint_weights=weights,
-            )
-            return _score(ctx, attributor)
+            kw = {"normalized_grad": normalized, "checkpoint_weights": weights}
+            return _score(ctx, TracInAttributor(_args(tmp), task=task, **kw))
 
     return fn
 
@@ -84,9 +71,8 @@ def final_blocks(ctx: Context, attributor: Any) -> tuple[list, list]:
 
         train, test = _samples(ctx)
         task, args = attributor.task, attributor.args
-        collate = (
-            pad_collate(args.dataloader_pad_value) if args.dataloader_collate == "pad" else None
-        )
+        pad = args.dataloader_collate == "pad"
+        collate = pad_collate(args.dataloader_pad_value) if pad else None
         task.load_checkpoint(0)
 
         def capture(ds: list[dict], loss: Any, bs: int) -> list:

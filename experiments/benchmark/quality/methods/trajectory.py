@@ -179,12 +179,9 @@ def queries(ctx: Context, batch_size: int = 250, limit: int | None = None) -> li
     """The test targets' raw gradients at the final weights, in blocks of ``batch_size``."""
     from dattri_llm.gradient.streaming import GradientStreamer
 
-    test = _samples(ctx)[1][:limit]
-    loss = ctx.setting.target_sum or ctx.setting.loss_sum
-    config = _full_config()
-    return list(
-        GradientStreamer(ctx.model(), test, loss, hook_config=config, batch_size=batch_size)
-    )
+    test, loss = _samples(ctx)[1][:limit], ctx.setting.target_sum or ctx.setting.loss_sum
+    kw = {"hook_config": _full_config(), "batch_size": batch_size}
+    return list(GradientStreamer(ctx.model(), test, loss, **kw))
 
 
 def _sweep(ctx: Context, cls: Any, source: Any, rec: dict, train: Any = None, **kw: Any) -> Any:
@@ -196,14 +193,12 @@ def _sweep(ctx: Context, cls: Any, source: Any, rec: dict, train: Any = None, **
     dynamics = OptimizerDynamics(rec["trajectory"])
     width = int(queries(ctx, batch_size=1, limit=1)[0].gradient.flatten().shape[1])
     train = _samples(ctx)[0] if train is None else train
+    cols = []
     with tempfile.TemporaryDirectory() as tmp:
         attributor = cls(_args(tmp), loss_reduction="mean", **kw)
-        cols = [
-            attributor.attribute_from_cache(source, [block], dynamics=dynamics).query(
-                train, list(block.hashes)
-            )
-            for block in queries(ctx, batch_size=max(1, QUERY_CHUNK_BYTES // (4 * width)))
-        ]
+        for block in queries(ctx, batch_size=max(1, QUERY_CHUNK_BYTES // (4 * width))):
+            score = attributor.attribute_from_cache(source, [block], dynamics=dynamics)
+            cols.append(score.query(train, list(block.hashes)))
     return torch.cat(cols, dim=1)
 
 
@@ -230,17 +225,15 @@ def adamw_influence_exact_hessian(ctx: Context) -> torch.Tensor:
     from experiments.benchmark.quality.common import per_sample_ce
 
     rec, snaps = recording(ctx, "full"), recording(ctx, "snapshots", False, True)
-    curvature = ExactHessian(
-        ctx.model(),
-        snaps["trajectory"],
-        lambda model, batch: per_sample_ce(model, batch["x"], batch["y"]).mean(),
-        hook_config=_full_config(),
-    )
+
+    def batch_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return per_sample_ce(model, batch["x"], batch["y"]).mean()
+
+    curvature = ExactHessian(ctx.model(), snaps["trajectory"], batch_loss, _full_config())
     store = str(rec["store"])
     scores = _sweep(ctx, AdamWInfluenceAttributor, store, rec, curvature=curvature)
-    ctx.extra["last_note"] = _note(
-        rec, f"curvature replayed from a parameter-snapshot recording ({_note(snaps)})"
-    )
+    note = f"curvature replayed from a parameter-snapshot recording ({_note(snaps)})"
+    ctx.extra["last_note"] = _note(rec, note)
     return scores
 
 
@@ -251,21 +244,16 @@ def less(ctx: Context) -> torch.Tensor:
 
     rec = recording(ctx, "full")
     task = _task(ctx, ctx.trajectory)
-    make_optimizer = ctx.setting.make_optimizer or (
-        lambda model: torch.optim.AdamW(model.parameters(), lr=ctx.setting.lr)
-    )
-    optimizers = []
-    for sd in rec["optimizer_states"]:
-        opt = make_optimizer(task.model)  # the run's parameter groups, so the state loads
+    s, optimizers = ctx.setting, []
+    for sd in rec["optimizer_states"]:  # on the run's parameter groups, so the state loads
+        opt = s.make_optimizer(task.model) if s.make_optimizer else None
+        opt = opt or torch.optim.AdamW(task.model.parameters(), lr=s.lr)
         opt.load_state_dict(sd)
         optimizers.append(opt)
-    weights = ctx.setting.tracin_weights(len(ctx.trajectory))
+    kw = {"optimizers": optimizers, "checkpoint_weights": s.tracin_weights(len(ctx.trajectory))}
+    train, test = _samples(ctx)
     with tempfile.TemporaryDirectory() as tmp:
-        attributor = LESSAttributor(
-            _args(tmp), task=task, optimizers=optimizers, checkpoint_weights=weights
-        )
-        train, test = _samples(ctx)
-        score = attributor.attribute(train, test)
+        score = LESSAttributor(_args(tmp), task=task, **kw).attribute(train, test)
     ctx.extra["last_note"] = _note(rec, "optimizer states taken from the recording")
     return score.query(train, test)
 
@@ -328,28 +316,22 @@ def adamw_influence_on_sgd(ctx: Context) -> torch.Tensor:
 # ---- rows --------------------------------------------------------------------------------------
 def methods(quick: bool, kind: str) -> list[Method]:
     """The trajectory rows of a run of optimizer family ``kind`` (``Setting.trajectory``)."""
-    if kind == "adamw":
-        exact = Method(
-            "AdamW-influence, exact Hessian (every step, all coordinates)",
-            "dattri_llm",
-            adamw_influence_exact_hessian,
-            "curvature=ExactHessian(...): each step's batch-loss Hessian by Hessian-vector "
-            "products",
-        )
-        return [
-            Method(
-                "AdamW-influence (every step, all coordinates)",
-                "dattri_llm",
-                adamw_influence("full"),
-                "adjoint sweep, float32",
-            ),
-            *([] if quick else [exact]),  # one more sweep over the whole run
-            Method("LESS (4 ckpts, frozen form)", "dattri_llm", less),
-            Method("DVEmb (assumes SGD)", "dattri_llm", dvemb_on_adam),
-        ]
-    if kind == "sgd":
-        return [
-            Method("DVEmb (empirical Fisher)", "dattri_llm", dvemb_sgd),
-            Method("AdamW-influence", "dattri_llm", adamw_influence_on_sgd),
-        ]
-    return []
+    every = "(every step, all coordinates)"
+    hessian = (
+        "curvature=ExactHessian(...): each step's batch-loss Hessian by Hessian-vector products"
+    )
+    rows = {
+        "adamw": [
+            (f"AdamW-influence {every}", adamw_influence("full"), "adjoint sweep, float32"),
+            (f"AdamW-influence, exact Hessian {every}", adamw_influence_exact_hessian, hessian),
+            ("LESS (4 ckpts, frozen form)", less, ""),
+            ("DVEmb (assumes SGD)", dvemb_on_adam, ""),
+        ],
+        "sgd": [
+            ("DVEmb (empirical Fisher)", dvemb_sgd, ""),
+            ("AdamW-influence", adamw_influence_on_sgd, ""),
+        ],
+    }.get(kind, [])
+    # --quick leaves out the exact-Hessian row: one more sweep over the whole run
+    rows = [r for r in rows if not (quick and r[1] is adamw_influence_exact_hessian)]
+    return [Method(name, "dattri_llm", fn, note) for name, fn, note in rows]
