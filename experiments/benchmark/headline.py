@@ -141,15 +141,12 @@ def pick(bench: str, rows: list[dict]) -> dict[str, dict]:
 
 
 # ---- cells --------------------------------------------------------------------------------
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _short(text: str, limit: int = 110) -> str:
+def _clip(text: str, limit: int = 110) -> str:
+    """``text`` cut at a word before ``limit`` characters, as a Markdown cell."""
     text = text.strip().rstrip(".")
-    if len(text) <= limit:
-        return text
-    return text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " …"
+    if len(text) > limit:
+        text = text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " …"
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def fmt_ci(stat: dict | None) -> str | None:
@@ -168,18 +165,18 @@ def fmt_pm(values: list[float]) -> str:
 def refusal(row: dict) -> str | None:
     """``refused: <why>`` / ``skipped: <why>`` / ``failed: <why>`` for a row that did not run."""
     if row.get("error"):
-        return f"failed: {_md(_short(row['error']))}"
+        return f"failed: {_clip(row['error'])}"
     if row.get("refused"):  # fact tracing's rows
-        return f"refused: {_md(_short(row['refused']))}"
+        return f"refused: {_clip(row['refused'])}"
     if row.get("status", "ok") == "ok":
         return None
     note = (row.get("note") or "").strip()
     if "refused by the library:" in note:
         why = note.split("refused by the library:", 1)[1].strip()
         why = re.sub(r"^\w+Attributor:\s*", "", why).split(". ")[0].split("; ")[0]
-        return f"refused: {_md(_short(why))}"
+        return f"refused: {_clip(why)}"
     why = re.sub(r"^N/A,?\s*", "", note).split("; ")[0]
-    return f"skipped: {_md(_short(why))}" if why else "skipped"
+    return f"skipped: {_clip(why)}" if why else "skipped"
 
 
 def warning_of(row: dict) -> str | None:
@@ -188,7 +185,7 @@ def warning_of(row: dict) -> str | None:
     if not note.startswith("warned:"):
         return None
     msg = re.sub(r"^\w+Attributor:\s*", "", note[len("warned:") :].strip()).split("; ")[0]
-    return _md(_short(msg, 80))
+    return _clip(msg, 80)
 
 
 _RECORDING = re.compile(
@@ -198,12 +195,8 @@ _RECORDING = re.compile(
 
 def fmt_cost(seconds: float | None, peak_mb: float | None, note: str = "") -> str:
     """``43 s / 1693 MB`` (scoring), plus the shared recordings the note names, if any."""
-    if seconds is None:
-        t = "not recorded"
-    elif seconds >= 0.1:
-        t = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    else:
-        t = "< 0.1 s"
+    t = "not recorded" if seconds is None else "< 0.1 s" if seconds < 0.1 else f"{seconds:.1f} s"
+    t = f"{seconds:.0f} s" if seconds is not None and seconds >= 10 else t
     out = f"{t} / {'not recorded' if peak_mb is None else f'{peak_mb:.0f} MB'}"
     recs = _RECORDING.findall(note or "")
     if recs:
@@ -238,7 +231,6 @@ def cost_cell(row: dict | None, rows: list[dict]) -> str:
 class Setting:
     """A headline table: which result files describe it."""
 
-    key: str
     title: str
     quality: str | None = None  # quality_<quality>[-quick].json
     removal: str | None = None  # removal_<removal>[-quick].json
@@ -246,22 +238,16 @@ class Setting:
     lds_variants: tuple[tuple[str, str], ...] = (("default", "half-data LDS"),)
 
 
+#: char-GPT's committed results hold two LDS ground truths: independent seeds and CRN.
+CHARGPT_LDS = (("independent", "half-data LDS, independent seeds"), ("crn", "half-data LDS, CRN"))
 SETTINGS = (
-    Setting("gpt2", "GPT-2 fine-tuning (AdamW)", quality="gpt2", removal="gpt2"),
-    Setting("digits-lr", "digits-LR (SGD)", quality="digits-lr", removal="digits-lr"),
-    Setting("digits-mlp", "digits-MLP (SGD)", quality="digits-mlp", removal="digits-mlp"),
+    Setting("GPT-2 fine-tuning (AdamW)", quality="gpt2", removal="gpt2"),
+    Setting("digits-LR (SGD)", quality="digits-lr", removal="digits-lr"),
+    Setting("digits-MLP (SGD)", quality="digits-mlp", removal="digits-mlp"),
     Setting(
-        "char-gpt",
-        "char-GPT on Shakespeare (AdamW, trained from scratch)",
-        quality="char-gpt",
-        lds_variants=(
-            ("independent", "half-data LDS, independent seeds"),
-            ("crn", "half-data LDS, CRN"),
-        ),
+        "char-GPT on Shakespeare (AdamW, trained from scratch)", "char-gpt", None, None, CHARGPT_LDS
     ),
-    Setting(
-        "tracing", "fact tracing (AdamW, tiny GPT-2 trained on planted facts)", tracing="tracing"
-    ),
+    Setting("fact tracing (AdamW, tiny GPT-2 trained on planted facts)", tracing="tracing"),
 )
 
 #: tracing.json holds no command (written before it did): the documented ones.
@@ -350,7 +336,7 @@ def quality_part(s: Setting, results: Path) -> Part | None:
         return fn
 
     rel = main.get("reliability_variants") or {"default": main.get("reliability")}
-    for variant, label in s.lds_variants:
+    for variant, label in s.lds_variants if len(rel) > 1 else (("default", "half-data LDS"),):
 
         def lds(r: dict, v: str = variant) -> str | None:
             return fmt_ci((r.get("lds_variants") or {}).get(v) or r.get("lds"))

@@ -23,28 +23,16 @@ from experiments.benchmark.quality.common import (
 N_TRAIN, N_TEST = 1000, 500
 
 
-class LogisticRegression(nn.Module):
+def LogisticRegression() -> nn.Module:  # noqa: N802 - the setting's model names
     """Multinomial logistic regression 64 -> 10."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+    return nn.Sequential(nn.Linear(64, 10))
 
 
-class MLP(nn.Module):
+def MLP() -> nn.Module:  # noqa: N802
     """MLP 64-128-64-10 with ReLU (dattri's MNIST MLP shape, scaled to 8x8 inputs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(64, 128)
-        self.fc2 = nn.Linear(128, 64)
-        self.fc3 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
 
 
 HPARAMS: dict[str, dict[str, Any]] = {
@@ -117,7 +105,7 @@ def make_setting(name: str) -> Setting:
         trajectory="adamw" if optimizer_class is torch.optim.AdamW else "sgd",
         config={
             "data": "sklearn load_digits, X/16, train=[0,1000), test=[1000,1500)",
-            "model": hp["model"].__name__,
+            "model": f"{hp['model'].__name__} (nn.Sequential)",
             "optimizer": f"{optimizer_class.__name__}(lr={hp['lr']}, weight_decay={hp['wd']})",
             "epochs": hp["epochs"],
             "batch_size": 64,

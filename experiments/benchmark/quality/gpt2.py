@@ -72,18 +72,11 @@ class TinyGPT2(nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
+        sizes = {"vocab_size": vocab_size, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head}
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        no_special = {"bos_token_id": None, "eos_token_id": None}
         config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=BLOCK,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            tie_word_embeddings=True,
-            bos_token_id=None,
-            eos_token_id=None,
+            n_positions=BLOCK, tie_word_embeddings=True, **sizes, **no_dropout, **no_special
         )
         config._attn_implementation = "eager"
         self.gpt = GPT2LMHeadModel(config)
@@ -95,12 +88,8 @@ class TinyGPT2(nn.Module):
 
 
 class TinyGPT2Linear(TinyGPT2):
-    """``TinyGPT2`` with every HF ``Conv1D`` swapped for the equivalent ``nn.Linear``.
-
-    For kronfluence, which tracks ``nn.Linear`` / ``nn.Conv2d`` only (its own GPT-2 example
-    swaps ``Conv1D`` the same way). Same function; loads ``TinyGPT2`` state dicts (the
-    ``(in, out)`` Conv1D weights are transposed on load).
-    """
+    """``TinyGPT2`` with every HF ``Conv1D`` an ``nn.Linear`` (kronfluence tracks those only):
+    loads ``TinyGPT2`` state dicts, the ``(in, out)`` Conv1D weights transposed."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -109,13 +98,8 @@ class TinyGPT2Linear(TinyGPT2):
         self._swapped: set[str] = set()
         for parent_name, parent in list(self.named_modules()):
             for child_name, child in list(parent.named_children()):
-                if isinstance(child, Conv1D):
-                    d_in, d_out = child.weight.shape
-                    linear = nn.Linear(d_in, d_out)
-                    with torch.no_grad():
-                        linear.weight.copy_(child.weight.t())
-                        linear.bias.copy_(child.bias)
-                    setattr(parent, child_name, linear)
+                if isinstance(child, Conv1D):  # the weights come with the state dict
+                    setattr(parent, child_name, nn.Linear(*child.weight.shape))
                     self._swapped.add(f"{parent_name}.{child_name}".lstrip("."))
         self._register_load_state_dict_pre_hook(self._transpose_conv1d)
 

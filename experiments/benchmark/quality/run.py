@@ -36,10 +36,8 @@ def protocol(setting: str, quick: bool) -> dict:
     """Subsets, runs and LOO indices per setting; the trajectory LOO masks every ``step``-th
     train sample (dattri's LOO on the digits settings only: one sample's effect is below the
     language models' retraining noise)."""
-    n_train, step, quick_step, subsets = {
-        "char-gpt": (2000, 40, 200, 8),
-        "gpt2": (1000, 20, 100, 10),
-    }.get(setting, (1000, 10, 50, 16))
+    sizes = {"char-gpt": (2000, 40, 200, 8), "gpt2": (1000, 20, 100, 10)}
+    n_train, step, quick_step, subsets = sizes.get(setting, (1000, 10, 50, 16))
     return {
         "num_subsets": subsets if quick else 50,
         "runs": 2,
@@ -67,9 +65,8 @@ def all_methods(quick: bool, peers: bool, setting: Setting) -> list[Method]:
     classifier = setting.task_kind == "classification"
     out = list(reference.METHODS) + ours.methods(quick, classifier=classifier)
     out += trajectory.methods(quick, setting.trajectory)
-    if peers:
-        out += dattri_peer.methods(quick, classifier=classifier)
-        out += kronfluence_peer.methods(quick, classifier=classifier)
+    for peer in (dattri_peer, kronfluence_peer) if peers else ():
+        out += peer.methods(quick, classifier=classifier)
     if setting.name == "gpt2" and quick:
         out = [m for m in out if GPT2_QUICK_ROWS.match(m.name)]
     return out

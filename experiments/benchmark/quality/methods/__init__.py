@@ -77,9 +77,8 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
     ctx.extra.pop("last_note", None)
 
     def call() -> torch.Tensor:
-        with (
-            contextlib.redirect_stderr(io.StringIO()) if method.quiet else contextlib.nullcontext()
-        ):
+        quiet = contextlib.redirect_stderr(io.StringIO())
+        with quiet if method.quiet else contextlib.nullcontext():
             return method.fn(ctx)
 
     t0 = time.perf_counter()
@@ -94,8 +93,7 @@ def run_method(method: Method, ctx: Context) -> MethodResult:
     seconds = time.perf_counter() - t0
     note = "; ".join(n for n in (method.note, ctx.extra.pop("last_note", "")) if n)
     scores = scores.detach().to(torch.float64).cpu()
-    shape = (len(ctx.setting.train), len(ctx.setting.test))
-    assert tuple(scores.shape) == shape, (method.name, tuple(scores.shape))
+    assert scores.shape == (len(ctx.setting.train), len(ctx.setting.test)), method.name
     peak_mb = None if peak is None else peak / 1e6
     return MethodResult(method.name, method.source, "ok", scores, seconds, note, peak_mb)
 

@@ -47,14 +47,11 @@ def _run(ctx: Context) -> dict[str, torch.Tensor]:
         work = Path(tmp)
         data = {"train_x": s.train.x, "train_y": s.train.y, "test_x": s.test.x, "test_y": s.test.y}
         save_file({k: v.contiguous() for k, v in data.items()}, str(work / "data.safetensors"))
-        model = {k: v.contiguous() for k, v in ctx.final.items()}
-        save_file(model, str(work / "model.safetensors"))
-        cfg = {
-            "model_spec": s.model_spec,
-            "task_kind": s.task_kind,
-            "dampings": kf_dampings(s.task_kind == "classification"),
-            "batch": 100,
-        }
+        save_file(
+            {k: v.contiguous() for k, v in ctx.final.items()}, str(work / "model.safetensors")
+        )
+        cfg = {"model_spec": s.model_spec, "task_kind": s.task_kind, "batch": 100}
+        cfg["dampings"] = kf_dampings(s.task_kind == "classification")
         (work / "cfg.json").write_text(json.dumps(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         cmd = [str(PEER_PY), "-m", "experiments.benchmark.quality.methods.kronfluence_peer", tmp]
@@ -151,17 +148,11 @@ def worker(work: Path) -> dict:
         "ekfac", train, per_device_batch_size=bs, factor_args=factor_args, overwrite_output_dir=True
     )
     timings, out = {"fit_s": time.perf_counter() - t0}, {}
+    batches = {"per_device_query_batch_size": bs, "per_device_train_batch_size": bs}
     for i, d in enumerate(cfg["dampings"]):
-        t1 = time.perf_counter()
+        t1, args = time.perf_counter(), ScoreArguments(damping_factor=d)
         analyzer.compute_pairwise_scores(
-            f"s{i}",
-            "ekfac",
-            test,
-            train,
-            per_device_query_batch_size=bs,
-            per_device_train_batch_size=bs,
-            score_args=ScoreArguments(damping_factor=d),
-            overwrite_output_dir=True,
+            f"s{i}", "ekfac", test, train, score_args=args, overwrite_output_dir=True, **batches
         )
         scores = analyzer.load_pairwise_scores(f"s{i}")["all_modules"]  # (n_test, n_train)
         out[f"d={d!r}"] = scores.T.double().contiguous()

@@ -48,24 +48,17 @@ class Recorder(TrainObserver):
 
     @contextlib.contextmanager
     def run(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        from dattri_llm import (
-            GradientStorageManager,
-            HookManager,
-            OffloadCallback,
-            OptimizerStateCallback,
-            ParameterSnapshotCallback,
-            TrajectorySnapshots,
-        )
+        import dattri_llm as dl
 
         self.optimizer = optimizer
-        self.traj = TrajectorySnapshots(self.root / "trajectory")
-        store = GradientStorageManager(str(self.root / "grads")) if self.use_store else None
-        callbacks: list[Any] = [] if store is None else [OffloadCallback(file_manager=store)]
+        self.traj = dl.TrajectorySnapshots(self.root / "trajectory")
+        store = dl.GradientStorageManager(str(self.root / "grads")) if self.use_store else None
+        callbacks: list[Any] = [] if store is None else [dl.OffloadCallback(file_manager=store)]
         if self.use_snapshots:
-            callbacks.append(ParameterSnapshotCallback(model, self.traj, optimizer=optimizer))
-        self.recorder = OptimizerStateCallback(model, optimizer, snapshots=self.traj)
+            callbacks.append(dl.ParameterSnapshotCallback(model, self.traj, optimizer=optimizer))
+        self.recorder = dl.OptimizerStateCallback(model, optimizer, snapshots=self.traj)
         callbacks.append(self.recorder)
-        self.hm = HookManager(model, self.hook_config, callbacks)
+        self.hm = dl.HookManager(model, self.hook_config, callbacks)
         try:
             with self.hm.collect(deregister_on_exit=True):
                 yield
@@ -138,27 +131,17 @@ def recording(ctx: Context, name: str, store: bool = True, snapshots: bool = Fal
             save_file(tensors, str(states_file))
         groups = [{"param_groups": sd["param_groups"]} for sd in rec.optimizer_states]
         meta_file.write_text(json.dumps(groups))
-        facts = {
-            "version": RECORDING_VERSION,
-            "steps": rec.steps,
-            "seconds": seconds,
-            "peak_mb": peak / 1e6,
-            "disk_mb": sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 1e6,
-            "bit_exact": True,
-        }
+        disk_mb = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 1e6
+        facts = {"version": RECORDING_VERSION, "steps": rec.steps, "seconds": seconds}
+        facts |= {"peak_mb": peak / 1e6, "disk_mb": disk_mb, "bit_exact": True}
         marker.write_text(json.dumps(facts, indent=1))
     states = [{"state": {}, **g} for g in json.loads(meta_file.read_text())]
     for key, v in (load_file(str(states_file)) if states_file.exists() else {}).items():
         i, pid, k = key.split("/")
         states[int(i)]["state"].setdefault(int(pid), {})[k] = v
-    out = {
-        "store": root / "grads",
-        "trajectory": root / "trajectory",
-        "facts": json.loads(marker.read_text()),
-        "optimizer_states": states,
-    }
-    ctx.extra[("recording", name)] = out
-    return out
+    out = {"store": root / "grads", "trajectory": root / "trajectory", "optimizer_states": states}
+    ctx.extra[("recording", name)] = out | {"facts": json.loads(marker.read_text())}
+    return ctx.extra[("recording", name)]
 
 
 def _note(rec: dict, extra: str = "") -> str:

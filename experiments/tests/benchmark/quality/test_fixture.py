@@ -240,33 +240,29 @@ def test_chargpt_observer_and_mask_index_follow_the_trajectory_contract(monkeypa
 
 
 # ---- trajectory methods against brute-force trajectory LOO ---------------------------------
-def _short_run(monkeypatch, name: str, epochs: int, n_test: int | None = None, **hp):
+def _short_run(monkeypatch, tmp_path, name: str, epochs: int, n_test: int | None = None, **hp):
     """A digits setting trained for ``epochs``, its reference context, and ``deltas(removed)``:
-    brute-force trajectory LOO (each sample masked out of its batches, every epoch)."""
+    the trajectory LOO (each sample masked out of its batches, every epoch)."""
     torch.set_num_threads(1)
     for key, value in {"epochs": epochs, **hp}.items():
         monkeypatch.setitem(digits.HPARAMS[name], key, value)
     setting = digits.make_setting(name)
     if n_test is not None:
         setting.test = TupleDataset(setting.test.x[:n_test], setting.test.y[:n_test])
-    loader = DataLoader(setting.train, batch_size=setting.batch_size)
-    model, ckpts = setting.train_func(loader, seed=0, return_checkpoints=True)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    test_loader = DataLoader(setting.test, batch_size=len(setting.test))
-    base = setting.target(model, test_loader)
+    ckpts, _ = gtm.reference_run(setting, tmp_path, seed=0)
 
     def deltas(removed: list[int]) -> np.ndarray:
-        masked = [setting.train_func(loader, seed=0, mask_index=i) for i in removed]
-        return torch.stack([setting.target(m, test_loader) - base for m in masked]).numpy()
+        gt, _ = gtm.trajectory_loo_ground_truth(setting, tmp_path, removed, 0, ckpts[-1])
+        return gt["delta"].numpy()
 
-    return setting, Context(setting, [*ckpts, final]), deltas
+    return setting, Context(setting, ckpts), deltas
 
 
-def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch):
+def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch, tmp_path):
     """On a 2-epoch digits-MLP SGD run: the recording reproduces the weights bit for bit,
     DVEmb (replayed from parameter snapshots) tracks the trajectory LOO (the harness's removal
     semantics are the trained ones), AdamW-influence is refused."""
-    setting, ctx, deltas = _short_run(monkeypatch, "digits-mlp", epochs=2, n_test=40)
+    setting, ctx, deltas = _short_run(monkeypatch, tmp_path, "digits-mlp", epochs=2, n_test=40)
     rows = {m.name: run_method(m, ctx) for m in trajectory.methods(True, setting.trajectory)}
     refused = rows.pop("AdamW-influence")
     assert refused.status == "skipped" and "SGD" in refused.note, refused.note
@@ -276,13 +272,12 @@ def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch
     assert loo_corr(dvemb.scores[removed].numpy(), deltas(removed)) > 0.85  # measured 0.95
 
 
-def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monkeypatch):
+def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monkeypatch, tmp_path):
     """AdamW-influence's store path (per-sample gradients offloaded under the hooks, identities
     set per batch, the optimizer recorded around every update) on a 2-epoch AdamW run of the
     digits LR tracks brute-force trajectory LOO (measured 0.977)."""
-    _, ctx, deltas = _short_run(
-        monkeypatch, "digits-lr", epochs=2, optimizer="adamw", lr=1e-3, wd=0.01
-    )
+    hp = {"optimizer": "adamw", "lr": 1e-3, "wd": 0.01}
+    _, ctx, deltas = _short_run(monkeypatch, tmp_path, "digits-lr", epochs=2, **hp)
     assert ctx.setting.trajectory == "adamw"
     scores = _ok(trajectory.methods(True, "adamw")[0], ctx)  # every step, all coordinates
     removed = list(range(0, 1000, 50))
