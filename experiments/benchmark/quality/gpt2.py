@@ -52,13 +52,9 @@ def make_data() -> tuple[torch.Tensor, Any, Any, dict]:
     rng = np.random.default_rng(DATA_SEED)
     train = draw_blocks(ids, cut, ft_cut, N_TRAIN, rng, BLOCK)
     test = draw_blocks(ids, ft_cut, len(ids), N_TEST, rng, BLOCK)
-    facts = {
-        "bytes": len(ids),
-        "pretrain_region": [0, cut],
-        "finetune_train_region": [cut, ft_cut],
-        "finetune_test_region": [ft_cut, len(ids)],
-        "text_sha_prefix": hashlib.sha256(raw).hexdigest()[:16],
-    }
+    facts = {"bytes": len(ids), "pretrain_region": [0, cut], "finetune_train_region": [cut, ft_cut]}
+    sha = hashlib.sha256(raw).hexdigest()[:16]
+    facts |= {"finetune_test_region": [ft_cut, len(ids)], "text_sha_prefix": sha}
     return ids[:cut].clone(), train, test, facts
 
 

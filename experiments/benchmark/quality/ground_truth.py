@@ -120,36 +120,18 @@ def lds_ground_truth(
             per_ckpt[str(Path(path))] = setting.target(_model(setting, state), dataloader)
             return per_ckpt[str(Path(path))]
 
+        kw = {"num_subsets": num_subsets, "subset_ratio": 0.5, "num_runs_per_subset": runs}
         with _scratch(folder, "lds-") as tmp:
-            retrain_lds(
-                setting.train_func,
-                train_loader,
-                str(tmp),
-                num_subsets=num_subsets,
-                subset_ratio=0.5,
-                num_runs_per_subset=runs,
-                seed=seed,
-            )
+            retrain_lds(setting.train_func, train_loader, str(tmp), seed=seed, **kw)
             gt, indices = calculate_lds_ground_truth(target_func, str(tmp), test_loader)
-            per_run = torch.stack(
-                [
-                    torch.stack(
-                        [
-                            -per_ckpt[str(tmp / str(i) / f"model_weights_{j}.pt")]
-                            for j in range(runs)
-                        ]
-                    )
-                    for i in range(num_subsets)
-                ]
-            )
-        meta = {
-            "num_subsets": num_subsets,
-            "subset_ratio": 0.5,
-            "runs_per_subset": runs,
-            "seed": seed,
-            "subset_seeds": f"numpy default_rng(seed + i), i = 0..{num_subsets - 1}",
-            "train_seeds": f"seed + i * {runs} + j",
-        }
+            path = str(tmp / "{}" / "model_weights_{}.pt")
+            runs_of = [
+                [-per_ckpt[path.format(i, j)] for j in range(runs)] for i in range(num_subsets)
+            ]
+            per_run = torch.stack([torch.stack(row) for row in runs_of])
+        meta = {"num_subsets": num_subsets, "subset_ratio": 0.5, "runs_per_subset": runs}
+        meta |= {"seed": seed, "train_seeds": f"seed + i * {runs} + j"}
+        meta["subset_seeds"] = f"numpy default_rng(seed + i), i = 0..{num_subsets - 1}"
         return {"gt": gt.to(torch.float64), "indices": indices.long(), "per_run": per_run}, meta
 
     return _cached(folder, "lds", build)
@@ -195,23 +177,20 @@ def trajectory_loo_ground_truth(
         if drift != 0.0:
             raise RuntimeError(f"trajectory LOO: the reference run re-trained moved by {drift:.3e}")
         base = setting.target(base_model, test_loader)
+
+        def masked(i: int) -> torch.Tensor:
+            model = setting.train_func(loader, seed=seed, mask_index=int(i))
+            return setting.target(model, test_loader)
+
         gt = torch.stack(
-            [
-                setting.target(
-                    setting.train_func(loader, seed=seed, mask_index=int(i)), test_loader
-                )
-                for i in tqdm(list(indices), desc="trajectory LOO runs", leave=False)
-            ]
+            [masked(i) for i in tqdm(indices, desc="trajectory LOO runs", leave=False)]
         )
         delta = gt - base
-        meta = {
-            "removed_indices": list(indices),
-            "seed": seed,
-            "kind": "trajectory-specific: sample masked out of its batch, all else identical",
-            "reference_reproduced": "bit-exact (max |weight difference| = 0)",
-            "mean_abs_delta": float(delta.abs().mean()),
-            "max_abs_delta": float(delta.abs().max()),
-        }
+        meta = {"removed_indices": list(indices), "seed": seed}
+        meta["kind"] = "trajectory-specific: sample masked out of its batch, all else identical"
+        meta["reference_reproduced"] = "bit-exact (max |weight difference| = 0)"
+        meta["mean_abs_delta"] = float(delta.abs().mean())
+        meta["max_abs_delta"] = float(delta.abs().max())
         index = torch.as_tensor(list(indices), dtype=torch.long)
         tensors = {"gt": gt.to(torch.float64), "indices": index, "delta": delta.to(torch.float64)}
         return {**tensors, "base": base.to(torch.float64)}, meta

@@ -13,8 +13,7 @@ N_BOOT = 400
 
 def _colwise_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Pearson correlation of every column of ``a`` with the same column of ``b``."""
-    a = a - a.mean(0, keepdims=True)
-    b = b - b.mean(0, keepdims=True)
+    a, b = a - a.mean(0, keepdims=True), b - b.mean(0, keepdims=True)
     den = np.sqrt((a * a).sum(0) * (b * b).sum(0))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, (a * b).sum(0) / np.where(den > 0, den, 1.0), np.nan)
@@ -25,33 +24,21 @@ def spearman_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _colwise_corr(rankdata(a, axis=0), rankdata(b, axis=0))
 
 
-def bootstrap_ci(per_test: np.ndarray, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of ``nanmean(per_test)`` over test samples."""
-    v = per_test[~np.isnan(per_test)]
-    if len(v) == 0:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, len(v), (N_BOOT, len(v)))].mean(1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def _summary(per_test: np.ndarray, seed: int) -> dict:
-    lo, hi = bootstrap_ci(per_test, seed)
-    return {
-        "mean": float(np.nanmean(per_test)),
-        "lo": lo,
-        "hi": hi,
-        "nan": int(np.isnan(per_test).sum()),
-    }
+def summary(per_test: np.ndarray, seed: int = 0) -> dict:
+    """``nanmean(per_test)`` with its 95 % percentile bootstrap interval over test samples."""
+    v, lo, hi = per_test[~np.isnan(per_test)], np.nan, np.nan
+    if len(v):
+        means = v[np.random.default_rng(seed).integers(0, len(v), (N_BOOT, len(v)))].mean(1)
+        lo, hi = np.percentile(means, [2.5, 97.5])
+    nan = int(np.isnan(per_test).sum())
+    return {"mean": float(np.nanmean(per_test)), "lo": float(lo), "hi": float(hi), "nan": nan}
 
 
 def lds_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
     """dattri's LDS plus a bootstrap interval. ``scores``: (n_train, n_test)."""
     from dattri.metric import lds
 
-    per_test, _ = lds(scores.to(torch.float64), (gt["gt"], gt["indices"]))
-    return _summary(per_test.numpy(), seed)
+    return summary(lds(scores.to(torch.float64), (gt["gt"], gt["indices"]))[0].numpy(), seed)
 
 
 def loo_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0) -> dict:
@@ -60,17 +47,14 @@ def loo_metric(scores: torch.Tensor, gt: dict[str, torch.Tensor], seed: int = 0)
     from dattri.metric import loo_corr
 
     rows = scores[gt["indices"].long()].to(torch.float64)
-    per_test, _ = loo_corr(rows, (gt["gt"], gt["indices"]))
-    return _summary(per_test.numpy(), seed)
+    return summary(loo_corr(rows, (gt["gt"], gt["indices"]))[0].numpy(), seed)
 
 
 def split_run_reliability(per_run: torch.Tensor, seed: int = 0) -> dict:
     """Spearman between run 0 and run 1 of the same subsets, per test sample, averaged: the
     ceiling against a single run (``mean_avg``: Spearman-Brown for the mean of ``R`` runs)."""
-    per_test = spearman_columns(per_run[:, 0].numpy(), per_run[:, 1].numpy())
-    out, k = _summary(per_test, seed), per_run.shape[1]
-    r = out.pop("mean")
-    del out["nan"]
+    out = summary(spearman_columns(per_run[:, 0].numpy(), per_run[:, 1].numpy()), seed)
+    r, _, k = out.pop("mean"), out.pop("nan"), per_run.shape[1]
     mean_avg = k * r / (1 + (k - 1) * r) if r > -1 / (k - 1) else float("nan")
     return {"mean": r, **out, "runs": k, "mean_avg": mean_avg}
 

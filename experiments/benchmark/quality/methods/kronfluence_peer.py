@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from experiments.benchmark.quality.common import REPO_ROOT
 from experiments.benchmark.quality.methods import Context, Method, Skipped
-from experiments.benchmark.quality.methods.ours import dampings
+from experiments.benchmark.quality.methods.ours import DAMPINGS, DAMPINGS_LM
 
 PEER_PY = REPO_ROOT / "experiments" / "benchmark" / ".venv-kronfluence" / "bin" / "python"
 
@@ -33,7 +32,8 @@ PEER_PY = REPO_ROOT / "experiments" / "benchmark" / ".venv-kronfluence" / "bin" 
 def kf_dampings(classifier: bool = True) -> list[float | None]:
     """kronfluence's default (1e-8), its heuristic (``None``: 0.1 x mean eigenvalue), then the
     sweep of dattri_llm's rows."""
-    return [1e-8, None] + [d for d in dampings(classifier) if d is not None and d != 1e-8]
+    sweep = DAMPINGS if classifier else DAMPINGS_LM
+    return [1e-8, None] + [d for d in sweep if d is not None and d != 1e-8]
 
 
 def _run(ctx: Context) -> dict[str, torch.Tensor]:
@@ -74,14 +74,10 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
     for i, d in enumerate(kf_dampings(classifier)):
         label = {None: "heuristic 0.1 x mean eig", 1e-8: "default=1e-08"}.get(d, repr(d))
         note = "empirical Fisher, nn.Linear layers"
-        if i == 0:
-            note += "; time = whole subprocess (start-up, fit, all scores)"
-        out.append(Method(f"EK-FAC (damping={label})", "kronfluence", _scores(d), note))
+        note += "; time = whole subprocess (start-up, fit, all scores)" * (i == 0)
+        fn = lambda ctx, d=d: _run(ctx)[f"d={d!r}"]  # noqa: E731
+        out.append(Method(f"EK-FAC (damping={label})", "kronfluence", fn, note))
     return out
-
-
-def _scores(damping: float | None) -> Any:
-    return lambda ctx: _run(ctx)[f"d={damping!r}"]
 
 
 def worker(work: Path) -> dict:

@@ -19,10 +19,6 @@ DAMPINGS_LM: list[float | None] = [None, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-
 DAMPINGS_LM_DIAGONAL: list[float] = [1e-7, 1e-5, 1e-3]
 
 
-def dampings(classifier: bool) -> list[float | None]:
-    return DAMPINGS if classifier else DAMPINGS_LM
-
-
 def _args(tmp: str) -> Any:
     from dattri_llm import AttributionArguments
 
@@ -120,8 +116,8 @@ def methods(quick: bool, classifier: bool = True) -> list[Method]:
     ]
     fisher, default = "empirical Fisher", "; default damping = 0.1 x each layer's mean eigenvalue"
     sweeps = [
-        ("KFACAttributor", "K-FAC", "skip", dampings(classifier), fisher),
-        ("EKFACAttributor", "EK-FAC", "skip", dampings(classifier), fisher),
+        ("KFACAttributor", "K-FAC", "skip", DAMPINGS if classifier else DAMPINGS_LM, fisher),
+        ("EKFACAttributor", "EK-FAC", "skip", DAMPINGS if classifier else DAMPINGS_LM, fisher),
     ]
     if not classifier:
         diagonal = (

@@ -13,9 +13,8 @@ MAX_EXACT_PARAMS = 4000
 
 
 def random_scores(ctx: Context) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(12345)
-    shape = (len(ctx.setting.train), len(ctx.setting.test))
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    n, m, gen = len(ctx.setting.train), len(ctx.setting.test), torch.Generator().manual_seed(12345)
+    return torch.randn(n, m, generator=gen, dtype=torch.float64)
 
 
 def per_sample_flat_grads(ctx: Context, state: dict, dataset) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Subset
 pytest.importorskip("sklearn")
 pytest.importorskip("dattri")
 
-from experiments.benchmark.quality import chargpt, digits  # noqa: E402
+from experiments.benchmark.quality import chargpt, digits, metrics  # noqa: E402
 from experiments.benchmark.quality import ground_truth as gtm  # noqa: E402
 from experiments.benchmark.quality.common import (  # noqa: E402
     Setting,
@@ -31,12 +31,6 @@ from experiments.benchmark.quality.methods import (  # noqa: E402
     reference,
     run_method,
     trajectory,
-)
-from experiments.benchmark.quality.metrics import (  # noqa: E402
-    lds_metric,
-    loo_corr,
-    spearman_columns,
-    split_run_reliability,
 )
 
 NUM_SUBSETS = 10
@@ -65,7 +59,7 @@ def test_ground_truth_layout_and_reliability(fixture):
     assert gt["indices"].shape == (NUM_SUBSETS, len(setting.train) // 2)
     # dattri flips the sign and averages the runs: gt == -mean(per-run test loss)
     torch.testing.assert_close(gt["gt"], gt["per_run"].mean(1), rtol=1e-6, atol=1e-6)
-    assert split_run_reliability(gt["per_run"])["mean"] > 0.8  # LR retraining is stable
+    assert metrics.split_run_reliability(gt["per_run"])["mean"] > 0.8  # LR retraining is stable
 
 
 def test_vectorised_spearman_matches_scipy():
@@ -75,7 +69,7 @@ def test_vectorised_spearman_matches_scipy():
     a, b = rng.normal(size=(12, 7)), rng.normal(size=(12, 7))
     a[3, 2] = a[5, 2]  # a tie
     want = [spearmanr(a[:, j], b[:, j]).correlation for j in range(7)]
-    np.testing.assert_allclose(spearman_columns(a, b), want, rtol=1e-12)
+    np.testing.assert_allclose(metrics.spearman_columns(a, b), want, rtol=1e-12)
 
 
 def test_grad_dot_equals_brute_force(fixture):
@@ -91,7 +85,7 @@ def test_influence_beats_grad_dot_and_random_is_zero(fixture):
     _, ctx, gt = fixture
 
     def lds(method: Method) -> float:
-        return lds_metric(_ok(method, ctx), gt)["mean"]
+        return metrics.lds_metric(_ok(method, ctx), gt)["mean"]
 
     lds_random, lds_exact = lds(reference.METHODS[0]), lds(reference.METHODS[1])
     lds_grad_dot = lds(ours.methods(quick=True)[0])
@@ -269,7 +263,7 @@ def test_trajectory_rows_on_a_short_sgd_run_track_the_trajectory_loo(monkeypatch
     dvemb = rows["DVEmb (empirical Fisher)"]
     assert dvemb.status == "ok" and "bit-exact" in dvemb.note, dvemb.note
     removed = list(range(0, 1000, 77))
-    assert loo_corr(dvemb.scores[removed].numpy(), deltas(removed)) > 0.85  # measured 0.95
+    assert metrics.loo_corr(dvemb.scores[removed].numpy(), deltas(removed)) > 0.85  # measured 0.95
 
 
 def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monkeypatch, tmp_path):
@@ -281,4 +275,4 @@ def test_adamw_influence_rows_on_a_short_adamw_run_track_the_trajectory_loo(monk
     assert ctx.setting.trajectory == "adamw"
     scores = _ok(trajectory.methods(True, "adamw")[0], ctx)  # every step, all coordinates
     removed = list(range(0, 1000, 50))
-    assert loo_corr(scores[removed].numpy(), deltas(removed)) > 0.9
+    assert metrics.loo_corr(scores[removed].numpy(), deltas(removed)) > 0.9
