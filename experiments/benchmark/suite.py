@@ -128,7 +128,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "benchmark.serve",
         "benchmarks/serve.md",
         ("--quick", "--docs", "12", "--sizes", "12,600", "--queries", "2", "--requests", "1")
-        + ("--clients", "1,2", "--capture-repeats", "1"),
+        + ("--clients", "1,2"),
         needs=("starlette", "uvicorn"),
     ),
     Benchmark("fidelity", "fidelity.run", "benchmarks/capture.md", needs=("olmo_core",)),
