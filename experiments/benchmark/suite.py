@@ -69,7 +69,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "scoring_limit",
         "benchmark.scoring_limit",
         "benchmarks/scoring.md",
-        ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10"),
+        ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10", "--general"),
     ),
     Benchmark(
         "kfac_vs_kronfluence",
