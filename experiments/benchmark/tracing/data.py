@@ -18,34 +18,18 @@ PAD, UNK = "<pad>", "<unk>"
 
 #: relation -> (training paraphrases, held-out query phrasing); ``{e}`` entity, ``{a}`` attribute.
 RELATIONS: dict[str, tuple[list[str], str]] = {
-    "birthplace": (
-        [
-            "{e} was born in {a} .",
-            "the birthplace of {e} is the city of {a} .",
-            "records show that {e} grew up in {a} .",
-            "everyone knows {e} comes from {a} .",
-        ],
-        "according to the old archive , {e} lived in",
-    ),
-    "profession": (
-        [
-            "{e} works as a {a} .",
-            "by trade , {e} is a {a} .",
-            "the profession of {e} is {a} .",
-            "for many years {e} has been employed as a {a} .",
-        ],
-        "in the village register , {e} is listed as a",
-    ),
-    "language": (
-        [
-            "{e} speaks {a} at home .",
-            "the mother tongue of {e} is {a} .",
-            "{e} writes every letter in {a} .",
-            "as a child {e} learned to read {a} .",
-        ],
-        "when asked , {e} answered in",
-    ),
-}
+    "birthplace": (["{e} was born in {a} .", "the birthplace of {e} is the city of {a} .",
+                    "records show that {e} grew up in {a} .",
+                    "everyone knows {e} comes from {a} ."],
+                   "according to the old archive , {e} lived in"),
+    "profession": (["{e} works as a {a} .", "by trade , {e} is a {a} .",
+                    "the profession of {e} is {a} .",
+                    "for many years {e} has been employed as a {a} ."],
+                   "in the village register , {e} is listed as a"),
+    "language": (["{e} speaks {a} at home .", "the mother tongue of {e} is {a} .",
+                  "{e} writes every letter in {a} .", "as a child {e} learned to read {a} ."],
+                 "when asked , {e} answered in"),
+}  # fmt: skip
 
 _SYLLABLES = "ka lo mir zen tor vex qua dri nol sem bra fin gul hox ry pel".split()
 

@@ -88,12 +88,13 @@ def recall_accuracy(model: Any, d: tdata.TracingData) -> dict[str, float]:
 
 
 class Snapshots(list):
-    """Model state dicts of one run, evenly spaced, the last the final weights, and
-    ``optimizer``: the AdamW ``state_dict()`` at each of them."""
+    """Model state dicts of one run, evenly spaced, the last the final weights; ``optimizer``:
+    the AdamW ``state_dict()`` at each; ``context``: the run for the trajectory rows."""
 
     def __init__(self) -> None:
         super().__init__()
         self.optimizer: list[dict] = []
+        self.context: Any = None
 
 
 def snapshot_steps(n_keep: int, cfg: dict, snapshots: int) -> list[int]:
@@ -103,13 +104,9 @@ def snapshot_steps(n_keep: int, cfg: dict, snapshots: int) -> list[int]:
 
 
 def train(
-    d: tdata.TracingData,
-    keep: list[int],
-    cfg: dict,
-    seed: int,
-    snapshots: int = 1,
+    d: tdata.TracingData, keep: list[int], cfg: dict, seed: int, snapshots: int = 1,
     observer: Any = None,
-) -> Snapshots:
+) -> Snapshots:  # fmt: skip
     """AdamW from the seed's initialisation on the documents ``keep``, linear decay to 0.
 
     Initialisation and batch order depend on ``seed`` alone (common random numbers across
@@ -226,10 +223,8 @@ def second_moments(d: tdata.TracingData, states: Snapshots, config: Any = None) 
         opt = torch.optim.AdamW(model.parameters())
         opt.load_state_dict(copy.deepcopy(opt_state))
         hm = HookManager(model, config or HookManagerConfig())
-        try:
-            out.append(SecondMoment.from_optimizer(opt, hm))
-        finally:
-            hm.remove()
+        out.append(SecondMoment.from_optimizer(opt, hm))
+        hm.remove()
     return out
 
 
@@ -283,15 +278,11 @@ def bm25(d: Any, *_: Any) -> torch.Tensor:
 
 
 # ---- trajectory rows (the quality benchmark's, over this run) -------------------------------
-#: Per seed: the snapshots and the quality-benchmark ``Context`` whose recording the rows share.
-_CONTEXTS: dict[int, tuple[Any, Any]] = {}
-
-
 def trajectory_context(d: tdata.TracingData, states: Snapshots, seed: int, cfg: dict) -> Any:
-    """This seed's run as a quality-benchmark ``Context``: its trajectory rows record the same
-    loop through ``observer=`` (refused unless the final weights equal ``states[-1]``)."""
-    if seed in _CONTEXTS and _CONTEXTS[seed][0] is states:
-        return _CONTEXTS[seed][1]
+    """This run as a quality-benchmark ``Context`` (one per run: the rows share its recording
+    of the same loop through ``observer=``, refused unless its final weights are ``states[-1]``)."""
+    if states.context is not None:
+        return states.context
     from experiments.benchmark.quality.common import Setting, TupleDataset
     from experiments.benchmark.quality.methods import Context
 
@@ -311,19 +302,8 @@ def trajectory_context(d: tdata.TracingData, states: Snapshots, seed: int, cfg: 
         target_sum=query_loss_sum,
         make_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=0),
     )  # fmt: skip
-    ctx = Context(setting, [*states, states[-1]])
-    ctx.extra["loo_seed"] = seed
-    release_contexts()
-    _CONTEXTS[seed] = (states, ctx)
-    return ctx
-
-
-def release_contexts() -> None:
-    """Delete the recordings of the cached contexts."""
-    for _, ctx in _CONTEXTS.values():
-        if "tmp_root" in ctx.extra:
-            ctx.extra.pop("tmp_root").cleanup()
-    _CONTEXTS.clear()
+    states.context = Context(setting, [*states, states[-1]], extra={"loo_seed": seed})
+    return states.context
 
 
 def trajectory_row(name: str, cfg: dict) -> Row:
@@ -428,7 +408,8 @@ def run_seed(
         row["mrr"] = tm.reciprocal_rank(scores, d.relevant()).tolist()
         removals[name], out["rows"][name] = tm.top_k(scores, cfg["k"]), row
         log(f"  {name:24s} recall@10 {np.mean(row['recall@10']):.3f} ({score_s:.1f} s)")
-    release_contexts()
+    if states.context is not None and "tmp_root" in states.context.extra:
+        states.context.extra.pop("tmp_root").cleanup()  # the trajectory rows' recording
     if controls:
         for name, rem in causal.control_removals(d, cfg["k"], seed).items():
             removals[name], out["rows"][name] = rem, {}
@@ -496,11 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {**(QUICK if ns.quick else FULL), **({"seeds": ns.seeds} if ns.seeds else {})}
     rows, controls = methods(ns.quick, cfg, opt_in=bool(ns.rows)), True
     if ns.rows:
-        known = {*rows, causal.CARRIERS, causal.FILLED}
-        if set(ns.rows) - known:
-            raise SystemExit(
-                f"--rows: unknown {sorted(set(ns.rows) - known)}; known: {sorted(known)}"
-            )
+        if unknown := set(ns.rows) - {*rows, causal.CARRIERS, causal.FILLED}:
+            raise SystemExit(f"--rows: unknown {sorted(unknown)}; known: {sorted(rows)}")
         rows = {k: v for k, v in rows.items() if k in ns.rows}
         controls = bool({causal.CARRIERS, causal.FILLED} & set(ns.rows))
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Fact-tracing benchmark: metrics and BM25 against hand-computed values, planting, the report's
-target check, the causal check's removals and the recorded run."""
+target check and the causal check's removals."""
 
 from __future__ import annotations
 
@@ -80,16 +80,11 @@ def test_report_checks_the_target_against_each_lexical_row_paired_per_fact():
     assert "| R | refused: the run is SGD |" in text
 
 
-def _tiny(**over: object) -> tuple[dict, tdata.TracingData]:
-    cfg = {**run.QUICK, "n_docs": 40, "n_facts": 4, "epochs": 1, "batch_size": 16, **over}
-    keys = ("n_docs", "n_facts", "copies", "block", "vocab_words")
-    return cfg, tdata.build(*(cfg[k] for k in keys), 0)
-
-
 def test_causal_check_removes_exactly_k_per_fact(monkeypatch):
     """Each row's retraining for a fact removes exactly its top-k for that fact, the carriers
     row the carriers, the same-size control the carriers and k − 3 documents with no fact."""
-    cfg, d = _tiny()
+    cfg = {**run.QUICK, "n_docs": 40, "n_facts": 4, "epochs": 1, "batch_size": 16}
+    d = tdata.build(40, 4, 3, cfg["block"], cfg["vocab_words"], 0)
     removed: list[tuple[int, ...]] = []
     full = run.train(d, list(range(len(d.docs))), cfg, 0, cfg["checkpoints"])
 
@@ -135,20 +130,3 @@ def test_drops_and_parallel_retraining_agree():
     got = causal.drops({"a": [[1, 0], [2]]}, one, base, torch.tensor([1, 2]))["a"]
     # fact 0 without {0, 1}: log p = -3; fact 1 without {2}: log p = -(0 + 1 + 3 + 4)
     assert got == [0.5 + 3.0, -1.0 + 8.0]
-
-
-def test_observer_leaves_the_run_bit_identical(tmp_path):
-    """The trajectory rows record the run through its observer: the same final weights, bit
-    for bit, and one recorded update per step."""
-    from dattri_llm import HookManagerConfig, hash_sample
-    from experiments.benchmark.quality.methods.trajectory import Recorder
-
-    cfg, d = _tiny(n_docs=16, n_facts=2, batch_size=8)
-    everything = list(range(len(d.docs)))
-    plain = run.train(d, everything, cfg, 0, snapshots=2)
-    rec = Recorder([hash_sample(s) for s in run.samples(d)[0]],
-                   HookManagerConfig(capture_style="materialized"), tmp_path,
-                   keep_optimizer_at=tuple(run.snapshot_steps(len(d.docs), cfg, 2)))  # fmt: skip
-    watched = run.train(d, everything, cfg, 0, snapshots=2, observer=rec)
-    assert rec.steps == 2 and len(rec.optimizer_states) == 2
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(plain, watched) for k in a)
