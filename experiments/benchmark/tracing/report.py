@@ -44,7 +44,7 @@ def write_report(result: dict[str, Any]) -> str:
     if retrain:
         lines += ["", "retrainings per seed: " + ", ".join(
             f"{r['retrainings']} ({r['wall_s']:.0f} s wall, {r['each_s']:.1f} s each, "
-            f"{r['jobs']} processes)" for r in retrain
+            f"{r['jobs']} process{'es' * (r['jobs'] > 1)})" for r in retrain
         )]  # fmt: skip
     table, notes, failed = [], [], set()
     rows = list(dict.fromkeys(r for s in seeds for r in s["rows"]))
