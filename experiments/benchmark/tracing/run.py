@@ -382,8 +382,8 @@ def run_seed(
     that row's top-``k`` for the fact (and the two control rows unless ``controls=False``)."""
     from experiments.benchmark.quality.methods import Skipped
 
-    keys = ("n_docs", "n_facts", "copies", "block", "vocab_words")
-    d = tdata.build(*(cfg[k] for k in keys), seed)
+    sizes = ("n_docs", "n_facts", "copies", "block", "vocab_words")
+    d = tdata.build(*(cfg[k] for k in sizes), seed)
     states, train_s = _timed(train, d, list(range(len(d.docs))), cfg, seed, cfg["checkpoints"])
     full = load(d, states[-1])
     attrs = d.attribute_ids()
@@ -426,7 +426,7 @@ def run_seed(
     for name, drop in causal.drops(removals, lps, base, attrs).items():
         out["rows"][name] |= {
             "causal_drop": drop,
-            "removed_per_fact": list(map(len, removals[name])),
+            "removed_per_fact": [len(r) for r in removals[name]],
         }
         log(f"  {name:24s} drop {np.mean(drop):.3f}")
     return out
