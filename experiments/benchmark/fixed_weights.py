@@ -7,6 +7,7 @@ interleaved within each round (median of the rounds, after a warm-up that also t
 first-step coverage check out of the timing; process CPU time, so other load matters less):
 
 * ``train step``: zero grads, forward, loss, backward (no hooks);
+* ``+ AdamW``: the same and ``AdamW.step()``, a whole training step;
 * ``ordinary``: the same step under ``HookManager`` + ``CaptureCallback``;
 * ``fixed``: the same under ``HookManager(fixed_weights=True)``;
 
@@ -41,7 +42,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--smol",
         action="store_true",
-        help="the 134M-Llama shape (SmolLM-135M's: 30 x 576, MLP 1536, vocab 49152), seq 512",
+        help="SmolLM-135M's shape (30 x 576, MLP 1536, vocab 49152, untied head), seq 512",
+    )
+    p.add_argument(
+        "--llama134m",
+        action="store_true",
+        help="a 134M Llama (12 x 768, MLP 2048, vocab 32000, untied head), seq 512",
     )
     return p.parse_args()
 
@@ -56,6 +62,8 @@ def main() -> None:
         shape = ModelShape("llama", 2, 64, 2, 256, 64, args.batch)
     elif args.smol:
         shape = ModelShape("llama", 30, 576, 9, 49152, 512, args.batch, intermediate=1536)
+    elif args.llama134m:
+        shape = ModelShape("llama", 12, 768, 12, 32000, 512, args.batch, intermediate=2048)
     else:
         shape = ModelShape("llama", 4, 256, 4, 1000, 256, args.batch)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -65,9 +73,15 @@ def main() -> None:
     )
     print(describe(shape, model), f"threads {torch.get_num_threads()}, {rounds} rounds", flush=True)
 
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the weights stay put
+
     def train_step() -> None:
         model.zero_grad(set_to_none=True)
         batch_loss(model, ids).backward()
+
+    def adamw_step() -> None:
+        train_step()
+        optimizer.step()
 
     for proj in (None, ProjectionConfig("logra", 256)):
         managers = {}
@@ -85,11 +99,12 @@ def main() -> None:
 
         variants = {
             "train step": train_step,
+            "+ AdamW": adamw_step,
             "ordinary": lambda: capture("ordinary"),
             "fixed": lambda: capture("fixed"),
         }
         got = {n: capture(n) for n in ("ordinary", "fixed")}  # warm-up (and coverage check)
-        train_step()
+        adamw_step()  # also creates AdamW's state
         diff = max(
             float(
                 (
@@ -115,7 +130,7 @@ def main() -> None:
         for n, v in med.items():
             print(
                 f"  {n:<11} {v * 1e3:8.1f} ms   {v / med['ordinary']:.2f}x ordinary   "
-                f"{v / med['train step']:.2f}x train step"
+                f"{v / med['train step']:.2f}x train step   {v / med['+ AdamW']:.2f}x with AdamW"
             )
 
 

@@ -1,17 +1,10 @@
 """Real-text windows and a tiny causal LM for the 1M-sample benchmark (``million.py``).
 
-Corpus (offline, no hub): the shortened English Wikipedia dump and the Lee news corpus that
-ship inside gensim 4.4.0's wheel (downloaded with ``pip download --no-deps gensim``, read from
-the zip; gensim itself is not installed) and Python's own ``pydoc_data.topics``. A byte-level
-BPE tokenizer (``tokenizers``, vocab 1024) is trained on that text; the token stream is cut
-into ``seq``-token windows at stride 1, duplicates dropped (they would share a sample hash), so
-every window is a distinct token sequence (heavily overlapping: a non-overlapping cut would give
-``tokens / seq`` windows, which the metadata also reports). The last 2 % of the stream is held
-out: the queries come from there.
-
-The model: GPT-2 from a config (2 layers, width 64, 2 heads, vocab 1024, ``seq`` positions,
-dropout off), trained briefly on the windows (AdamW, ``train_steps`` steps of 64) so that its
-gradients are those of a model that has seen the text, saved as safetensors.
+Corpus: the shortened English Wikipedia dump and the Lee news corpus inside gensim 4.4.0's
+wheel (``pip download --no-deps``, read from the zip) and Python's ``pydoc_data.topics``; a
+byte-level BPE (vocab 1024) trained on it; every distinct ``seq``-token window at stride 1, the
+last 2 % of the stream held out for the queries. The model: GPT-2 2 x 64 from a config, trained
+``train_steps`` AdamW steps of 64 windows, saved as safetensors.
 """
 
 from __future__ import annotations
@@ -65,10 +58,12 @@ def _wiki_text(raw: str) -> list[str]:
     return out
 
 
-def corpus(cache: str) -> dict[str, list[str]]:
-    """The documents of each source."""
+def corpus(cache: str | None) -> dict[str, list[str]]:
+    """The documents of each source; Python's docs alone where ``cache`` is None (no download)."""
     from pydoc_data.topics import topics
 
+    if cache is None:
+        return {"pydoc-topics": list(topics.values())}
     with zipfile.ZipFile(_gensim_wheel(cache)) as zf:
         wiki = bz2.decompress(zf.read(_WIKI)).decode("utf-8", "replace")
         lee = zf.read(_LEE).decode("utf-8", "replace")
@@ -79,7 +74,7 @@ def corpus(cache: str) -> dict[str, list[str]]:
     }
 
 
-def prepare(out_dir: str, seq: int, cache: str, train_steps: int = 300) -> dict:
+def prepare(out_dir: str, seq: int, cache: str | None, train_steps: int = 300) -> dict:
     """Write ``windows.npy`` (train), ``queries.npy``, ``tokenizer.json``, the model, meta."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -177,9 +172,3 @@ def _train_model(out_dir: str, windows: np.ndarray, seq: int, steps: int) -> lis
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, os.path.join(out_dir, "model.safetensors"))
     return [losses[0], float(np.mean(losses[-20:]))]
-
-
-if __name__ == "__main__":  # a quick look at the corpus
-    docs = corpus(sys.argv[1] if len(sys.argv) > 1 else ".")
-    for k, v in docs.items():
-        print(k, len(v), sum(map(len, v)), repr(v[0][:300]))

@@ -1,22 +1,13 @@
 """``top_k`` scoring of a projected store against the machine's limit.
 
-Builds a projected store of ``N`` samples (``--layers`` materialized layers of ``--dim /
---layers`` numbers each, written by ``GradientStorageManager`` in records of ``--batch`` rows,
-float32 or ``--storage bfloat16``) and ``--queries`` test samples, then measures, in this run:
+A synthetic store of ``--n`` samples (``--layers`` materialized layers, ``--dim`` numbers in
+all, records of ``--batch`` rows) and ``--queries`` test samples; the limit is the slower of an
+in-memory ``torch.mm`` of the same shape and a page-cache read of the store's shards; the
+scoring is ``attribute_from_cache(top_k=k)`` in a fresh process (its own peak memory), with
+the vector fast path and, with ``--general``, without the CRC-32 check and the general loop
+(the same top-10 asserted).
 
-* **matmul limit** — one plain ``torch.mm`` of an ``(N, dim)`` matrix already in memory by the
-  ``(dim, M)`` queries (same shape and dtype as the scoring; above ``--resident`` bytes the
-  product runs over one resident slab re-used until ``N`` rows are done);
-* **read limit** — a sequential read of the store's shard files (the same bytes) from the page
-  cache (read once to warm it, then timed; ``readinto`` one reused buffer);
-* **top_k scoring** — ``TracInAttributor.attribute_from_cache(train, test, top_k=k)`` in a
-  fresh process (its peak resident memory is its own), with the vector fast path and, with
-  ``--general``, with the general score loop (``vector_scan.ENABLED = False``);
-
-and reports the limit (the slower of the two), the scoring time and its ratio to the limit.
-
-    OMP_NUM_THREADS=1 python experiments/benchmark/scoring_limit.py             # 100k x 2048
-    OMP_NUM_THREADS=1 python experiments/benchmark/scoring_limit.py --n 1000000 --batch 256
+    OMP_NUM_THREADS=1 python experiments/benchmark/scoring_limit.py --n 100000 --general
 """
 
 from __future__ import annotations
@@ -40,22 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 from utils.env import header  # noqa: E402
 from utils.memory import status_bytes  # noqa: E402
-from utils.table import emit, md_table  # noqa: E402
+from utils.table import md_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def log(msg: str) -> None:
-    print(f"[scoring_limit] {msg}", file=sys.stderr, flush=True)
-
-
-def hwm_mb() -> float:
-    return status_bytes("VmHWM") / 2**20
-
-
-# ---- the stores ---------------------------------------------------------------------------------
 def write_store(
-    path: Path, n: int, dim: int, layers: int, batch: int, storage: str, seed: int, prefix: str
+    path: Path, n: int, dim: int, layers: int, batch: int, seed: int, prefix: str
 ) -> None:
     from dattri_llm import GradientStorageManager
     from dattri_llm.gradient import Gradient, GradientRecord, Materialized
@@ -63,29 +45,19 @@ def write_store(
     width = dim // layers
     kw = {"_d": width, "proj_dim": width, "seed": 0, "source_layer_type": "nn.Linear"}
     gen = torch.Generator().manual_seed(seed)
-    sdtype = getattr(torch, storage)
-    store_meta = None
-    if sdtype != torch.float32:
-        store_meta = {"dtype": storage, "capture_dtype": "float32", "layers": {}}
     with GradientStorageManager(path, fsync=False) as store:
         for step, lo in enumerate(range(0, n, batch)):
             b = min(batch, n - lo)
             grads = {
                 f"layer{i}": Materialized(
-                    torch.randn(b, width, generator=gen).to(sdtype), "projected.dense", kw
+                    torch.randn(b, width, generator=gen), "projected.dense", kw
                 )
                 for i in range(layers)
             }
             ids = [hashlib.sha256(f"{prefix}{j}".encode()).hexdigest() for j in range(lo, lo + b)]
-            store.write(GradientRecord(step, ids, Gradient(grads)), storage=store_meta)
+            store.write(GradientRecord(step, ids, Gradient(grads)))
 
 
-def store_bytes(path: Path) -> tuple[list[Path], int]:
-    files = sorted((path / "shards").glob("*.safetensors"))
-    return files, sum(f.stat().st_size for f in files)
-
-
-# ---- the limits ---------------------------------------------------------------------------------
 def read_limit(files: list[Path]) -> tuple[float, float]:
     """``(wall, CPU)`` seconds to read every file sequentially from the page cache (2nd pass)."""
     buf = bytearray(max(f.stat().st_size for f in files))
@@ -96,10 +68,7 @@ def read_limit(files: list[Path]) -> tuple[float, float]:
         for f in files:
             with open(f, "rb", buffering=0) as fh:
                 got = 0
-                while True:
-                    k = fh.readinto(view[got:])
-                    if not k:
-                        break
+                while k := fh.readinto(view[got:]):
                     got += k
         times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times[-1]
@@ -123,7 +92,6 @@ def matmul_limit(n: int, dim: int, m: int, resident: int) -> tuple[float, float]
     return best
 
 
-# ---- scoring (in a fresh process) ---------------------------------------------------------------
 def score_child(train: str, test: str, k: int, mode: str) -> None:
     from dattri_llm import AttributionArguments, GradientStorageManager, TracInAttributor
     from dattri_llm.attribution.engine import vector_scan
@@ -137,7 +105,8 @@ def score_child(train: str, test: str, k: int, mode: str) -> None:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     top = score.top_k(k)
     digest = hashlib.sha256(json.dumps(top.proponent_hashes).encode()).hexdigest()[:12]
-    print(json.dumps({"wall": wall, "cpu": cpu, "peak_mb": hwm_mb(), "top": digest}))
+    peak_mb = status_bytes("VmHWM") / 2**20
+    print(json.dumps({"wall": wall, "cpu": cpu, "peak_mb": peak_mb, "top": digest}))
 
 
 def score(train: Path, test: Path, k: int, mode: str) -> dict:
@@ -154,13 +123,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--queries", type=int, default=100)
     p.add_argument("--k", type=int, default=10)
-    p.add_argument("--storage", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--resident", type=int, default=2**31, help="bytes of the in-memory matrix")
-    p.add_argument(
-        "--general", action="store_true", help="also time verify=False and the general loop"
-    )
-    p.add_argument("--dir", default=None, help="where the stores go (kept; default: a temp dir)")
-    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    p.add_argument("--general", action="store_true", help="also verify=False, the general loop")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -168,25 +131,16 @@ def main() -> None:
         train, test, k, mode = a.child
         score_child(train, test, int(k), mode)
         return
-    root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="scoring_limit_"))
-    tag = f"{a.n}x{a.dim}x{a.layers}b{a.batch}_{a.storage}"
-    train, test = root / f"train_{tag}", root / f"test_{a.queries}x{a.dim}x{a.layers}"
-    t0 = time.perf_counter()
-    for path, n, seed, prefix in ((train, a.n, 0, "t"), (test, a.queries, 1, "q")):
-        if not (path / "meta.json").exists():
-            storage = a.storage if path == train else "float32"
-            write_store(path, n, a.dim, a.layers, a.batch, storage, seed, prefix)
-    log(f"stores ready in {time.perf_counter() - t0:.1f} s under {root}")
-    results = {}
+    root = Path(tempfile.mkdtemp(prefix="scoring_limit_"))
+    train, test = root / "train", root / "test"
+    write_store(train, a.n, a.dim, a.layers, a.batch, 0, "t")
+    write_store(test, a.queries, a.dim, a.layers, a.batch, 1, "q")
     modes = ["fast", "no-verify", "general"] if a.general else ["fast"]
-    for mode in modes:  # first: the parent holds no large matrix yet
-        results[mode] = score(train, test, a.k, mode)
-        log(f"{mode}: {results[mode]}")
-    files, nbytes = store_bytes(train)
+    results = {mode: score(train, test, a.k, mode) for mode in modes}  # before any large matrix
+    files = sorted((train / "shards").glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
     t_read = read_limit(files)
-    log(f"read limit: {nbytes / 2**20:.0f} MiB in {t_read}")
-    t_mm = matmul_limit(a.n, a.dim, a.queries, a.resident)
-    log(f"matmul limit: {t_mm}")
+    t_mm = matmul_limit(a.n, a.dim, a.queries, 2**31)  # one resident slab of at most 2 GiB
     limit = (max(t_read[0], t_mm[0]), max(t_read[1], t_mm[1]))
 
     def row(what: str, wall: float, cpu: float, *rest: str) -> list[str]:
@@ -205,18 +159,13 @@ def main() -> None:
         ratio = f"{limit[0] / r['wall']:.2f} (CPU {limit[1] / r['cpu']:.2f})"
         rows.append(row(names[mode], r["wall"], r["cpu"], ratio, f"{r['peak_mb']:.0f} MB"))
     assert len({r["top"] for r in results.values()}) == 1, "the paths ranked differently"
-    table = md_table(
-        ["what", "wall s", "CPU s", "samples/s (wall)", "limit / time (wall, CPU)", "peak RSS"],
-        rows,
-    )
+    head = "what|wall s|CPU s|samples/s (wall)|limit / time (wall, CPU)|peak RSS"
     title = (
         f"scoring at the limit: {a.n} samples x {a.dim} numbers ({a.layers} layers, "
-        f"{a.storage}, records of {a.batch}), {a.queries} queries, top_k={a.k}"
+        f"float32, records of {a.batch}), {a.queries} queries, top_k={a.k}"
     )
-    text = header(title, {"store": f"{nbytes / 2**20:.0f} MiB"}) + "\n" + table + "\n"
-    emit(text, a.out)
-    if not a.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    print(header(title, {"store": f"{nbytes / 2**20:.0f} MiB"}) + "\n" + md_table(head, rows))
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

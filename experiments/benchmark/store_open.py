@@ -1,18 +1,13 @@
 """Opening a large gradient store: the binary sample index vs the JSONL index.
 
-Writes a synthetic store of ``--n`` samples through ``GradientStorageManager`` (records of
-``--batch`` rows, SHA-256 sample ids, one tiny materialized layer: opening never reads a
-tensor, so the shards' size does not matter), then opens it in fresh processes, each reporting
-the wall time of ``GradientStorageManager(path)`` + ``len`` + ``num_samples`` +
-``available_checkpoints()``, the resident memory it added (``VmRSS`` after minus before, the
-imports done; the store kept open) and the process's peak (``VmHWM``, imports included):
+A synthetic store of ``--n`` samples (records of ``--batch``, SHA-256 ids, one tiny layer:
+opening reads no tensor), opened in fresh processes, each timing ``GradientStorageManager(path)``
++ ``len`` + ``num_samples`` + ``available_checkpoints()`` and reporting the resident memory it
+added and the process's peak: ``binary`` (the memory-mapped ``records.bin`` / ``samples.bin``),
+``jsonl`` (the JSONL journal, as a version-1 store is read), ``lookup`` (binary, then one
+``store.locations(hash)``).
 
-* ``binary`` — a version-2 partition (``records.bin`` / ``samples.bin``, memory-mapped);
-* ``jsonl`` — the same store read through its JSONL journal, as a version-1 store is;
-* ``first lookup`` — ``binary``, then one ``store.locations(hash)`` (builds the sample locator
-  over ``samples.bin``; before it, a dict of every id).
-
-    OMP_NUM_THREADS=1 python experiments/benchmark/store_open.py --n 1000000
+    OMP_NUM_THREADS=1 python experiments/benchmark/store_open.py --n 1000000 --rounds 3
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from utils.env import header  # noqa: E402
 from utils.memory import status_bytes  # noqa: E402
-from utils.table import emit, md_table  # noqa: E402
+from utils.table import md_table  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -55,13 +50,7 @@ def build(path: Path, n: int, batch: int) -> float:
             ids = [hashlib.sha256(str(j).encode()).hexdigest() for j in range(lo, lo + b)]
             grad = Gradient({"l": Materialized(torch.zeros(b, 4), "projected.mask", kw)})
             store.write(GradientRecord(step, ids, grad, step % 2))
-            if step % 5000 == 0:
-                log(f"{lo + b} samples written")
     return time.perf_counter() - t0
-
-
-def rss_kb(field: str = "VmRSS:") -> int:
-    return status_bytes(field.rstrip(":")) // 1024
 
 
 def child(path: str, mode: str) -> None:
@@ -70,7 +59,7 @@ def child(path: str, mode: str) -> None:
 
     if mode == "jsonl":
         manager.uses_binary_index = lambda meta: False
-    before = rss_kb()
+    before = status_bytes("VmRSS")
     t0 = time.perf_counter()
     store = GradientStorageManager(path)
     facts = (len(store), store.num_samples, store.available_checkpoints())
@@ -80,19 +69,15 @@ def child(path: str, mode: str) -> None:
         t1 = time.perf_counter()
         hit = store.locations(hashlib.sha256(b"12345").hexdigest())
         extra = {"lookup_s": time.perf_counter() - t1, "found": len(hit)}
-    after = rss_kb()
-    peak = rss_kb("VmHWM:")  # this image's peak (ru_maxrss would count the parent's, at fork)
-    out = {"wall": wall, "rss_mb": (after - before) / 1024, "peak_mb": peak / 1024}
+    rss_mb = (status_bytes("VmRSS") - before) / 2**20
+    # this image's peak (ru_maxrss would count the parent's pages, copied at fork)
+    out = {"wall": wall, "rss_mb": rss_mb, "peak_mb": status_bytes("VmHWM") / 2**20}
     print(json.dumps({**out, "facts": facts, **extra}))
 
 
 def run(path: Path, mode: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", str(path), mode],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, __file__, "--child", str(path), mode]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -101,19 +86,14 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1_000_000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--dir", default=None, help="where the store goes (kept; default: temp)")
-    p.add_argument("--out", default=None, help="append the markdown table to this file")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         child(*a.child)
         return
-    root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="store_open_"))
-    path = root / f"store_{a.n}_b{a.batch}"
-    built = None
-    if not (path / "meta.json").exists():
-        built = build(path, a.n, a.batch)
-        log(f"built in {built:.1f} s")
+    root = Path(tempfile.mkdtemp(prefix="store_open_"))
+    path = root / "store"
+    built = build(path, a.n, a.batch)
     sizes = {
         name: (path / name).stat().st_size for name in ("index.jsonl", "records.bin", "samples.bin")
     }
@@ -129,20 +109,10 @@ def main() -> None:
     facts = best["facts"]
     title = f"opening a {a.n}-sample store ({facts[0]} records of {a.batch})"
     extra = {k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}
-    if built is not None:
-        extra["write"] = f"{built:.0f} s ({a.n / built:,.0f} samples/s, fsync off)"
-    text = (
-        header(title, extra)
-        + "\n"
-        + md_table(
-            ["open via", "seconds (best)", "resident MB added", "process peak MB", "first lookup"],
-            rows,
-        )
-        + "\n"
-    )
-    emit(text, a.out)
-    if not a.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    extra["write"] = f"{built:.0f} s ({a.n / built:,.0f} samples/s, fsync off)"
+    head = "open via|seconds (best)|resident MB added|process peak MB|first lookup"
+    print(header(title, extra) + "\n" + md_table(head, rows))
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

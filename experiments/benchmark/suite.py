@@ -69,7 +69,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "scoring_limit",
         "benchmark.scoring_limit",
         "benchmarks/scoring.md",
-        ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10"),
+        ("--n", "2000", "--dim", "256", "--layers", "2", "--queries", "10", "--general"),
     ),
     Benchmark(
         "kfac_vs_kronfluence",
@@ -121,13 +121,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             "2",
         ),
     ),
-    Benchmark("index", "benchmark.index", "benchmarks/index.md", needs=("faiss",)),
+    # the quick run: steps 0-3 (capture, exact top_k, its limit, the index) on 2,000 windows
+    Benchmark("million", "benchmark.million", "benchmarks/index.md", needs=("faiss",)),
     Benchmark(
         "serve",
         "benchmark.serve",
         "benchmarks/serve.md",
         ("--quick", "--docs", "12", "--sizes", "12,600", "--queries", "2", "--requests", "1")
-        + ("--clients", "1,2", "--capture-repeats", "1"),
+        + ("--clients", "1,2"),
         needs=("starlette", "uvicorn"),
     ),
     Benchmark("fidelity", "fidelity.run", "benchmarks/capture.md", needs=("olmo_core",)),

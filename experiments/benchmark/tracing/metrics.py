@@ -15,8 +15,6 @@ import torch
 
 def rankings(scores: torch.Tensor) -> torch.Tensor:
     """``(n_queries, n_docs)`` document indices, best first, per query column of ``scores``."""
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be (n_docs, n_queries), got shape {tuple(scores.shape)}")
     if torch.isnan(scores).any():
         raise ValueError("scores contain NaN: a method returned an incomplete score matrix")
     return torch.sort(-scores.t().double(), dim=1, stable=True).indices
@@ -47,7 +45,5 @@ def top_k(scores: torch.Tensor, k: int) -> list[list[int]]:
 def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
     """Mean and the half-width of its normal-approximation 95 % interval (``z * sd / √n``)."""
     x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        return math.nan, math.nan
     half = z * x.std(ddof=1) / math.sqrt(x.size) if x.size > 1 else math.nan
     return float(x.mean()), float(half)
