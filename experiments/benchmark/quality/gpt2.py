@@ -30,8 +30,6 @@ from experiments.benchmark.quality.common import (
     train_func_of,
 )
 
-__all__ = ["TinyGPT2", "TinyGPT2Linear", "make_setting", "neg_log_odds", "per_sample_ce"]
-
 BLOCK = 64
 N_TRAIN, N_TEST = 1000, 100
 DATA_SEED = 0
