@@ -165,8 +165,9 @@ def main() -> None:
         for n in (small, big):
             cmds = commands(py, model, data[n], work / f"out_{n}", a.projection_dim, shape.seq)
             for tool, cmd in cmds.items():
-                times[tool][n].append(timed(cmd, benv if tool == "bergson" else env))
-                print(f"round {r + 1}: {tool}, {n} windows: {times[tool][n][-1]} (wall, CPU s)",
+                wall, cpu = timed(cmd, benv if tool == "bergson" else env)
+                times[tool][n].append((wall, cpu))
+                print(f"round {r + 1}: {tool}, {n} windows: {wall:.1f} s wall, {cpu:.1f} CPU-s",
                       file=sys.stderr, flush=True)  # fmt: skip
     res: dict = {"shape": shape.label, "sizes": [small, big], "times": times}
     for tool, t in times.items():
