@@ -51,6 +51,8 @@ class Benchmark:
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("capture", "benchmark.capture", "benchmarks/capture.md"),
     Benchmark("fixed_weights", "benchmark.fixed_weights", "benchmarks/capture.md"),
+    # bergson runs in its own venv ($DATTRI_LLM_BERGSON_PYTHON): without one it prints a note
+    Benchmark("posthoc_bergson", "benchmark.posthoc_bergson", "benchmarks/capture.md"),
     Benchmark("offload_overhead", "benchmark.offload_overhead", "benchmarks/capture.md"),
     Benchmark("moe", "benchmark.moe", "benchmarks/capture.md"),
     # dattri's as-shipped (projected) run is the slow one on CPU: the quick run skips it
