@@ -312,7 +312,8 @@ def main() -> None:
         if "kronfluence" in peers:
             results["main"]["agreement"] = agreement(work)
             print("agreement", results["main"]["agreement"])
-        base = dict(main_cfg, n_train=128 if a.quick else 256, n_test=4, train_steps=0)
+        n_fit = 128 if a.quick else 256  # the fit-time grid: float32 always
+        base = dict(main_cfg, n_train=n_fit, n_test=4, train_steps=0, dtype="float32")
         grid = [dict(base, layers=n, width=64) for n in (1, 2, 4)]
         grid += [dict(base, layers=2, width=w) for w in (32, 128, 256)]
         grid = [] if a.no_scaling else grid
