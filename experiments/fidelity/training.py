@@ -183,27 +183,19 @@ def train(
         rank_microbatch_size=micro_batch * SEQ, max_sequence_length=SEQ, optim=optim
     ).build(model)
     trainer = TrainerConfig(
-        save_folder=str(work / "save"),
-        work_dir=str(work / "trainer"),
-        max_duration=Duration.steps(steps),
-        no_checkpoints=True,
-        metrics_collect_interval=10**6,
-        cancel_check_interval=10**6,
-        save_overwrite=True,
-    ).build(train_module, loader)
+        save_folder=str(work / "save"), work_dir=str(work / "trainer"), save_overwrite=True,
+        max_duration=Duration.steps(steps), no_checkpoints=True,
+        metrics_collect_interval=10**6, cancel_check_interval=10**6,
+    ).build(train_module, loader)  # fmt: skip
     recorder = _Recorder(snapshot)
     trainer.add_callback("fidelity_recorder", recorder)
     result = RunResult(model, recorder.steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if capture_callbacks is not None:
-            result.hook_manager = HookManager(
-                model,
-                config=HookManagerConfig(
-                    layer_types=olmo_core_layer_types(model) if declare_norms else {}
-                ),
-                callbacks=list(capture_callbacks),
-            )
+            norms = olmo_core_layer_types(model) if declare_norms else {}
+            config = HookManagerConfig(layer_types=norms)
+            result.hook_manager = HookManager(model, config, callbacks=list(capture_callbacks))
             if not wrap_fit:
                 result.capture = GradientCaptureCallback(hook_manager=result.hook_manager)
                 trainer.add_callback("dattri_llm", result.capture)
@@ -212,12 +204,9 @@ def train(
                 trainer.fit()
         else:
             trainer.fit()
-    result.warnings = [  # dattri_llm's (they name HookManager / REGISTER_ALL remedies)
-        str(w.message)
-        for w in caught
-        if "/dattri_llm/" in w.filename
-        or any(k in str(w.message) for k in ("HookManager", "REGISTER_ALL"))
-    ]
+    mine = ("/dattri_llm/", "HookManager", "REGISTER_ALL")  # its file, or its remedies named
+    result.warnings = [str(w.message) for w in caught
+                       if any(k in w.filename + str(w.message) for k in mine)]  # fmt: skip
     return result
 
 
