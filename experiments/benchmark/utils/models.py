@@ -10,15 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = [
-    "ModelShape",
-    "build_model",
-    "make_batch",
-    "batch_loss",
-    "plain_fwd_bwd",
-    "hook_config",
-    "describe",
-]
+__all__ = ["ModelShape", "FLOOR_ROWS", "floor_shape", "build_model", "make_batch", "batch_loss"]
+__all__ += ["plain_fwd_bwd", "hook_config", "describe"]
 
 
 @dataclass(frozen=True)
