@@ -35,6 +35,7 @@ from utils.models import (
     make_batch,
     plain_fwd_bwd,
 )
+from utils.timing import med
 
 from dattri_llm import (
     AttributionArguments,
@@ -62,10 +63,6 @@ def timed(fn: object) -> tuple[float, int]:
         torch.cuda.synchronize(DEVICE)
     dt = time.perf_counter() - t0
     return dt, torch.cuda.max_memory_allocated(DEVICE) - base if cuda else 0
-
-
-def med(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def part_floor(rounds: int, quick: bool) -> list[dict]:

@@ -31,7 +31,7 @@ from utils.env import header
 from utils.models import ModelShape, batch_loss, build_model, describe, make_batch, plain_fwd_bwd
 from utils.reference import rel_err, vmap_per_sample_grads
 from utils.table import fmt_bytes, fmt_s, fmt_x, md_table
-from utils.timing import measure
+from utils.timing import measure, med
 
 from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor
 
@@ -134,10 +134,6 @@ def part_floor(shapes: list[ModelShape], n: int, m: int, bs: int, rounds: int) -
         for _ in range(rounds):
             att.append(measure(lambda m=model, a=train, b=test: ours(m, a, b, bs)))
             pl.append(measure(lambda m=model, a=both: plain_fwd_bwd(m, a, bs)))
-
-        def med(xs: list[float]) -> float:
-            return sorted(xs)[len(xs) // 2]
-
         ratio_cpu, ratio_wall = (med([a[i] / p[i] for a, p in zip(att, pl)]) for i in (1, 0))
         a_cpu, p_cpu = med([a[1] for a in att]), med([p[1] for p in pl])
         met = f"<= 1.3x: {'met' if ratio_cpu <= 1.3 else 'MISSED'}"

@@ -36,7 +36,7 @@ from utils.models import (
     plain_fwd_bwd,
 )
 from utils.table import fmt_bytes, fmt_s, fmt_x, md_table
-from utils.timing import measure
+from utils.timing import measure, med
 
 REPO = os.path.dirname(os.path.dirname(BENCH_DIR))
 REF_PY = os.path.join(BENCH_DIR, ".venv-ref", "bin", "python")
@@ -91,10 +91,6 @@ def run_one(impl: str, spec: str, n: int, m: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _med(xs: list[float]) -> float | None:
-    return sorted(xs)[len(xs) // 2] if xs else None
-
-
 def part_floor(rows_spec: list[tuple[str, int, int]], rounds: int) -> str:
     impls = ["ours", "ref"] if os.path.exists(REF_PY) else ["ours"]
     table = []
@@ -105,9 +101,9 @@ def part_floor(rows_spec: list[tuple[str, int, int]], rounds: int) -> str:
                 got[impl].append(x := run_one(impl, spec, n, m))
                 msg = f"{spec} {n}x{m} {impl}: {x['attr_cpu'] / x['plain_cpu']:.2f}x"
                 print(f"[floor] {msg}", file=sys.stderr, flush=True)
-        o, f = (_med([x["attr_cpu"] / x["plain_cpu"] for x in got[i]]) for i in ("ours", "ref"))
+        o, f = (med([x["attr_cpu"] / x["plain_cpu"] for x in got[i]]) for i in ("ours", "ref"))
         po, pf = (max(x["attr_peak"] for x in got[i]) if got[i] else None for i in ("ours", "ref"))
-        cpu = (_med([x["attr_cpu"] for x in got[i]]) for i in ("ours", "ref"))
+        cpu = (med([x["attr_cpu"] for x in got[i]]) for i in ("ours", "ref"))
         table.append([spec, f"{n} x {m}", fmt_x(o), fmt_x(f), fmt_x(o / f) if f else "n/a",
                       fmt_bytes(po), fmt_bytes(pf), f"{po / pf:.2f}" if pf else "n/a",
                       *map(fmt_s, cpu)])  # fmt: skip

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .memory import peak_rss_bytes
 
-__all__ = ["Variant", "Timing", "measure", "time_interleaved", "time_once", "paired_ratio"]
+__all__ = ["Variant", "Timing", "measure", "med", "time_interleaved", "time_once", "paired_ratio"]
 
 
 @dataclass
@@ -56,6 +56,12 @@ def measure(fn: Callable[[], object]) -> tuple[float, float, int, object]:
 
     peak, out = peak_rss_bytes(run)
     return box["wall"], box["cpu"], peak, out
+
+
+def med(xs: list[float]) -> float | None:
+    """The middle value (the upper one of an even count, as the docs' tables used); ``None``
+    for no values."""
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def time_once(v: Variant) -> tuple[float, float, int]:
