@@ -1,12 +1,10 @@
 """Check the registry of Hugging Face RMS norm classes against the installed transformers.
 
 ``dattri_llm/gradient/layers/hf_classes.py`` lists, per form, the ``*RMSNorm`` classes whose
-source was found identical to the form's reference class (``LlamaRMSNorm``, ``Olmo2RMSNorm``,
-``GemmaRMSNorm``). This script parses every ``modeling_*.py`` of the installed transformers,
-normalises each ``*RMSNorm`` class's source (docstrings, comments, type hints, the class name
-and the default eps removed), groups identical sources, and prints, per form, the classes to
-add to and to remove from the registry; then the other groups (forms the registry does not
-know, left to the unknown-module warning). Run it after upgrading transformers:
+source matches the form's reference class (``LlamaRMSNorm``, ``Olmo2RMSNorm``, ``GemmaRMSNorm``).
+This groups every ``*RMSNorm`` of the installed transformers by normalised source (docstrings,
+comments, hints, names and default eps removed) and prints, per form, the classes to add and
+to remove, then the forms the registry does not know. Run it after upgrading transformers:
 
     python -m experiments.hf_norm_classes
 """

@@ -1,23 +1,14 @@
 """EK-FAC influence: dattri_llm's ``EKFACAttributor`` vs kronfluence, same model, data, damping.
 
-Run (from the repository root; kronfluence lives in its own venv, see
-experiments/benchmark/README.md):
+Each peer runs in its own subprocess on the same saved model and tokens (``--peer ours`` here,
+``--peer kronfluence`` in ``experiments/benchmark/.venv-kronfluence``): fit + scores time, peak
+RSS, score agreement, and a fit-time grid over depth and width. The model is a GPT-2 whose
+``Conv1D`` layers are ``nn.Linear`` (kronfluence tracks only those), trained a few steps on
+bytes of Python's documentation; every block linear layer tracked; summed next-token loss;
+empirical Fisher; damping 0.1 x the mean eigenvalue per layer (kronfluence's
+``damping_factor=None``; ours ``damping=0.1, relative=True``, ``tokens="all"``).
 
-    OMP_NUM_THREADS=1 python experiments/benchmark/kfac_vs_kronfluence.py --quick
-
-Each peer runs in its own subprocess (``--peer ours`` with this interpreter, ``--peer
-kronfluence`` with ``experiments/benchmark/.venv-kronfluence/bin/python``) on the same saved
-model and token data, so end-to-end time (fit + scores) and peak RSS are measured per peer.
-
-Model: a GPT-2 built from a config whose HF ``Conv1D`` layers are converted to ``nn.Linear``
-(kronfluence tracks only ``nn.Linear`` / ``nn.Conv2d``), trained for a few steps on byte-level
-tokens of Python's own documentation text (``pydoc_data.topics``). Tracked layers: every linear
-layer inside the transformer blocks (``c_attn``, ``c_proj``, ``c_fc``, ``mlp.c_proj``) on both
-sides. Loss: summed next-token cross-entropy (train loss = measurement). Fisher: empirical on
-both sides (``FactorArguments(strategy="ekfac", use_empirical_fisher=True)``); damping
-``0.1 x`` the mean EK-FAC eigenvalue per layer on both sides (kronfluence's
-``damping_factor=None`` heuristic; ours ``damping=0.1, relative=True``); ours counts every token
-position in ``A`` (``tokens="all"``, as kronfluence does without an attention mask).
+    OMP_NUM_THREADS=1 python experiments/benchmark/kfac_vs_kronfluence.py [--quick] [--float64]
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,21 +45,11 @@ def build_model(cfg: dict) -> nn.Module:
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=cfg["seq"],
-            n_embd=cfg["width"],
-            n_layer=cfg["layers"],
-            n_head=max(1, cfg["width"] // 32),
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_implementation="eager",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    config = GPT2Config(vocab_size=VOCAB, n_positions=cfg["seq"], n_embd=cfg["width"],
+                        n_layer=cfg["layers"], n_head=max(1, cfg["width"] // 32), bos_token_id=0,
+                        eos_token_id=0, attn_implementation="eager", resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if isinstance(child, Conv1D):
@@ -80,16 +62,6 @@ def build_model(cfg: dict) -> nn.Module:
     return model
 
 
-def tracked_modules(model: nn.Module) -> list[str]:
-    import re
-
-    return [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and re.fullmatch(LAYER_REGEX, n)
-    ]
-
-
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of a batch (the sum of per-sample losses)."""
     logits = model(input_ids=ids).logits
@@ -100,6 +72,13 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def peak_rss_mb() -> float:
     return status_bytes("VmHWM") / 2**20
+
+
+def save(work: Path, name: str, scores: torch.Tensor) -> None:
+    """A peer's ``(n_train, n_test)`` scores for :func:`agreement`."""
+    from safetensors.torch import save_file
+
+    save_file({"scores": scores.double().contiguous()}, str(work / f"{name}_scores.safetensors"))
 
 
 def load_work(work: Path, cfg: dict) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -123,16 +102,12 @@ def run_ours(work: Path, cfg: dict, fit_only: bool) -> dict:
     base_rss = peak_rss_mb()
     train = [{"input_ids": r} for r in train_ids]
     test = [{"input_ids": r} for r in test_ids]
-    args = AttributionArguments(
-        output_dir=str(work / "ours_out"),
-        use_cpu=True,
-        per_device_train_batch_size=cfg["batch"],
-        per_device_eval_batch_size=cfg["batch"],
-        show_progress=False,
-    )
-    att = EKFACAttributor(
-        args, task=AttributionTask(lambda m, b: lm_loss(m, b["input_ids"]), model), tokens="all"
-    )
+    b = cfg["batch"]
+    sizes = {"per_device_train_batch_size": b, "per_device_eval_batch_size": b}
+    out_dir = str(work / "ours_out")
+    args = AttributionArguments(output_dir=out_dir, use_cpu=True, show_progress=False, **sizes)
+    task = AttributionTask(lambda m, b: lm_loss(m, b["input_ids"]), model)
+    att = EKFACAttributor(args, task=task, tokens="all")
     hook = HookManagerConfig(linear_io=[LAYER_REGEX])
     out: dict = {"base_rss_mb": base_rss}
     if fit_only:
@@ -144,18 +119,9 @@ def run_ours(work: Path, cfg: dict, fit_only: bool) -> dict:
         # are kept in memory (AttributionArguments.live_cache_gb), so the covariance pass, the
         # eigenvalue pass and the scoring share one forward/backward over the train set
         t1 = time.perf_counter()
-        damping = cfg.get("damping")
-        score = att.attribute(
-            train, test, hook_config=hook, damping=damping or 0.1, relative=damping is None
-        )
-        out["fit_s"] = 0.0
-        out["score_s"] = time.perf_counter() - t1
-        from safetensors.torch import save_file
-
-        save_file(
-            {"scores": score.query(train, test).double().contiguous()},
-            str(work / "ours_scores.safetensors"),
-        )
+        score = att.attribute(train, test, hook_config=hook, damping=0.1, relative=True)
+        out["fit_s"], out["score_s"] = 0.0, time.perf_counter() - t1
+        save(work, "ours", score.query(train, test))
     out["layers"] = len(att.factors[0].layers)
     out["peak_rss_mb"] = peak_rss_mb()
     return out
@@ -171,7 +137,8 @@ def run_kronfluence(work: Path, cfg: dict, fit_only: bool) -> dict:
     logging.disable(logging.WARNING)
     model, train_ids, test_ids = load_work(work, cfg)
     base_rss = peak_rss_mb()
-    names = tracked_modules(model)
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and re.fullmatch(LAYER_REGEX, n)]  # fmt: skip
 
     class LMTask(Task):
         def compute_train_loss(self, batch, model, sample=False):  # noqa: ANN001, ANN201
@@ -195,43 +162,28 @@ def run_kronfluence(work: Path, cfg: dict, fit_only: bool) -> dict:
 
     task = LMTask()
     model = prepare_model(model, task)
-    analyzer = Analyzer(
-        "bench", model, task, cpu=True, disable_tqdm=True, output_dir=str(work / "kronfluence_out")
-    )
+    out_dir = str(work / "kronfluence_out")
+    analyzer = Analyzer("bench", model, task, cpu=True, disable_tqdm=True, output_dir=out_dir)
     f64 = cfg.get("dtype") == "float64"
-    dtypes = "activation_covariance_dtype gradient_covariance_dtype per_sample_gradient_dtype"
-    f64_fit = {k: torch.float64 for k in (dtypes + " lambda_dtype").split()} if f64 else {}
-    f64_score = "per_sample_gradient_dtype precondition_dtype score_dtype".split()
-    f64_score = {k: torch.float64 for k in f64_score} if f64 else {}
+    fit_dtypes = "activation_covariance gradient_covariance per_sample_gradient lambda".split()
+    score_dtypes = "per_sample_gradient precondition score".split()
+    f64_fit = {f"{k}_dtype": torch.float64 for k in fit_dtypes if f64}
+    f64_score = {f"{k}_dtype": torch.float64 for k in score_dtypes if f64}
     fargs = FactorArguments(strategy="ekfac", use_empirical_fisher=True, **f64_fit)
     t0 = time.perf_counter()
-    analyzer.fit_all_factors(
-        "ekfac",
-        DS(train_ids),
-        per_device_batch_size=cfg["batch"],
-        factor_args=fargs,
-        overwrite_output_dir=True,
-    )
+    analyzer.fit_all_factors("ekfac", DS(train_ids), per_device_batch_size=cfg["batch"],
+                             factor_args=fargs, overwrite_output_dir=True)  # fmt: skip
     out = {"fit_s": time.perf_counter() - t0, "base_rss_mb": base_rss, "layers": len(names)}
     if not fit_only:
         t1 = time.perf_counter()
+        b = cfg["batch"]
+        sizes = {"per_device_query_batch_size": b, "per_device_train_batch_size": b}
         analyzer.compute_pairwise_scores(
-            "scores",
-            "ekfac",
-            DS(test_ids),
-            DS(train_ids),
-            per_device_query_batch_size=cfg["batch"],
-            per_device_train_batch_size=cfg["batch"],
-            score_args=ScoreArguments(damping_factor=cfg.get("damping"), **f64_score),
-            overwrite_output_dir=True,
-        )
+            "scores", "ekfac", DS(test_ids), DS(train_ids), overwrite_output_dir=True,
+            score_args=ScoreArguments(damping_factor=None, **f64_score), **sizes
+        )  # fmt: skip
         out["score_s"] = time.perf_counter() - t1
-        scores = analyzer.load_pairwise_scores("scores")["all_modules"]  # (n_test, n_train)
-        from safetensors.torch import save_file
-
-        save_file(
-            {"scores": scores.T.double().contiguous()}, str(work / "kronfluence_scores.safetensors")
-        )
+        save(work, "kronfluence", analyzer.load_pairwise_scores("scores")["all_modules"].T)
     out["peak_rss_mb"] = peak_rss_mb()
     return out
 
@@ -257,7 +209,7 @@ def prepare(work: Path, cfg: dict) -> None:
         if len(rows) == n:
             break
     rows = torch.stack(rows)
-    model = build_model(cfg)
+    model = build_model(cfg)  # trained in float32 in either case
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     train = rows[: cfg["n_train"]]
     for _step in range(cfg["train_steps"]):
@@ -265,24 +217,16 @@ def prepare(work: Path, cfg: dict) -> None:
         opt.zero_grad()
         (lm_loss(model, batch) / batch.numel()).backward()
         opt.step()
-    save_file(
-        {
-            k: v.detach().clone().contiguous()
-            for k, v in model.state_dict().items()
-            if k != "lm_head.weight"
-        },  # tied to transformer.wte.weight
-        str(work / "model.safetensors"),
-    )
-    save_file(
-        {"train": train.contiguous(), "test": rows[cfg["n_train"] :].contiguous()},
-        str(work / "data.safetensors"),
-    )
+    state = model.state_dict()
+    state = {k: v.detach().clone().contiguous() for k, v in state.items() if k != "lm_head.weight"}
+    save_file(state, str(work / "model.safetensors"))  # lm_head is tied to transformer.wte
+    data = {"train": train.contiguous(), "test": rows[cfg["n_train"] :].contiguous()}
+    save_file(data, str(work / "data.safetensors"))
 
 
 def launch(peer: str, work: Path, cfg: dict, fit_only: bool) -> dict:
     py = sys.executable if peer == "ours" else str(PEER_PY)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env["TOKENIZERS_PARALLELISM"] = "false"
     cmd = [py, str(Path(__file__).resolve()), "--peer", peer, "--work", str(work)]
     cmd += ["--cfg", json.dumps(cfg)] + (["--fit-only"] if fit_only else [])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
@@ -316,20 +260,15 @@ def agreement(work: Path) -> dict:
 def versions() -> dict:
     import transformers
 
-    peer = []
+    peer = ["?", "?"]
     if PEER_PY.exists():
         code = "import kronfluence,torch;print(kronfluence.__version__,torch.__version__)"
-        peer = subprocess.run([str(PEER_PY), "-c", code], capture_output=True, text=True)
-        peer = peer.stdout.split()
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "kronfluence": peer[0] if peer else "?",
-        "peer_torch": peer[1] if peer else "?",
-        "threads": os.environ.get("OMP_NUM_THREADS"),
-        "cpus": os.cpu_count(),
-    }
+        res = subprocess.run([str(PEER_PY), "-c", code], capture_output=True, text=True)
+        peer = res.stdout.split() + peer
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "kronfluence": peer[0],
+            "peer_torch": peer[1], "threads": os.environ.get("OMP_NUM_THREADS"),
+            "cpus": os.cpu_count()}  # fmt: skip
 
 
 def main() -> None:
@@ -340,6 +279,7 @@ def main() -> None:
     p.add_argument("--cfg")
     p.add_argument("--fit-only", action="store_true")
     p.add_argument("--no-scaling", action="store_true", help="skip the fit-time scaling grid")
+    p.add_argument("--float64", action="store_true", help="both peers in float64 (agreement)")
     p.add_argument("--out", default=None, help="write the JSON results here")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -358,6 +298,7 @@ def main() -> None:
         if a.quick
         else dict(layers=4, width=128, seq=64, n_train=512, n_test=32, batch=16, train_steps=60)
     )
+    main_cfg["dtype"] = "float64" if a.float64 else "float32"
     results: dict = {"command": cmd, "versions": versions(), "main": {"config": main_cfg}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "main"
@@ -371,12 +312,11 @@ def main() -> None:
         if "kronfluence" in peers:
             results["main"]["agreement"] = agreement(work)
             print("agreement", results["main"]["agreement"])
-        base = dict(main_cfg, n_train=128 if a.quick else 256, n_test=4, train_steps=0)
-        grid = [dict(base, layers=n, width=64) for n in (1, 2, 4)] + [
-            dict(base, layers=2, width=w) for w in (32, 128, 256)
-        ]
-        if a.no_scaling:
-            grid = []
+        n_fit = 128 if a.quick else 256  # the fit-time grid: float32 always
+        base = dict(main_cfg, n_train=n_fit, n_test=4, train_steps=0, dtype="float32")
+        grid = [dict(base, layers=n, width=64) for n in (1, 2, 4)]
+        grid += [dict(base, layers=2, width=w) for w in (32, 128, 256)]
+        grid = [] if a.no_scaling else grid
         results["scaling"] = []
         for i, cfg in enumerate(grid):
             w = Path(tmp) / f"s{i}"
@@ -387,25 +327,11 @@ def main() -> None:
                 row[peer] = launch(peer, w, cfg, fit_only=True)["fit_s"]
             results["scaling"].append(row)
             print("scaling", row)
-    print()
-    print(
-        md_table(
-            ["peer", "fit (s)", "score (s)", "total (s)"],
-            [
-                [p, f"{r['fit_s']:.2f}", f"{r['score_s']:.2f}", f"{r['total_s']:.2f}"]
-                for p, r in ((p, results["main"][p]) for p in peers)
-            ],
-        )
-    )
-    print(
-        md_table(
-            ["layers", "width", *(f"{p} fit (s)" for p in peers)],
-            [
-                [r["layers"], r["width"], *(f"{r[p]:.2f}" for p in peers)]
-                for r in results["scaling"]
-            ],
-        )
-    )
+    rows = [[p, *(f"{results['main'][p][k]:.2f}" for k in ("fit_s", "score_s", "total_s"))]
+            for p in peers]  # fmt: skip
+    print("\n" + md_table(["peer", "fit (s)", "score (s)", "total (s)"], rows))
+    rows = [[r["layers"], r["width"], *(f"{r[p]:.2f}" for p in peers)] for r in results["scaling"]]
+    print(md_table(["layers", "width", *(f"{p} fit (s)" for p in peers)], rows))
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 

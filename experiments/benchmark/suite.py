@@ -1,22 +1,14 @@
 """Every benchmark behind one command: which script makes which docs table, and its quick run.
 
-Usage (from the repository root)::
-
     python -m experiments.benchmark --list                  # name, script, docs page
-    python -m experiments.benchmark capture                 # the full run of one benchmark
-    python -m experiments.benchmark capture --quick         # its CI-sized run (seconds)
+    python -m experiments.benchmark NAME [--quick]          # the full run (the page's) / CI-sized
     python -m experiments.benchmark all --quick --out DIR   # every quick run, DIR/<name>.md each
     python -m experiments.benchmark tracin -- --parts floor # arguments after -- go to the script
 
-Each benchmark runs in a fresh process with ``OMP_NUM_THREADS=1`` (the scripts also re-execute
-themselves with it), its Markdown tables on stdout, its progress on stderr. With ``--out DIR``
-the tables go to ``DIR/<name>.md`` and the result files the benchmarks write (JSON / Markdown,
-``experiments/benchmark/results/`` otherwise) to ``DIR`` (``DATTRI_BENCH_RESULTS``).
-
-``--quick`` passes the registry's ``quick`` arguments: the script's own ``--quick`` where it
-has one, and the sizes that keep the run to seconds on a 2-core machine, on a tiny model, with
-no peer needed (a peer that is not installed is left out with a printed note, never an
-error). The full run is the command its docs page quotes.
+Each runs in a fresh process with ``OMP_NUM_THREADS=1``, tables on stdout, progress on stderr;
+``--out DIR`` also sends its result files to ``DIR`` (``DATTRI_BENCH_RESULTS``). ``--quick``
+passes the registry's ``quick`` arguments (seconds on a 2-core machine, no peer needed); a
+benchmark whose ``needs`` are not installed is left out with a note.
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark: its module under ``experiments``, its docs page, its quick arguments and
-    the modules it cannot run without (left out with a note where one is missing)."""
+    """A module under ``experiments``, its docs page, quick arguments and needed modules."""
 
     name: str
     module: str
@@ -142,14 +133,6 @@ def missing_needs(bench: Benchmark) -> list[str]:
     return [m for m in bench.needs if importlib.util.find_spec(m) is None]
 
 
-def _by_name(name: str) -> Benchmark:
-    for b in BENCHMARKS:
-        if b.name == name:
-            return b
-    names = ", ".join(b.name for b in BENCHMARKS)
-    raise SystemExit(f"unknown benchmark {name!r}: expected 'all' or one of {names}")
-
-
 def command(bench: Benchmark, quick: bool, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The command line that runs ``bench`` (its quick arguments with ``quick``)."""
     args = list(bench.quick) if quick else []
@@ -165,7 +148,12 @@ def run(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = command(bench, quick, extra)
     print(f"[suite] {bench.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    start, cpu = time.perf_counter(), _children_cpu()
+
+    def children_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    start, cpu = time.perf_counter(), children_cpu()
     if out is None:
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     else:  # the result files the benchmark writes go beside its tables
@@ -173,12 +161,7 @@ def run(
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"{bench.name}.md", "w", encoding="utf-8") as f:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f).returncode
-    return rc, time.perf_counter() - start, _children_cpu() - cpu
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return rc, time.perf_counter() - start, children_cpu() - cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,25 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.benchmark",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__)
     p.add_argument("name", nargs="?", help="a benchmark's name, or 'all'")
     p.add_argument("--quick", action="store_true", help="the CI-sized run (seconds each)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and their pages")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="write DIR/<name>.md per benchmark, and their result files to DIR",
-    )
+    p.add_argument("--out", type=Path, help="DIR/<name>.md per benchmark, result files in DIR")
     args = p.parse_args(argv)
     if args.list or not args.name:
         for b in BENCHMARKS:
             print(f"{b.name:20} experiments/{b.module.replace('.', '/')}.py  docs/{b.page}")
         return 0
-    todo = list(BENCHMARKS) if args.name == "all" else [_by_name(args.name)]
+    todo = [b for b in BENCHMARKS if args.name in ("all", b.name)]
+    if not todo:
+        names = ", ".join(b.name for b in BENCHMARKS)
+        raise SystemExit(f"unknown benchmark {args.name!r}: expected 'all' or one of {names}")
     failed = []
     for b in todo:
         missing = missing_needs(b)
@@ -213,11 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[suite] {b.name}: skipped, {', '.join(missing)} not installed", flush=True)
             continue
         rc, seconds, cpu = run(b, args.quick, extra, args.out)
-        print(
-            f"[suite] {b.name}: exit {rc} in {seconds:.1f} s ({cpu:.1f} CPU-s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        msg = f"[suite] {b.name}: exit {rc} in {seconds:.1f} s ({cpu:.1f} CPU-s)"
+        print(msg, file=sys.stderr, flush=True)
         if rc:
             failed.append(b.name)
     if failed:

@@ -1,18 +1,15 @@
-"""TracIn end to end: dattri_llm's live ``TracInAttributor`` vs dattri 0.3.0.
+"""TracIn end to end, CPU, one thread, GPT-2 from config (random weights = the checkpoint).
 
-Parts (CPU, one thread, GPT-2 architecture built from config, random weights = the checkpoint):
+1. **vs dattri**: live ``TracInAttributor.attribute`` against dattri 0.3.0's as shipped (512-dim
+   random projection) and unprojected (``projector_kwargs = None`` after construction), each
+   side's scores against float64 ``torch.func`` brute force ``<grad l(z_train), grad l(z_test)>``.
+2. **floor**: ``attribute()`` / one plain forward+backward over the same samples (vocab 50257).
+3. **n**: our time and peak memory against the number of train samples.
 
-1. **vs dattri.** ``N`` train x ``M`` test queries; dattri_llm ``TracInAttributor.attribute``
-   (live, cost-model routing) against dattri's ``TracInAttributor`` on the same data and
-   weights, as shipped (random projection to 512 dimensions, its default) and unprojected
-   (``projector_kwargs`` set to ``None`` after construction, since passing ``None`` keeps the
-   default). Each side's scores are compared with exact brute-force scores
-   ``<grad l(z_train), grad l(z_test)>`` from float64 ``torch.func`` per-sample gradients.
-2. **Physical floor.** ``attribute()`` time / one plain forward+backward (weight gradients
-   included, as in training) over the same train and test samples and batch size.
-3. **Scaling** of our time and peak memory with ``N`` train.
+    OMP_NUM_THREADS=1 python experiments/benchmark/tracin.py [--quick] [--parts dattri,floor,n]
 """
 
+# ruff: noqa: E402  (torch is imported after the re-execution with one thread)
 from __future__ import annotations
 
 import argparse
@@ -20,67 +17,41 @@ import copy
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from utils.env import ensure_env  # noqa: E402
+from utils.env import ensure_env
 
 if __name__ == "__main__":
     ensure_env()
 
-import torch  # noqa: E402
-from torch.func import functional_call, grad, vmap  # noqa: E402
-from utils.env import header  # noqa: E402
-from utils.memory import peak_rss_bytes  # noqa: E402
-from utils.models import ModelShape, batch_loss, build_model, describe, make_batch  # noqa: E402
-from utils.reference import rel_err  # noqa: E402
-from utils.table import fmt_bytes, fmt_s, fmt_x, md_table  # noqa: E402
+import torch
+from torch.func import functional_call
+from utils.env import header
+from utils.models import ModelShape, batch_loss, build_model, describe, make_batch, plain_fwd_bwd
+from utils.reference import rel_err, vmap_per_sample_grads
+from utils.table import fmt_bytes, fmt_s, fmt_x, md_table
+from utils.timing import measure, med
 
-from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor  # noqa: E402
+from dattri_llm import AttributionArguments, AttributionTask, TracInAttributor
 
 
 def log(msg: str) -> None:
     print(f"[tracin] {msg}", file=sys.stderr, flush=True)
 
 
-def measure(fn: object) -> tuple[float, float, int, object]:
-    """(wall s, CPU s, peak bytes above the start, result) of one call."""
-    box: dict[str, float] = {}
-
-    def run() -> object:
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = fn()
-        box["wall"], box["cpu"] = time.perf_counter() - t0, time.process_time() - c0
-        return out
-
-    peak, out = peak_rss_bytes(run)
-    return box["wall"], box["cpu"], peak, out
-
-
 def loss_fn(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return batch_loss(model, batch["input_ids"])
 
 
-def ours(
-    model: torch.nn.Module, train: torch.Tensor, test: torch.Tensor, bs: int, mode: str = "auto"
-) -> torch.Tensor:
+def ours(model: torch.nn.Module, train: torch.Tensor, test: torch.Tensor, bs: int) -> torch.Tensor:
     """Live TracIn scores ``(N, M)`` in dataset order."""
-    train_set = [{"input_ids": t} for t in train]
-    test_set = [{"input_ids": t} for t in test]
+    train_set, test_set = [{"input_ids": t} for t in train], [{"input_ids": t} for t in test]
     with tempfile.TemporaryDirectory() as out_dir:
-        args = AttributionArguments(
-            output_dir=out_dir,
-            use_cpu=True,
-            per_device_train_batch_size=bs,
-            per_device_eval_batch_size=bs,
-            show_progress=False,
-        )
-        att = TracInAttributor(
-            args, task=AttributionTask(loss_func=loss_fn, model=model), mode=mode
-        )
-        score = att.attribute(train_set, test_set)
-        return score.query(train_set, test_set)
+        sizes = {"per_device_train_batch_size": bs, "per_device_eval_batch_size": bs}
+        args = AttributionArguments(output_dir=out_dir, use_cpu=True, show_progress=False, **sizes)
+        att = TracInAttributor(args, task=AttributionTask(loss_func=loss_fn, model=model))
+        return att.attribute(train_set, test_set).query(train_set, test_set)
 
 
 def dattri_scores(
@@ -108,34 +79,15 @@ def dattri_scores(
     return att.attribute(tr, te)
 
 
-def exact_scores(
-    model: torch.nn.Module, train: torch.Tensor, test: torch.Tensor, chunk: int = 8
-) -> torch.Tensor:
-    """Brute force in float64: per-sample gradients by vmap(grad), then inner products."""
+def exact_scores(model: torch.nn.Module, train: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
+    """Brute force in float64: per-sample gradients by vmap(grad), 8 samples at a time."""
     m64 = copy.deepcopy(model).double()
-    params = {k: v.detach() for k, v in m64.named_parameters()}
 
-    def one(p: dict, x: torch.Tensor) -> torch.Tensor:
-        x = x[None]
-        return functional_call(m64, p, (), {"input_ids": x, "labels": x}).loss
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([v.flatten(1) for v in vmap_per_sample_grads(m64, x).values()], 1)
 
-    g = vmap(grad(one), in_dims=(None, 0))
-    test_grads = [g(params, test[i : i + chunk]) for i in range(0, len(test), chunk)]
-    test_flat = {k: torch.cat([t[k] for t in test_grads]).reshape(len(test), -1) for k in params}
-    del test_grads
-    rows = []
-    for i in range(0, len(train), chunk):
-        tg = g(params, train[i : i + chunk])
-        rows.append(sum(tg[k].reshape(tg[k].shape[0], -1) @ test_flat[k].T for k in params))
-    return torch.cat(rows)
-
-
-def plain_fwd_bwd(model: torch.nn.Module, samples: torch.Tensor, bs: int) -> None:
-    """One training-style forward+backward over ``samples`` (weight gradients included)."""
-    for i in range(0, len(samples), bs):
-        model.zero_grad(set_to_none=True)
-        batch_loss(model, samples[i : i + bs]).backward()
-    model.zero_grad(set_to_none=True)
+    t = torch.cat([flat(test[i : i + 8]) for i in range(0, len(test), 8)])
+    return torch.cat([flat(train[i : i + 8]) @ t.T for i in range(0, len(train), 8)])
 
 
 def part_vs_dattri(
@@ -164,13 +116,10 @@ def part_vs_dattri(
         ratios = [fmt_x(cpu * scale / base[1]), fmt_x(wall * scale / base[0]), fmt_bytes(peak)]
         err = f"{rel_err(scores, ref[: scores.shape[0]]):.1e}"
         rows.append([name, fmt_s(wall * scale), fmt_s(cpu * scale), *ratios, err])
+    heads = "method|wall|CPU|time / ours (CPU)|time / ours (wall)|peak memory|"
     return (
         f"### vs dattri: {describe(shape, model)}; {n} train x {m} test, batch {bs}\n\n"
-        + md_table(
-            "method|wall|CPU|time / ours (CPU)|time / ours (wall)|peak memory|"
-            "max rel. err vs exact f64".split("|"),
-            rows,
-        )
+        + md_table(heads + "max rel. err vs exact f64", rows)
         + "\nmax rel. err = max |S - S_exact| / max |S_exact| over the N x M matrix.\n"
     )
 
@@ -185,23 +134,18 @@ def part_floor(shapes: list[ModelShape], n: int, m: int, bs: int, rounds: int) -
         for _ in range(rounds):
             att.append(measure(lambda m=model, a=train, b=test: ours(m, a, b, bs)))
             pl.append(measure(lambda m=model, a=both: plain_fwd_bwd(m, a, bs)))
-        ratio_cpu = sorted(a[1] / p[1] for a, p in zip(att, pl))[len(att) // 2]
-        ratio_wall = sorted(a[0] / p[0] for a, p in zip(att, pl))[len(att) // 2]
-        a_cpu = sorted(a[1] for a in att)[len(att) // 2]
-        p_cpu = sorted(p[1] for p in pl)[len(pl) // 2]
+        ratio_cpu, ratio_wall = (med([a[i] / p[i] for a, p in zip(att, pl)]) for i in (1, 0))
+        a_cpu, p_cpu = med([a[1] for a in att]), med([p[1] for p in pl])
         met = f"<= 1.3x: {'met' if ratio_cpu <= 1.3 else 'MISSED'}"
         peaks = fmt_bytes(max(a[2] for a in att)), fmt_bytes(max(p[2] for p in pl))
         row = [fmt_s(a_cpu), fmt_s(p_cpu), fmt_x(ratio_cpu), fmt_x(ratio_wall), met, *peaks]
         rows.append([describe(shape, model), f"{n} x {m}", *row])
         log(f"floor {shape.label}: {ratio_cpu:.2f}x")
+    heads = "model|train x test|attribute() CPU|plain fwd+bwd CPU|ratio (CPU)|ratio (wall)|"
     return (
         f"### Physical floor: attribute() / one plain forward+backward over the same "
         f"samples (batch {bs}, median of {rounds} paired runs)\n\n"
-        + md_table(
-            "model|train x test|attribute() CPU|plain fwd+bwd CPU|ratio (CPU)|ratio (wall)|"
-            "target (CPU)|peak attribute()|peak plain".split("|"),
-            rows,
-        )
+        + md_table(heads + "target (CPU)|peak attribute()|peak plain", rows)
     )
 
 
@@ -224,52 +168,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--parts", default="dattri,floor,n")
-    p.add_argument(
-        "--no-projected",
-        action="store_true",
-        help="skip dattri as shipped (its CPU projector is slow)",
-    )
-    p.add_argument(
-        "--proj-rows",
-        type=int,
-        default=32,
-        help="dattri scores only this many train rows (its cost is linear in the train "
-        "batches, each of which also recomputes the test gradients; time scaled to N)",
-    )
+    p.add_argument("--no-projected", action="store_true", help="skip dattri as shipped (slow)")
+    # dattri scores only this many train rows: its cost is linear in the train batches (each
+    # recomputes the test gradients), so its time is scaled to N
+    p.add_argument("--proj-rows", type=int, default=32)
     args = p.parse_args()
     parts = args.parts.split(",")
     q = args.quick
     vocab = 2048 if q else 8192
-    print(
-        header(
-            "TracIn end to end",
-            {
-                "models": "GPT-2 architecture from GPT2Config, random weights (the checkpoint), "
-                "dropout off, eager attention; token ids uniform random",
-                "vocabulary": f"{vocab} in parts 1, 3 (dattri's CPU projector draws a dense "
-                "(P x 100) Gaussian block 6 times per batch, which at GPT-2's 50257 "
-                "does not finish here); 50257 in part 2",
-                "timing": "single runs (CPU = process CPU time, steadier than wall clock under "
-                "load); peak = resident-set high-water mark above the level before the call",
-            },
-        )
-    )
+    models = "GPT-2 architecture from GPT2Config, random weights (the checkpoint), dropout off, "
+    models += "eager attention; token ids uniform random"
+    vocabulary = f"{vocab} in parts 1, 3 (dattri's CPU projector draws a dense (P x 100) "
+    vocabulary += "Gaussian block 6 times per batch, which at GPT-2's 50257 does not finish "
+    vocabulary += "here); 50257 in part 2"
+    timing = "single runs (CPU = process CPU time, steadier than wall clock under load); peak = "
+    timing += "resident-set high-water mark above the level before the call"
+    extra = {"models": models, "vocabulary": vocabulary, "timing": timing}
+    print(header("TracIn end to end", extra))
     if "dattri" in parts:
         shape = ModelShape("gpt2", 2 if q else 4, 128 if q else 256, 4, vocab, 32 if q else 64, 8)
         n, m = (64, 8) if q else (512, 32)
-        print(
-            part_vs_dattri(shape, n, m, 8 if q else 32, not args.no_projected, args.proj_rows),
-            flush=True,
-        )
+        bs, proj = 8 if q else 32, not args.no_projected
+        print(part_vs_dattri(shape, n, m, bs, proj, args.proj_rows), flush=True)
     if "floor" in parts:
-        shapes = (
-            [ModelShape("gpt2", 2, 128, 4, 50257, 32, 8)]
-            if q
-            else [
-                ModelShape("gpt2", 4, 256, 4, 50257, 64, 8),
-                ModelShape("gpt2", 6, 512, 8, 50257, 64, 8),
-            ]
-        )
+        sizes = [(2, 128, 4, 32)] if q else [(4, 256, 4, 64), (6, 512, 8, 64)]
+        shapes = [ModelShape("gpt2", nl, w, h, 50257, seq, 8) for nl, w, h, seq in sizes]
         n, m = (16, 8) if q else (64, 16)
         print(part_floor(shapes, n, m, 16, 1 if q else 2), flush=True)
     if "n" in parts:

@@ -1,11 +1,8 @@
 """A tiny OLMo-2-style model trained by OLMo-core's stock ``TransformerTrainModule`` + ``Trainer``.
 
-Everything the fidelity checks share: the byte-level windows of Python's documentation topics,
-the model variants, and :func:`train`, which runs ``Trainer.fit()`` from a fixed initial state
-with optional dattri_llm capture (:class:`~dattri_llm.integrations.olmo_core.
-GradientCaptureCallback`), optional per-step weight snapshots, step timing and masked-out
-training instances (OLMo-core's ``instance_mask``: the instance's loss is dropped, the loss
-normaliser is kept, so it is exactly "that sample's share left out of the batch").
+What the fidelity checks share: byte-level windows of Python's documentation topics, the model
+variants, and :func:`train`: ``Trainer.fit()`` from a fixed initial state, with optional
+dattri_llm capture (``GradientCaptureCallback``), per-step weight snapshots and step times.
 """
 
 from __future__ import annotations
@@ -43,59 +40,31 @@ TOPICS = ("try", "import", "comparisons", "assignment")
 
 
 @dataclass
-class SGDConfig(OptimConfig):
-    """Plain SGD for OLMo-core (the first-order methods' assumption, for the LDS check)."""
-
-    lr: float = 0.5
-
-    @classmethod
-    def optimizer(cls) -> type[torch.optim.SGD]:
-        return torch.optim.SGD
-
-
-@dataclass
 class Data:
-    """Training windows (one per instance) and held-out query windows, byte-level."""
+    """Training windows (one per instance, byte-level) and their token file."""
 
     windows: torch.Tensor  # (N, SEQ) long
-    topics: list[str]
-    queries: torch.Tensor  # (Q, SEQ) long
-    query_topics: list[str]
     token_file: Path
 
     def hashes(self) -> list[str]:
         return [hash_sample({"input_ids": w}) for w in self.windows]
 
 
-def make_data(work: Path, per_topic: int, queries_per_topic: int = 1) -> Data:
-    """``per_topic`` training windows and ``queries_per_topic`` held-out ones per topic."""
+def make_data(work: Path, per_topic: int) -> Data:
+    """The first ``per_topic`` windows of each topic's text."""
     from dattri_llm.demo import load_corpus
 
     corpus = load_corpus(TOPICS)
-    windows, topics, queries, qtopics = [], [], [], []
+    windows = []
     for topic in TOPICS:
         ids: list[int] = []
         for _, text in (c for c in corpus if c[0] == topic):
             ids += list(text.encode("utf-8")) + [EOS]
-        need = per_topic + queries_per_topic
-        if len(ids) < need * SEQ:
-            raise ValueError(f"topic {topic!r} has too little text for {need} windows")
-        for i in range(per_topic):
-            windows.append(ids[i * SEQ : (i + 1) * SEQ])
-            topics.append(topic)
-        for i in range(per_topic, need):  # held out: after the training windows
-            queries.append(ids[i * SEQ : (i + 1) * SEQ])
-            qtopics.append(topic)
+        windows += [ids[i * SEQ : (i + 1) * SEQ] for i in range(per_topic)]
     token_file = work / "tokens.npy"
     # a raw uint16 memmap (no .npy header), as OLMo-core reads its token files
     np.asarray([t for w in windows for t in w], dtype=np.uint16).tofile(token_file)
-    return Data(
-        torch.tensor(windows, dtype=torch.long),
-        topics,
-        torch.tensor(queries, dtype=torch.long),
-        qtopics,
-        token_file,
-    )
+    return Data(torch.tensor(windows, dtype=torch.long), token_file)
 
 
 def model_config(variant: str, d_model: int | None = None) -> TransformerConfig:
@@ -109,16 +78,9 @@ def model_config(variant: str, d_model: int | None = None) -> TransformerConfig:
     if d_model is None:
         cfg = TransformerConfig.olmo2_1M(vocab_size=VOCAB, **kwargs)
     else:
-        cfg = TransformerConfig.llama_like(
-            d_model=d_model,
-            vocab_size=VOCAB,
-            n_heads=4,
-            block_name="reordered_norm",
-            qk_norm=True,
-            rope_theta=500_000,
-            layer_norm_eps=1e-6,
-            **kwargs,
-        )
+        cfg = TransformerConfig.llama_like(d_model=d_model, vocab_size=VOCAB, n_heads=4,
+                                           block_name="reordered_norm", qk_norm=True, **kwargs,
+                                           rope_theta=500_000, layer_norm_eps=1e-6)  # fmt: skip
     if variant == "norm-bias":
         for ln in _layer_norm_configs(cfg):
             ln.bias = True
@@ -137,22 +99,17 @@ def _layer_norm_configs(cfg: TransformerConfig) -> list[Any]:
 
 
 class _Recorder(Callback):
-    """Per real step: the batch's input rows, the loss normaliser, weights, wall time."""
+    """Per real step: the batch's input rows, the weights before it (``snapshot``), wall time."""
 
     priority = -10  # after the capture callback's pre_step
 
-    def __init__(self, snapshot: bool, mask_hashes: set[str] | None) -> None:
+    def __init__(self, snapshot: bool) -> None:
         self.snapshot = snapshot
-        self.mask_hashes = mask_hashes
         self.steps: list[dict[str, Any]] = []
         self._t0 = 0.0
 
     def pre_step(self, batch: dict[str, Any]) -> None:
-        ids = batch["input_ids"]
-        step: dict[str, Any] = {"input_ids": ids.detach().clone()}
-        if self.mask_hashes is not None:
-            keep = [hash_sample({"input_ids": row}) not in self.mask_hashes for row in ids]
-            batch["instance_mask"] = torch.tensor(keep, dtype=torch.bool)
+        step: dict[str, Any] = {"input_ids": batch["input_ids"].detach().clone()}
         if self.snapshot:
             model = self.trainer.train_module.model
             step["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -190,7 +147,6 @@ def train(
     optim: OptimConfig,
     capture_callbacks: Sequence[Any] | None = None,
     snapshot: bool = False,
-    mask_hashes: set[str] | None = None,
     wrap_fit: bool = False,
     declare_norms: bool = True,
 ) -> RunResult:
@@ -207,7 +163,6 @@ def train(
         capture_callbacks: dattri_llm callbacks: capture with a ``HookManager`` and
             ``GradientCaptureCallback``; ``None`` trains without hooks.
         snapshot: Record the weights before every step.
-        mask_hashes: Instances (by hash) masked out of their batches.
         wrap_fit: Capture with ``hook_manager.collect()`` around ``fit()`` instead of the
             callback (the naive way, which also captures ``fit()``'s dry-run batch).
         declare_norms: Declare OLMo-core's norms (``olmo_core_layer_types``); without, they
@@ -228,27 +183,19 @@ def train(
         rank_microbatch_size=micro_batch * SEQ, max_sequence_length=SEQ, optim=optim
     ).build(model)
     trainer = TrainerConfig(
-        save_folder=str(work / "save"),
-        work_dir=str(work / "trainer"),
-        max_duration=Duration.steps(steps),
-        no_checkpoints=True,
-        metrics_collect_interval=10**6,
-        cancel_check_interval=10**6,
-        save_overwrite=True,
-    ).build(train_module, loader)
-    recorder = _Recorder(snapshot, mask_hashes)
+        save_folder=str(work / "save"), work_dir=str(work / "trainer"), save_overwrite=True,
+        max_duration=Duration.steps(steps), no_checkpoints=True,
+        metrics_collect_interval=10**6, cancel_check_interval=10**6,
+    ).build(train_module, loader)  # fmt: skip
+    recorder = _Recorder(snapshot)
     trainer.add_callback("fidelity_recorder", recorder)
     result = RunResult(model, recorder.steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if capture_callbacks is not None:
-            result.hook_manager = HookManager(
-                model,
-                config=HookManagerConfig(
-                    layer_types=olmo_core_layer_types(model) if declare_norms else {}
-                ),
-                callbacks=list(capture_callbacks),
-            )
+            norms = olmo_core_layer_types(model) if declare_norms else {}
+            config = HookManagerConfig(layer_types=norms)
+            result.hook_manager = HookManager(model, config, callbacks=list(capture_callbacks))
             if not wrap_fit:
                 result.capture = GradientCaptureCallback(hook_manager=result.hook_manager)
                 trainer.add_callback("dattri_llm", result.capture)
@@ -257,12 +204,9 @@ def train(
                 trainer.fit()
         else:
             trainer.fit()
-    result.warnings = [  # dattri_llm's (they name HookManager / REGISTER_ALL remedies)
-        str(w.message)
-        for w in caught
-        if "/dattri_llm/" in w.filename
-        or any(k in str(w.message) for k in ("HookManager", "REGISTER_ALL"))
-    ]
+    mine = ("/dattri_llm/", "HookManager", "REGISTER_ALL")  # its file, or its remedies named
+    result.warnings = [str(w.message) for w in caught
+                       if any(k in w.filename + str(w.message) for k in mine)]  # fmt: skip
     return result
 
 

@@ -42,15 +42,8 @@ def _python(extra: str) -> str:
 def _run_checks(extra: str, name: str) -> None:
     python = _python(extra)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        python,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"experiments/tests/olmo_envs/{name}",
-    ]
+    checks = f"experiments/tests/olmo_envs/{name}"
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", checks]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail

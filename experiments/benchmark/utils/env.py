@@ -1,9 +1,4 @@
-"""Process setup and the header every benchmark prints.
-
-Benchmarks on the shared 2-core machines run single-threaded: :func:`ensure_env` re-executes
-the script with ``OMP_NUM_THREADS=1`` (torch reads it at import) before torch is imported, and
-:func:`header` then also calls ``torch.set_num_threads(1)`` and reports both.
-"""
+"""Process setup (one thread: :func:`ensure_env`) and the header every benchmark prints."""
 
 from __future__ import annotations
 
@@ -17,39 +12,26 @@ from pathlib import Path
 __all__ = ["ensure_env", "header", "BENCH_DIR", "RESULTS_DIR"]
 
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Where benchmarks write their result files (JSON / Markdown): ``experiments/benchmark/results``
-#: unless ``DATTRI_BENCH_RESULTS`` names another folder (the quick runs of the smoke test write
-#: there, leaving the committed results alone). Caches stay under ``results/cache``.
+#: Where result files go: ``experiments/benchmark/results`` unless ``DATTRI_BENCH_RESULTS`` says
+#: otherwise (the quick runs of the smoke test, which leave the committed results alone).
 RESULTS_DIR = Path(os.environ.get("DATTRI_BENCH_RESULTS") or os.path.join(BENCH_DIR, "results"))
 _MARK = "_DATTRI_BENCH_ENV"
 
 
 def ensure_env(python: str | None = None) -> None:
-    """Re-exec the current script with ``OMP_NUM_THREADS=1`` (and ``python`` if given).
-
-    Must be called before ``import torch``. ``python`` lets a script move into a peer's
-    virtual environment (created with ``--system-site-packages``) so that peers run in the
-    same process as our code.
-    """
+    """Re-exec the script with ``OMP_NUM_THREADS=1`` before torch is imported; ``python`` moves
+    it into a peer's venv (made with ``--system-site-packages``: the peer in our process)."""
     if os.environ.get(_MARK) == "1":
         return
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    env[_MARK] = "1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", _MARK: "1"}
     exe = python or sys.executable
     os.execve(exe, [exe, *sys.argv], env)
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    with open("/proc/cpuinfo") as f:  # Linux only, as utils/memory.py
+        lines = [ln for ln in f if ln.startswith("model name")]
+    return lines[0].split(":", 1)[1].strip() if lines else platform.processor()
 
 
 def header(title: str, extra: dict[str, str] | None = None) -> str:
@@ -72,8 +54,7 @@ def header(title: str, extra: dict[str, str] | None = None) -> str:
         f"at start {os.getloadavg()[0]:.2f}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
     ]
-    for k, v in (extra or {}).items():
-        lines.append(f"- {k}: {v}")
+    lines += [f"- {k}: {v}" for k, v in (extra or {}).items()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,12 +1,6 @@
-"""Peak memory of a call on CPU, from the kernel's resident-set high-water mark.
-
-Method (Linux): ``malloc_trim(0)`` hands freed heap pages back to the OS, writing ``5`` to
-``/proc/self/clear_refs`` resets the high-water mark ``VmHWM`` to the current resident set, the
-call runs, and the peak is ``VmHWM`` minus the resident set before the call. This counts every
-byte the process touches (torch tensors, Python objects, library buffers) with no sampling gap;
-tracemalloc would miss torch's C++ allocations and ``ru_maxrss`` cannot be reset. The figure
-is the extra memory of the call over what was already live (model, inputs, kept records).
-"""
+"""Peak memory of a call on CPU (Linux): the kernel's resident-set high-water mark ``VmHWM``,
+reset through ``/proc/self/clear_refs`` after ``malloc_trim(0)``, minus the resident set before
+the call (every byte touched, torch's C++ allocations included; see the benchmarks' README)."""
 
 from __future__ import annotations
 
@@ -14,12 +8,7 @@ import ctypes
 import gc
 from collections.abc import Callable
 
-__all__ = ["peak_rss_bytes", "rss_bytes", "memory_method_ok", "status_bytes"]
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # pragma: no cover - non-glibc systems
-    _LIBC = None
+__all__ = ["peak_rss_bytes", "memory_method_ok", "status_bytes"]
 
 
 def status_bytes(key: str) -> int:
@@ -32,19 +21,13 @@ def status_bytes(key: str) -> int:
     raise KeyError(key)
 
 
-def rss_bytes() -> int:
-    """Current resident set size in bytes."""
-    return status_bytes("VmRSS")
-
-
 def peak_rss_bytes(fn: Callable[[], object]) -> tuple[int, object]:
     """Run ``fn`` and return (peak resident bytes above the level before it, its result)."""
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a fair baseline
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = rss_bytes()
+    before = status_bytes("VmRSS")
     out = fn()
     peak = status_bytes("VmHWM") - before
     return peak, out

@@ -1,13 +1,6 @@
-"""Wall-clock timing with warm-up and interleaved repeats.
-
-The machine is shared, so variants are timed in interleaved rounds (every variant once per
-round, the order rotated each round): slow phases caused by other work hit all variants alike.
-A variant's time is its median over rounds; a ratio is the median over rounds of the per-round
-ratio to the baseline, which cancels most of the drift. Both wall-clock and process CPU time
-(``time.process_time``: every thread of the process, none of the time spent waiting for a core)
-are recorded; on a loaded machine the CPU-time ratios are the steadier figure for single-threaded
-compute, the wall-clock ones are what a user waits (and include I/O waits).
-"""
+"""Timing: variants in interleaved rounds (order rotated each round, so a slow phase of the
+shared machine hits all alike) after a warm-up; wall clock, process CPU time and peak memory
+of every call. A ratio is the median over rounds of the per-round ratio (see the README)."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .memory import peak_rss_bytes
 
-__all__ = ["Variant", "Timing", "time_interleaved", "time_once", "paired_ratio"]
+__all__ = ["Variant", "Timing", "measure", "med", "time_interleaved", "time_once", "paired_ratio"]
 
 
 @dataclass
@@ -35,12 +28,11 @@ class Variant:
 
 @dataclass
 class Timing:
-    """Seconds of each round for one variant."""
+    """Wall seconds, process CPU seconds (all threads) and peak bytes of each round."""
 
     name: str
     times: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
-    #: Peak resident bytes above the level before each call (see ``memory.py``).
     peaks: list[int] = field(default_factory=list)
 
     @property
@@ -49,38 +41,40 @@ class Timing:
 
     @property
     def cpu_median(self) -> float:
-        """Median process CPU time (all threads), less sensitive to other load than wall."""
         return statistics.median(self.cpu)
 
-    @property
-    def best(self) -> float:
-        return min(self.times)
 
-
-def time_once(v: Variant) -> tuple[float, float, int]:
-    """One timed call: (wall s, process CPU s, peak bytes); setup/after/teardown untimed.
-
-    The peak memory comes for free: the kernel's high-water mark is reset before the call.
-    """
-    if v.setup is not None:
-        v.setup()
+def measure(fn: Callable[[], object]) -> tuple[float, float, int, object]:
+    """(wall s, process CPU s, peak bytes above the start, result) of one call of ``fn``."""
     box: dict[str, float] = {}
 
     def run() -> object:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        out = v.fn()
-        box["wall"] = time.perf_counter() - t0
-        box["cpu"] = time.process_time() - c0
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        box["wall"], box["cpu"] = time.perf_counter() - t0, time.process_time() - c0
         return out
 
     peak, out = peak_rss_bytes(run)
+    return box["wall"], box["cpu"], peak, out
+
+
+def med(xs: list[float]) -> float | None:
+    """The middle value (the upper one of an even count, as the docs' tables used); ``None``
+    for no values."""
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def time_once(v: Variant) -> tuple[float, float, int]:
+    """One timed call: (wall s, CPU s, peak bytes); setup / after / teardown untimed."""
+    if v.setup is not None:
+        v.setup()
+    wall, cpu, peak, out = measure(v.fn)
     if v.after is not None:
         v.after(out)
     del out
     if v.teardown is not None:
         v.teardown()
-    return box["wall"], box["cpu"], peak
+    return wall, cpu, peak
 
 
 def time_interleaved(
@@ -91,22 +85,17 @@ def time_interleaved(
         for _ in range(warmup):
             time_once(v)
     out = {v.name: Timing(v.name) for v in variants}
-    n = len(variants)
     for r in range(rounds):
-        order = variants[r % n :] + variants[: r % n]
-        for v in order:
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            t = out[v.name]
             wall, cpu, peak = time_once(v)
-            out[v.name].times.append(wall)
-            out[v.name].cpu.append(cpu)
-            out[v.name].peaks.append(peak)
+            t.times.append(wall)
+            t.cpu.append(cpu)
+            t.peaks.append(peak)
         if log is not None:
-            log(
-                f"round {r + 1}/{rounds}: "
-                + ", ".join(
-                    f"{v.name}={out[v.name].times[-1]:.3f}s/{out[v.name].cpu[-1]:.3f}cpu"
-                    for v in variants
-                )
-            )
+            last = (f"{v.name}={out[v.name].times[-1]:.3f}s/{out[v.name].cpu[-1]:.3f}cpu"
+                    for v in variants)  # fmt: skip
+            log(f"round {r + 1}/{rounds}: " + ", ".join(last))
     return out
 
 

@@ -1,8 +1,5 @@
-"""Every benchmark's quick run (``python -m experiments.benchmark NAME --quick``) still works.
-
-The smoke runs are marked ``slow``: each starts the benchmark in its own process, as a reader
-would, and checks that it exits cleanly with its report on stdout.
-"""
+"""The registry, and every benchmark's quick run (``slow``: each in its own process, as a reader
+would start it) exits cleanly with its report on stdout."""
 
 from __future__ import annotations
 
@@ -28,15 +25,8 @@ def test_registry_names_scripts_and_pages_that_exist():
 
 def test_command_passes_the_quick_arguments_then_the_extra_ones():
     bench = suite.Benchmark("x", "benchmark.x", "BENCHMARKS.md", ("--quick", "--rounds", "1"))
-    assert suite.command(bench, quick=True, extra=["--parts", "a"])[1:] == [
-        "-m",
-        "experiments.benchmark.x",
-        "--quick",
-        "--rounds",
-        "1",
-        "--parts",
-        "a",
-    ]
+    got = suite.command(bench, quick=True, extra=["--parts", "a"])[1:]
+    assert got == "-m experiments.benchmark.x --quick --rounds 1 --parts a".split()
     assert suite.command(bench, quick=False)[1:] == ["-m", "experiments.benchmark.x"]
 
 
@@ -64,12 +54,7 @@ def test_quick_run(name, tmp_path):
     missing = suite.missing_needs(bench)
     if missing:
         pytest.skip(f"{name} needs {', '.join(missing)}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.benchmark", name, "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, "-m", "experiments.benchmark", name, "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / f"{name}.md").read_text().strip(), proc.stderr[-4000:]

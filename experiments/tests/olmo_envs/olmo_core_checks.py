@@ -155,7 +155,7 @@ def test_callback_needs_a_hook_manager(tmp_path: Path) -> None:
 
 
 def test_fidelity_quick_run(tmp_path: Path) -> None:
-    """The experiment's one command, quick mode: its exactness, coverage and LDS checks pass."""
+    """The experiment's one command, quick mode: its exactness and coverage checks pass."""
     out = tmp_path / "fidelity.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -175,5 +175,4 @@ def test_fidelity_quick_run(tmp_path: Path) -> None:
     rows = set(res["exactness"]["norm-bias"])
     assert {"attention.q_norm.bias", "attention_norm.bias", "lm_head.norm.bias"} <= rows
     assert "embeddings + lm_head.w_out (tied).weight" in res["exactness"]["tied"]
-    assert res["quality"][0]["lds"]["TracIn"] > 0.9
     assert "| olmo2_1M |" in proc.stdout
