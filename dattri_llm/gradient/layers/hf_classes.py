@@ -5,7 +5,7 @@
 (``gradient/hooks/coverage.py``) compares the captured gradients of every matched module with
 autograd's, so a class whose maths differs from its entry is reported, not captured silently.
 
-**RMS norms.** Three forms exist in transformers 5.24 (the lists below were built by comparing
+**RMS norms.** Three forms exist in transformers 5.25 (the lists below were built by comparing
 every ``*RMSNorm`` class's source with these three; ``experiments/hf_norm_classes.py`` redoes
 that comparison for another transformers version):
 
@@ -92,8 +92,8 @@ _LLAMA_CLASSES = """
     Granite4VisionText GraniteDoclingText GraniteMoeHybrid GraniteMoe GraniteMoeSWA
     GraniteMoeShared Granite GraniteSWA HYV3 HYV4 HYV4VL HiggsAudioV2 HunYuanDenseV1
     HunYuanMoEV1 HunYuanVL HyperCLOVAX Idefics2 Idefics3 Inkling InternVLVision Jamba
-    JetMoe KimiLinear Kolibri1 Laguna Lfm2Moe Lfm2 Lfm3 Lfm3VlVision LightOnOcr Llama
-    LongcatFlash Mamba2 Mamba Mellum MiMoV2Flash MiniCPM3 MiniMaxM2 MiniMax Ministral3
+    JetMoe KimiLinear Kolibri1 Kolibri1_1 Laguna Lfm2Moe Lfm2 Lfm3 Lfm3VlVision LightOnOcr Llama
+    LongcatFlash Mamba2 Mamba Mellum MiMoV2Flash MiniCPM3 MiniCPM5Moe MiniMaxM2 MiniMax Ministral3
     Ministral Mistral3 Mistral4 MistralLarge4 Mistral Mixtral MllamaText Molmo2
     MuseGlimmerAssistant NeuCodec Olmoe Ovis2 PaddleOCR PeAudioEncoder
     PeAudioVideoEncoder PeVideoEncoder Phi3 Phi4Multimodal Pixtral QianfanOCRVision
