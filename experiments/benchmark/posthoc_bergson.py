@@ -1,29 +1,22 @@
 """Post-hoc capture beside bergson: ``dattri-llm capture`` vs ``bergson build``, same windows.
 
-Both tools collect per-sample gradients at fixed weights, so the two whole commands are run as
-a user would run them, on the same Hugging Face model directory and the same windows:
+Both whole commands run as a user runs them, on one model directory (SmolLM-135M's shape:
+30 x 576, 9 heads, MLP 1536, vocab 49152, untied head, 176M parameters, random weights, seed 0;
+``--quick``: 2 x 64) and the same 512-word = 512-token windows of ``pydoc_data`` topics:
 
-* the model: a Llama of the 134M shape (SmolLM-135M's 30 layers x 576, 9 heads, MLP 1536,
-  vocabulary 49152, untied head: 176M parameters) built from ``LlamaConfig`` with random
-  weights (seed 0), saved with a word-level tokenizer; ``--quick`` uses a 2 x 64 model;
-* the windows: real English text (the standard library's ``pydoc_data`` topics), cut into
-  windows of exactly 512 words = 512 tokens, in a ``save_to_disk`` folder with a ``text`` column;
-* bergson 2.5.1 (its own virtual environment, ``--bergson-python``): ``bergson build`` with its
-  default per-module two-sided projection ``--projection_dim 16`` (16 x 16 = 256 numbers per
-  module) on the modules it hooks by default (every ``nn.Linear`` of ``model.base_model``: the 7
-  projections of each block, not ``lm_head``), ``--loss_reduction sum``, ``--precision fp32`` and
-  ``--token_batch_size 512``, so each batch holds one window;
-* ours: ``dattri-llm capture --projection logra:16x16`` (16 x 16 per layer) on the same layers
-  (``--layers 'model.layers.*_proj'``: 210 layers), float32, ``--batch-size 1``: the summed token
-  loss of each window, in eval mode.
+* bergson 2.5.1 (its own venv, ``--bergson-python``): ``bergson build --projection_dim 16``
+  (16 x 16 per module, two-sided) on what it hooks by default (every ``nn.Linear`` of
+  ``model.base_model``: not ``lm_head``), ``--loss_reduction sum --precision fp32
+  --token_batch_size 512`` (one window per batch); ours: ``dattri-llm capture --projection
+  logra:16x16 --layers 'model.layers.*_proj'`` (the same 210 layers), float32, batch 1.
 
-The projections are different random matrices, so the stores hold different numbers; the
-agreement check compares what both estimate, the windows' pairwise gradient inner products
-(Pearson r of the off-diagonal Gram entries; median ratio of squared norms). Each command runs
-in a fresh process, interleaved (bergson small, ours small, bergson big, ours big, repeated);
-CPU time is ``RUSAGE_CHILDREN``. The cost per window is the marginal ``(t_big - t_small) /
-(big - small)`` of the medians: start-up (imports, model load, tokenization) drops out. Build
-bergson's venv as ``docs/benchmarks/capture.md`` says; without it the script says so, exit 0.
+The projections are different random matrices: the agreement check compares the windows'
+gradient inner products (Pearson r of the off-diagonal Gram entries, median ratio of squared
+norms) and runs both unprojected on window 0, where every module's gradient must agree
+(largest difference / the module's largest entry). Commands run in fresh processes,
+interleaved (bergson small, ours small, bergson big, ours big, repeated); CPU time is
+``RUSAGE_CHILDREN``; the cost per window is the marginal ``(t_big - t_small) / (big - small)``
+of the medians (start-up drops out). bergson's venv: ``docs/benchmarks/capture.md``.
 
     OMP_NUM_THREADS=1 python experiments/benchmark/posthoc_bergson.py --sizes 4 16 --repeats 3
 """
@@ -90,14 +83,12 @@ def prepare(shape: ModelShape, sizes: list[int], work: Path) -> tuple[str, dict[
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Run ``cmd`` to completion: (wall s, CPU s of the process and its children)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode:
         raise RuntimeError(f"{cmd[2:4]} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return wall, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
 
 
 def commands(py: str, model: str, data: str, out: Path, dim: int, seq: int) -> dict[str, list]:
@@ -107,8 +98,8 @@ def commands(py: str, model: str, data: str, out: Path, dim: int, seq: int) -> d
                     "--dataset", data, "--projection_dim", str(dim), "--loss_reduction", "sum",
                     "--precision", "fp32", "--token_batch_size", str(seq), "--overwrite"],
         "ours": [sys.executable, "-m", "dattri_llm", "capture", model, data, "--out",
-                 str(out / "ours"), "--projection", f"logra:{dim}x{dim}", "--layers", *LAYERS,
-                 "--batch-size", "1", "--dtype", "float32", "--no-progress"],
+                 str(out / "ours"), "--projection", f"logra:{dim}x{dim}" if dim else "none",
+                 "--layers", *LAYERS, "--batch-size", "1", "--dtype", "float32", "--no-progress"],
     }  # fmt: skip
 
 
@@ -116,13 +107,19 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def agreement(out: Path) -> dict[str, object]:
-    """Both stores' estimates of the windows' gradient Gram matrix, compared."""
+def agreement(out: Path, exact: Path) -> dict[str, object]:
+    """The Gram matrices of both stores, and both unprojected gradients of one window."""
     import numpy as np
     import torch
 
     from dattri_llm import GradientStorageManager
 
+    sizes = json.loads((exact / "bergson" / "info.json").read_text())["grad_sizes"]
+    flat = torch.from_file(str(exact / "bergson" / "gradients.bin"), size=sum(sizes.values()))
+    mine = next(iter(GradientStorageManager(exact / "ours"))).gradient.layers
+    assert len(mine) == len(sizes), (len(mine), len(sizes))  # the same modules, no more
+    rel = [(mine[f"model.{n}"].materialize().data.reshape(-1) - t).abs().max() / t.abs().max()
+           for n, t in zip(sizes, flat.split(list(sizes.values())))]  # fmt: skip
     info = json.loads((out / "bergson" / "info.json").read_text())
     dim = sum(info["grad_sizes"].values())
     theirs = np.fromfile(out / "bergson" / "gradients.bin", np.float32).reshape(-1, dim)
@@ -133,6 +130,7 @@ def agreement(out: Path) -> dict[str, object]:
         "numbers_per_sample": [ours.shape[1], dim],
         "gram_offdiag_pearson": float(np.corrcoef(grams[0][off], grams[1][off])[0, 1]),
         "sq_norm_ratio_ours_over_bergson": float(np.median(np.diag(grams[0] / grams[1]))),
+        "unprojected_max_rel_diff": float(torch.stack(rel).max()),  # max keeps a NaN / inf
     }
 
 
@@ -156,7 +154,7 @@ def main() -> None:
     repeats = a.repeats or (1 if a.quick else 3)
     work = a.work / ("quick" if a.quick else "smol")
     work.mkdir(parents=True, exist_ok=True)
-    model, data = prepare(shape, [small, big], work)
+    model, data = prepare(shape, [1, small, big], work)
     env = {**os.environ, **ENV}
     benv = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # bergson: its own venv only
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x)
@@ -180,7 +178,9 @@ def main() -> None:
             "startup_cpu_s": c0 - small * (c1 - c0) / (big - small),
             "bytes_per_sample": (nbytes[1] - nbytes[0]) / (big - small),
         }
-    res["agreement"] = agreement(work / f"out_{big}")
+    for tool, cmd in commands(py, model, data[1], work / "out_exact", 0, shape.seq).items():
+        timed(cmd, benv if tool == "bergson" else env)  # unprojected, window 0
+    res["agreement"] = agreement(work / f"out_{big}", work / "out_exact")
     versions = subprocess.run([py, "-c", VERSIONS], capture_output=True, text=True).stdout
     res["versions"] = versions.strip()
     ratio = res["ours"]["cpu_s_per_window"] / res["bergson"]["cpu_s_per_window"]
