@@ -92,6 +92,41 @@ def _open_store(store: Any) -> Any:
     return DiskGradientSource(store).store  # its checks: exists, is a store, holds records
 
 
+def _source_selection(
+    source: Any, layers: Sequence[str] | None, checkpoints: Sequence[int] | None
+) -> tuple[Sequence[str] | None, Sequence[int] | None]:
+    """The layers and checkpoint labels to index: a source over a store brings its own.
+
+    ``build(DiskGradientSource(store, checkpoints=[0]))`` indexes what an attributor reading
+    that source scores; the store alone would give every label summed, another score. A build
+    argument that names another selection than the source's is refused, never one of the two
+    silently dropped.
+
+    Raises:
+        ValueError: ``layers`` or ``checkpoints`` differs from the source's.
+    """
+    from dattri_llm.gradient.sources import store_reading
+
+    reading = store_reading(source)
+    if reading is None:
+        return layers, checkpoints
+    if layers is None:
+        layers = reading.layers
+    elif reading.layers is not None and list(layers) != list(reading.layers):
+        raise ValueError(
+            f"layers={list(layers)} but the train source reads layers {list(reading.layers)}; "
+            "give the selection once (on the source or to build)."
+        )
+    if checkpoints is None:
+        checkpoints = None if reading.checkpoints is None else sorted(reading.checkpoints)
+    elif reading.checkpoints is not None and {int(c) for c in checkpoints} != reading.checkpoints:
+        raise ValueError(
+            f"checkpoints={sorted(checkpoints)} but the train source reads checkpoints "
+            f"{sorted(reading.checkpoints)}; give the selection once (on the source or to build)."
+        )
+    return layers, checkpoints
+
+
 class GradientIndex:
     """A FAISS index over a projected gradient store (see the module docstring).
 
@@ -233,7 +268,8 @@ class GradientIndex:
 
         Args:
             train_store: The train gradient store (a directory, ``GradientStorageManager`` or
-                ``DiskGradientSource``); every indexed layer must be stored as one vector per
+                ``DiskGradientSource``, whose ``layers`` and ``checkpoints`` are then the
+                build's); every indexed layer must be stored as one vector per
                 sample (a projected capture), else :class:`NotVectorError` says why and how.
             index_dir: Where to write the index (created; beside the store, or inside it).
             metric: ``"dot"`` (TracIn / Grad-Dot inner products) or ``"cosine"`` (Grad-Cos).
@@ -271,8 +307,9 @@ class GradientIndex:
             The opened index.
 
         Raises:
-            ValueError: an unknown metric or kind, a parameter the kind does not take, or an
-                ``index_dir`` that already holds an index (pass ``overwrite=True``).
+            ValueError: an unknown metric or kind, a parameter the kind does not take, an
+                ``index_dir`` that already holds an index (pass ``overwrite=True``), or
+                ``layers`` / ``checkpoints`` other than a ``DiskGradientSource``'s own.
             NotVectorError: a layer stored factorized.
         """
         faiss = kinds.import_faiss()
@@ -284,6 +321,7 @@ class GradientIndex:
         if repeats is None:
             repeats = "mean" if metric == "cosine" else "sum"
         repeats = check_repeats(repeats, "GradientIndex.build(repeats=)")
+        layers, checkpoints = _source_selection(train_store, layers, checkpoints)
         store = _open_store(train_store)
         directory = Path(index_dir)
         if (directory / META_NAME).exists() and not overwrite:

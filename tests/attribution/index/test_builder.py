@@ -74,7 +74,7 @@ def test_cli_block_rows(tmp_path, capsys):
 
     write(tmp_path / "train", train_vectors(30))
     out = ["-o", str(tmp_path / "idx"), "--kind", "flat"]
-    assert main(["index", "build", str(tmp_path / "train"), *out, "--block-rows", "4"]) == 0
+    assert main(["index", "build", str(tmp_path / "train"), *out, "--block-rows", "1"]) == 0
     small = faiss_bytes(GradientIndex.open(tmp_path / "idx"))
     big = GradientIndex.build(tmp_path / "train", tmp_path / "big", kind="flat")
     assert small == faiss_bytes(big)

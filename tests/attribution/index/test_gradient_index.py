@@ -27,7 +27,15 @@ from dattri_llm.gradient import Factorized, Gradient, GradientRecord
 from dattri_llm.gradient.compat import IncompatibleGradientsError
 from dattri_llm.gradient.store.format import write_meta
 from dattri_llm.gradient.store.writer import PartitionWriter
-from tests.helpers.index import DIMS, clustered, gen, record, train_vectors, write
+from tests.helpers.index import (
+    DIMS,
+    clustered,
+    faiss_bytes,
+    gen,
+    record,
+    train_vectors,
+    write,
+)
 
 faiss = pytest.importorskip("faiss")
 
@@ -161,6 +169,30 @@ def test_a_sample_repeated_under_one_label_combines_like_the_attributors_default
         want_top = att.attribute_from_cache(tmp_path / "train", tmp_path / "test", top_k=12)
     assert want_top.repeats == rule
     same_top(got, want_top, 12)
+
+
+def test_a_train_source_is_indexed_with_its_own_layers_and_checkpoints(tmp_path):
+    """A ``DiskGradientSource`` that selects layers and a checkpoint label gives the index of
+    that selection (the scores of TracIn reading the same source), not of the whole store;
+    build arguments naming another selection are refused, the same one accepted."""
+    vecs = train_vectors(16)
+    with GradientStorageManager(tmp_path / "train") as store:  # t0..t7 under labels 0 and 1
+        store.write(record(0, vecs[:8], [f"t{i}" for i in range(8)], checkpoint=0))
+        store.write(record(1, vecs[8:], [f"t{i}" for i in range(8)], checkpoint=1))
+    write(tmp_path / "test", train_vectors(3, seed=5), prefix="q")
+    source = DiskGradientSource(tmp_path / "train", layers=["fc1"], checkpoints=[0])
+    index = GradientIndex.build(source, tmp_path / "idx")
+    assert index.layers == ["fc1"] and index.dim == 12 and index.meta["checkpoints"] == [0]
+    got = GradientIndex.open(tmp_path / "idx").search(tmp_path / "test", k=4)
+    query = DiskGradientSource(tmp_path / "test", layers=["fc1"])
+    want = TracInAttributor(args(tmp_path)).attribute_sources(source, query, top_k=4)
+    same_top(got, want, 4)
+    for other in ({"layers": ["fc2"]}, {"checkpoints": [1]}, {"checkpoints": [0, 1]}):
+        with pytest.raises(ValueError, match="give the selection once"):
+            GradientIndex.build(source, tmp_path / "other", **other)
+    same = GradientIndex.build(source, tmp_path / "same", layers=["fc1"], checkpoints=[0])
+    assert same.layers == ["fc1"] and same.meta["checkpoints"] == [0]
+    assert faiss_bytes(same) == faiss_bytes(index)
 
 
 def test_multi_partition_merge_is_exact(tmp_path):
