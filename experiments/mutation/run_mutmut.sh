@@ -7,7 +7,9 @@
 # Usage (from the repository root):
 #   MUTMUT=../_venvs/mutmut/bin/mutmut bash experiments/mutation/run_mutmut.sh [module.py ...]
 # Default modules: the ones listed in MODULES below; the tests run are TESTS (or the files
-# in MUTMUT_TESTS, space-separated: MUTMUT_TESTS="tests/a.py tests/b.py"). Prints mutmut's
+# in MUTMUT_TESTS, space-separated: MUTMUT_TESTS="tests/a.py tests/b.py"). MUTMUT_NAMES, space-
+# separated mutant names or fnmatch patterns (as `mutmut results` prints them), runs only those:
+# MUTMUT_NAMES='dattri_llm.attribution.index.builder.x_check_block_rows__mutmut_*'. Prints mutmut's
 # summary and every surviving mutant's diff; CONTRIBUTING.md lists the survivors of the last
 # run and why each is equivalent or accepted.
 set -euo pipefail
@@ -53,7 +55,8 @@ tar -C "$root" --exclude=.git --exclude=mutants --exclude='.venv*' --exclude='__
 } >"$work/setup.cfg"
 cd "$work"
 # MUTMUT_TIME_LIMIT (seconds) bounds the run; the mutants not reached are reported "not checked"
-timeout "${MUTMUT_TIME_LIMIT:-0}" "$MUTMUT" run --max-children 1 || true
+read -r -a NAMES <<<"${MUTMUT_NAMES:-}"
+timeout "${MUTMUT_TIME_LIMIT:-0}" "$MUTMUT" run --max-children 1 ${NAMES[@]+"${NAMES[@]}"} || true
 "$MUTMUT" results || true
 for m in $("$MUTMUT" results 2>/dev/null | awk -F: '/survived/ {print $1}'); do
   "$MUTMUT" show "$m" || true

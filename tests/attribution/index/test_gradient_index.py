@@ -193,6 +193,9 @@ def test_a_train_source_is_indexed_with_its_own_layers_and_checkpoints(tmp_path)
     same = GradientIndex.build(source, tmp_path / "same", layers=["fc1"], checkpoints=[0])
     assert same.layers == ["fc1"] and same.meta["checkpoints"] == [0]
     assert faiss_bytes(same) == faiss_bytes(index)
+    every_label = DiskGradientSource(tmp_path / "train", layers=["fc1"])  # no label selected
+    both = GradientIndex.build(every_label, tmp_path / "both")
+    assert both.layers == ["fc1"] and both.meta["checkpoints"] is None and len(both) == 8
 
 
 def test_multi_partition_merge_is_exact(tmp_path):
