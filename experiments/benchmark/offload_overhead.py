@@ -5,7 +5,7 @@ run is ``--steps`` steps in one collection context (the async writer overlaps th
 ending with the store's flush, all timed; reported per step. Target: offload <= 1.10x plain.
 ``--kronecker`` times, instead of the stores, the step with ``KroneckerCovarianceCallback``
 (K-FAC's sums of ``a aᵀ`` and ``g gᵀ`` per layer) on GPT-2 6x512 and Llama 4x256 (head not
-hooked: its ``G`` would be vocab²), after checking one layer's sums against float64 ones.
+hooked: its ``G`` would be vocab²), the first step of each run (a one-time coverage check) untimed.
 
     OMP_NUM_THREADS=1 python experiments/benchmark/offload_overhead.py [--quick] [--kronecker]
 """
@@ -61,7 +61,7 @@ class Run:
         self.hm: HookManager | None = None
         self.store: GradientStorageManager | None = None
         self.dir, self.bytes_written = None, 0
-        self.exclude, self.kron = (), None
+        self.exclude, self.kron = None, None  # exclude: a tuple in --kronecker mode
 
     def setup(self) -> None:
         if self.kind == "plain":
@@ -77,7 +77,9 @@ class Run:
             self.store = GradientStorageManager(store_dir, async_write=is_async)
             cbs = [OffloadCallback(offload_interval=1, file_manager=self.store,
                                    recording_type="per_sample")]  # fmt: skip
-        self.hm = HookManager(self.model, hook_config(self.model, exclude=self.exclude), cbs)
+        self.hm = HookManager(self.model, hook_config(self.model, exclude=self.exclude or ()), cbs)
+        if self.exclude is not None:  # untimed: the first step's coverage check (~2x a step)
+            self(self.batches[:1])
 
     def teardown(self) -> None:
         if self.hm is not None:
@@ -90,9 +92,9 @@ class Run:
             self.store = None
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __call__(self) -> None:
+    def __call__(self, batches: list[torch.Tensor] | None = None) -> None:
         with self.hm.collect() if self.hm else contextlib.nullcontext():  # exit: store flushed
-            for ids in self.batches:
+            for ids in batches or self.batches:
                 self.opt.zero_grad(set_to_none=True)
                 batch_loss(self.model, ids).backward()
                 self.opt.step()
@@ -102,20 +104,16 @@ def check_kronecker(model: torch.nn.Module, run: Run, ids: torch.Tensor, name: s
     """One step's sums of layer ``name`` against float64 ones of what torch hooks see, over the
     positions the next-token loss reaches (all but the last); a bias is the column of ones."""
     mod, seen = model.get_submodule(name), {}
-
-    def fwd(_m: torch.nn.Module, inp: tuple, out: torch.Tensor) -> None:
-        seen["a"] = inp[0].detach()
-        out.register_hook(lambda g: seen.__setitem__("g", g.detach()))
-
-    handle = mod.register_forward_hook(fwd)
     run.setup()
+    run.kron.covariances.layers.clear()  # the sums of one step only
+    keep = lambda _m, i, o: seen.update(a=i[0].detach(), o=o) or o.retain_grad()  # noqa: E731
+    handle = mod.register_forward_hook(keep)
     with run.hm.collect():
         batch_loss(model, ids).backward()
     handle.remove()
     run.teardown()
-    a, g = (seen[k][:, :-1].double().flatten(0, 1) for k in "ag")
-    if getattr(mod, "bias", None) is not None:
-        a = torch.cat([a, a.new_ones(len(a), 1)], 1)
+    a, g = (t[:, :-1].double().flatten(0, 1) for t in (seen["a"], seen["o"].grad))
+    a = torch.cat([a, a.new_ones(len(a), 1)], 1) if mod.bias is not None else a
     cov = run.kron.covariances.layers[name]
     err = [float((s - r.T @ r).abs().max() / (r.T @ r).abs().max())
            for s, r in ((cov.a_sum, a), (cov.g_sum, g))]  # fmt: skip
@@ -129,7 +127,7 @@ def bench(shape: ModelShape, steps: int, rounds: int, root: str, kron: bool = Fa
     kinds = ("plain", "hook", "kronecker") if kron else tuple(NAMES)[:-1]
     runs = {k: Run(model, batches, k, root) for k in kinds}
     for r in runs.values():  # an untied vocabulary head's G (vocab x vocab) is out of reach
-        r.exclude = ("lm_head",) if kron and shape.family == "llama" else ()
+        r.exclude = None if not kron else ("lm_head",) if shape.family == "llama" else ()
     head = f"### {describe(shape, model)}, {steps} steps per run, AdamW\n\n"
     if kron:
         check = check_kronecker(model, runs["kronecker"], batches[0], CHECKED[shape.family])
@@ -173,7 +171,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the scratch stores go (default: tmp)")
     p.add_argument("--kronecker", action="store_true", help="K-FAC statistics, not the stores")
     args = p.parse_args()
-    rounds = args.rounds or (2 if args.quick else 5 if args.kronecker else 3)
+    rounds = args.rounds or (2 if args.quick else 7 if args.kronecker else 3)
     steps = args.steps or (4 if args.quick else 2 if args.kronecker else 6)
     root = args.dir or tempfile.gettempdir()
     store = f"fresh GradientStorageManager per run under {root} (same disk as the repo), "
