@@ -5,7 +5,8 @@ run is ``--steps`` steps in one collection context (the async writer overlaps th
 ending with the store's flush, all timed; reported per step. Target: offload <= 1.10x plain.
 ``--kronecker`` times, instead of the stores, the step with ``KroneckerCovarianceCallback``
 (K-FAC's sums of ``a aᵀ`` and ``g gᵀ`` per layer) on GPT-2 6x512 and Llama 4x256 (head not
-hooked: its ``G`` would be vocab²), the first step of each run (a one-time coverage check) untimed.
+hooked: its ``G`` would be vocab²). The first step of each hooked run (a one-time coverage
+check) is untimed.
 
     OMP_NUM_THREADS=1 python experiments/benchmark/offload_overhead.py [--quick] [--kronecker]
 """
@@ -77,8 +78,7 @@ class Run:
             cbs = [OffloadCallback(offload_interval=1, file_manager=self.store,
                                    recording_type="per_sample")]  # fmt: skip
         self.hm = HookManager(self.model, hook_config(self.model, exclude=self.exclude or ()), cbs)
-        if self.exclude is not None:  # untimed: the first step's coverage check (~2x a step)
-            self(self.batches[:1])
+        self(self.batches[:1])  # untimed: the first step's one-time coverage check (~2x a step)
 
     def teardown(self) -> None:
         if self.hm is not None:
@@ -149,8 +149,8 @@ def bench(shape: ModelShape, steps: int, rounds: int, root: str, kron: bool = Fa
             ratios = sorted(x / y for x, y in zip(tv.cpu, base.cpu))
             written = f"{fmt_bytes(held)} held (CPU {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
         if r.bytes_written:
-            written = fmt_bytes(r.bytes_written / steps)
-            rate = f"{r.bytes_written / 1e6 / tv.median:.0f} MB/s"
+            per_step = r.bytes_written / (steps + 1)  # the untimed first step wrote one too
+            written, rate = fmt_bytes(per_step), f"{per_step * steps / 1e6 / tv.median:.0f} MB/s"
         times = [fmt_s(tv.median / steps), fmt_s(tv.cpu_median / steps)]
         rows.append([NAMES[k], *times, fmt_x(ratio), fmt_x(cpu_ratio), target, written, rate])
     return head + md_table(
