@@ -139,15 +139,11 @@ def test_find_nonfinite_locates_the_first_bad_number():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_finite_numbers_whose_sum_overflows_are_finite(dtype):
     big = torch.finfo(dtype).max
-    values = torch.full((3, 4), big, dtype=dtype)  # every sum overflows; every number is finite
-    values[0] = -big  # and one that cancels to a finite sum in a row but not in the tensor
-    grad = Gradient({"b": Materialized(values, "projected.mask", {"_d": 4, "proj_dim": 4,
-                     "seed": 0, "source_layer_type": "nn.Linear"})})  # fmt: skip
-    assert find_nonfinite(grad) is None
+    values = torch.full((3, 4), big, dtype=dtype)  # every number finite, every sum overflows
+    values[0] = -big
+    assert find_nonfinite(_record(values).gradient) is None
     for bad in (float("nan"), float("inf"), float("-inf")):  # one bad number among huge ones
         v = values.clone()
         v[2, 2] = bad
-        grad = Gradient({"b": Materialized(v, "projected.mask", {"_d": 4, "proj_dim": 4,
-                         "seed": 0, "source_layer_type": "nn.Linear"})})  # fmt: skip
-        found = find_nonfinite(grad)
+        found = find_nonfinite(_record(v).gradient)
         assert (found.layer, found.row) == ("b", 2) and str(found.value) == str(bad), found
