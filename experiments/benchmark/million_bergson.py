@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -43,6 +42,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from utils.timing import run_timed  # noqa: E402
 
 BERGSON = os.path.join(os.path.dirname(sys.executable), "bergson")
 
@@ -83,19 +84,10 @@ def build(model: str, data: str, run: str) -> tuple[float, float]:
     cmd = [BERGSON, "build", run, "--model", model, "--dataset", data, "--projection_dim", "16",
            "--filter_modules", "lm_head", "--loss_reduction", "mean", "--token_batch_size",
            "8192", "--precision", "fp32", "--overwrite"]  # fmt: skip
-    t0, c0 = time.perf_counter(), _children_cpu()
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    res, wall, cpu = run_timed(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"bergson build failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return wall, cpu
-
-
-def _children_cpu() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:

@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -41,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from utils.env import RESULTS_DIR  # noqa: E402
 from utils.models import ModelShape, build_model  # noqa: E402
 from utils.table import fmt_x, md_table  # noqa: E402
+from utils.timing import run_timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = ModelShape("llama", 30, 576, 9, 49152, 512, 1, intermediate=1536)
@@ -83,12 +82,10 @@ def prepare(shape: ModelShape, sizes: list[int], work: Path) -> tuple[str, dict[
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Run ``cmd`` to completion: (wall s, CPU s of the process and its children)."""
-    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    res, wall, cpu = run_timed(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"{cmd[2:4]} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    return wall, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return wall, cpu
 
 
 def commands(py: str, model: str, data: str, out: Path, dim: int, seq: int) -> dict[str, list]:

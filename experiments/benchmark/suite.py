@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import resource
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from experiments.benchmark.utils.timing import run_timed
 
 __all__ = ["BENCHMARKS", "Benchmark", "command", "main", "missing_needs", "run"]
 
@@ -149,19 +148,14 @@ def run(
     cmd = command(bench, quick, extra)
     print(f"[suite] {bench.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
 
-    def children_cpu() -> float:
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
-
-    start, cpu = time.perf_counter(), children_cpu()
     if out is None:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        res, wall, cpu = run_timed(cmd, cwd=ROOT, env=env)
     else:  # the result files the benchmark writes go beside its tables
         env.setdefault("DATTRI_BENCH_RESULTS", str(out))
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"{bench.name}.md", "w", encoding="utf-8") as f:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f).returncode
-    return rc, time.perf_counter() - start, children_cpu() - cpu
+            res, wall, cpu = run_timed(cmd, cwd=ROOT, env=env, stdout=f)
+    return res.returncode, wall, cpu
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,14 +4,25 @@ of every call. A ratio is the median over rounds of the per-round ratio (see the
 
 from __future__ import annotations
 
+import resource
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .memory import peak_rss_bytes
 
-__all__ = ["Variant", "Timing", "measure", "med", "time_interleaved", "time_once", "paired_ratio"]
+__all__ = [
+    "Variant",
+    "Timing",
+    "measure",
+    "med",
+    "time_interleaved",
+    "time_once",
+    "paired_ratio",
+    "run_timed",
+]
 
 
 @dataclass
@@ -103,3 +114,16 @@ def paired_ratio(num: Timing, den: Timing, cpu: bool = False) -> float:
     """Median over rounds of ``num / den`` (rounds are paired by index), wall or CPU time."""
     a, b = (num.cpu, den.cpu) if cpu else (num.times, den.times)
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_timed(cmd: list[str], **kwargs: object) -> tuple[subprocess.CompletedProcess, float, float]:
+    """``subprocess.run(cmd, **kwargs)``: its result, wall seconds and CPU seconds (the child
+    process and its own children: the steadier figure on a shared machine)."""
+    t0, c0 = time.perf_counter(), _children_cpu()
+    res = subprocess.run(cmd, **kwargs)
+    return res, time.perf_counter() - t0, _children_cpu() - c0
